@@ -1,0 +1,91 @@
+"""Import Megatron-core's ``roll_tensor`` and ``PackedSeqParams`` on a machine without triton.
+
+megatron-core 0.19.2 guards almost every ``import triton`` with ``try/except ImportError``, but
+``megatron/core/transformer/moe/ops/paged_stash.py`` imports it unconditionally, and importing
+``megatron.core.transformer.multi_token_prediction`` (where ``roll_tensor`` lives) pulls that file
+in through ``megatron.core.transformer.moe.paged_stash``. A stand-in ``triton`` left in
+``sys.modules`` would break torch (which probes for triton) and would fool Megatron's guarded
+imports into thinking triton is available, so the stand-in exists only while that one file runs:
+
+1. put fake ``triton`` / ``triton.language`` modules in ``sys.modules``;
+2. execute ``paged_stash.py`` by file path under its real module name (its kernels are only
+   decorated, never launched; ``@triton.jit`` returns the function unchanged);
+3. remove the fakes again, then import Megatron normally; it finds the already-loaded module.
+
+Install: ``pip install numpy 'packaging>=24.2'`` then
+``pip install --no-deps --ignore-requires-python megatron-core==0.19.2``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _fake_triton() -> dict[str, types.ModuleType]:
+    triton = types.ModuleType("triton")
+    language = types.ModuleType("triton.language")
+
+    def jit(fn: Any = None, **_kwargs: Any) -> Any:
+        # Supports both ``@triton.jit`` and ``@triton.jit(...)``.
+        return fn if fn is not None else (lambda f: f)
+
+    class constexpr:
+        pass
+
+    triton.jit = jit  # type: ignore[attr-defined]
+    triton.language = language  # type: ignore[attr-defined]
+    language.constexpr = constexpr  # type: ignore[attr-defined]
+    return {"triton": triton, "triton.language": language}
+
+
+def _preload_paged_stash() -> None:
+    if _PAGED_STASH in sys.modules:
+        return
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("megatron-core is not installed; see benchmarks/_megatron.py for the pip commands")
+    path = f"{list(spec.submodule_search_locations)[0]}/core/transformer/moe/ops/paged_stash.py"
+    fakes = _fake_triton()
+    saved = {name: sys.modules.get(name) for name in fakes}
+    sys.modules.update(fakes)
+    try:
+        file_spec = importlib.util.spec_from_file_location(_PAGED_STASH, path)
+        assert file_spec is not None and file_spec.loader is not None
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[_PAGED_STASH] = module
+        try:
+            file_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[_PAGED_STASH]
+            raise
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def import_roll_tensor() -> tuple[Callable[..., Any], type]:
+    """Return ``(roll_tensor, PackedSeqParams)`` from megatron-core (no triton needed)."""
+    _preload_paged_stash()
+    assert "triton" not in sys.modules or not hasattr(sys.modules["triton"], "constexpr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed", absl
+        mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+        psp = importlib.import_module("megatron.core.packed_seq_params")
+    return mtp.roll_tensor, psp.PackedSeqParams
+
+
+if __name__ == "__main__":
+    roll_tensor, PackedSeqParams = import_roll_tensor()
+    print(roll_tensor.__module__, roll_tensor.__name__, PackedSeqParams)
+    print("triton left in sys.modules:", "triton" in sys.modules)

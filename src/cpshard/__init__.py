@@ -1,0 +1,36 @@
+"""cpshard: context-parallel sharding of variable-length micro-batches from one plan.
+
+Public API (documented in the README):
+
+- :class:`ShardPlan` / :class:`BshdPlan`: immutable plans for packed (THD) and padded (BSHD) batches.
+- :func:`shard` / :func:`unshard`: a rank's rows (optionally shifted) and the exact inverse.
+- :func:`shift`: SPEC's ``shift(x, k)`` on unsharded sequences.
+- :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
+- :class:`Layout`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
+
+The package keeps pure index math (``plan``, ``bshd``, ``layout``, ``_index``) apart from data
+movement (``ops``, ``padded``) and from communication (``distributed``, the only module that uses
+``torch.distributed``).
+"""
+
+from cpshard.bshd import BshdPlan
+from cpshard.layout import Layout, alignment, layout_for, register_layout_rule
+from cpshard.ops import shard, shift, unshard
+from cpshard.padded import from_padded, to_padded
+from cpshard.plan import ShardPlan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BshdPlan",
+    "Layout",
+    "ShardPlan",
+    "alignment",
+    "from_padded",
+    "layout_for",
+    "register_layout_rule",
+    "shard",
+    "shift",
+    "to_padded",
+    "unshard",
+]

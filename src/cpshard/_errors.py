@@ -1,0 +1,51 @@
+"""Error messages that teach: the argument, the value, the rule and the fix.
+
+Every user-facing check in cpshard goes through these helpers so that messages share one shape
+(``name=value: rule. Fix: ...``) and tests can match on the parts. They run before any collective
+and before any output is written.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NoReturn
+
+import torch
+
+
+def fail(name: str, value: Any, rule: str, fix: str, *, kind: type[Exception] = ValueError) -> NoReturn:
+    """Raise ``kind`` with a message naming the argument, its value, the rule it broke and the fix.
+
+    A ``str`` value is a description written into the message as is ("tensor of shape (9,)"); a
+    caller reporting a user's string passes ``repr(value)``.
+    """
+    raise kind(f"{name}={_short(value)}: {rule}. Fix: {fix}.")
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 120 else text[:100] + " ... " + text[-15:]
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """Return ``value`` as a Python int; reject bools, floats and anything without ``__index__``."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        fail(name, repr(value), "must be an integer", f"pass an int, e.g. {name}=2", kind=TypeError)
+    value = operator.index(value)
+    if minimum is not None and value < minimum:
+        fail(name, value, f"must be >= {minimum}", f"pass {name} >= {minimum}")
+    return value
+
+
+def check_rank(rank: Any, cp_size: int) -> int:
+    rank = check_int("rank", rank)
+    if not 0 <= rank < cp_size:
+        fail("rank", rank, f"must lie in [0, cp_size) = [0, {cp_size})",
+             f"pass the rank's index inside its context-parallel group (0 .. {cp_size - 1})")
+    return rank
+
+
+def check_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        fail(name, type(value).__name__, "must be a torch.Tensor", f"pass {name} as a tensor", kind=TypeError)
+    return value

@@ -1,0 +1,143 @@
+"""Vectorized index math shared by the THD and BSHD plans. CPU int64 tensors in, out; no data.
+
+Note [Which rows a rank holds]
+------------------------------
+The global padded buffer concatenates the padded sequences; sequence ``i`` owns rows
+``S_i .. S_i + P_i - 1``. A rank's rows are described as a short list of **segments**
+``(sequence i, first position p0, length c)`` in local order:
+
+- zigzag (``cp > 1``), with ``c_i = P_i / (2 cp)``: two segments per sequence, positions
+  ``[r c_i, (r + 1) c_i)`` then ``[(2cp - 1 - r) c_i, (2cp - r) c_i)``;
+- contiguous: one per sequence, the intersection of ``[S_i, S_i + P_i)`` with ``[r L, (r + 1) L)``
+  (often empty: a rank may hold nothing of a sequence);
+- ``cp = 1``: the whole padded sequence.
+
+Everything per row (global row, sequence id, position, where a shifted row reads from, which rows
+are pad or fill) is one expansion of per-segment values: ``repeat_interleave`` of the segment value
+plus an ``arange`` offset. The work over rows is a couple of passes, the rest is over segments
+(``2 B`` of them). Padding comes first and permuting second, so short and empty sequences need no
+special case: a zero-length segment expands to nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.layout import Layout
+
+_I64 = torch.int64
+
+
+def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Concatenate ``arange(s, s + n)`` for every segment ``(s, n)``; ``total == lengths.sum()``."""
+    if total is None:
+        total = int(lengths.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=_I64)
+    seg_begin = torch.cumsum(lengths, 0) - lengths
+    offsets = torch.arange(total, dtype=_I64) - torch.repeat_interleave(seg_begin, lengths, output_size=total)
+    return torch.repeat_interleave(starts, lengths, output_size=total) + offsets
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A rank's rows as runs of consecutive positions of one padded sequence, in local order."""
+
+    seq: torch.Tensor  # (K,) sequence id
+    pos: torch.Tensor  # (K,) first position inside the padded sequence
+    length: torch.Tensor  # (K,) rows
+    total: int  # sum(length): the rank's row count
+
+    @property
+    def local_start(self) -> torch.Tensor:
+        """``(K,)`` local row of each segment's first row."""
+        return torch.cumsum(self.length, 0) - self.length
+
+    def expand(self, per_segment_start: torch.Tensor) -> torch.Tensor:
+        """``(total,)``: ``per_segment_start[k] + j`` for row ``j`` of segment ``k``."""
+        return expand_segments(per_segment_start, self.length, self.total)
+
+    def seq_ids(self) -> torch.Tensor:
+        return torch.repeat_interleave(self.seq, self.length, output_size=self.total)
+
+    def positions(self) -> torch.Tensor:
+        return self.expand(self.pos)
+
+    def rows(self, cu_padded: torch.Tensor) -> torch.Tensor:
+        """Global padded row of every local row."""
+        return self.expand(cu_padded[self.seq] + self.pos)
+
+
+def rank_segments(padded: torch.Tensor, cp_size: int, layout: Layout, rank: int) -> Segments:
+    """``rank``'s segments for sequences padded to ``padded`` ``(B,)`` int64 (Note above)."""
+    b = padded.numel()
+    total = int(padded.sum())
+    local = total // cp_size
+    ids = torch.arange(b, dtype=_I64)
+    if cp_size == 1:
+        return Segments(ids, torch.zeros(b, dtype=_I64), padded.clone(), total)
+    if layout is Layout.ZIGZAG:
+        chunk = padded // (2 * cp_size)
+        pos = torch.stack([rank * chunk, (2 * cp_size - 1 - rank) * chunk], 1).reshape(-1)
+        return Segments(ids.repeat_interleave(2), pos, chunk.repeat_interleave(2), local)
+    starts = torch.cumsum(padded, 0) - padded
+    lo = starts.clamp(rank * local, (rank + 1) * local)
+    hi = (starts + padded).clamp(rank * local, (rank + 1) * local)
+    return Segments(ids, lo - starts, hi - lo, local)
+
+
+def repeat_segments(single: Segments, batch: int) -> Segments:
+    """BSHD: the segments of one sequence of length ``M``, repeated for rows ``0 .. batch - 1``."""
+    k = single.seq.numel()
+    return Segments(torch.arange(batch, dtype=_I64).repeat_interleave(k), single.pos.repeat(batch),
+                    single.length.repeat(batch), single.total * batch)
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """How ``shard`` builds a rank's rows: one gather, then two fills."""
+
+    src: torch.Tensor  # (rows,) input row each output row copies (clamped into range where overwritten)
+    pad_rows: torch.Tensor  # output rows past their sequence's length: pad_value
+    fill_rows: torch.Tensor  # token rows whose shifted source lies past the end: fill
+
+    def to(self, device: torch.device) -> ShardIndex:
+        return ShardIndex(self.src.to(device), self.pad_rows.to(device), self.fill_rows.to(device))
+
+
+def shard_index(segs: Segments, seqlens: torch.Tensor, starts: torch.Tensor, shift: int,
+                input_rows: int) -> ShardIndex:
+    """Where each of a rank's rows reads from, for SPEC's ``shift(x, k)``.
+
+    ``starts[i]`` is the input row of token 0 of sequence ``i`` (``cu_seqlens`` for packed input,
+    ``i * S`` for a padded ``(B, S, ...)`` input); ``input_rows`` bounds the gather index.
+    """
+    n = seqlens[segs.seq]
+    tokens = (n - segs.pos).clamp(min=0).minimum(segs.length)  # leading token rows of each segment
+    sourced = (n - shift - segs.pos).clamp(min=0).minimum(segs.length)  # of which have a source
+    src = segs.expand(starts[segs.seq] + segs.pos + shift)
+    if src.numel():
+        src.clamp_(0, max(input_rows - 1, 0))  # pad/fill rows are overwritten; keep their index valid
+    first = segs.local_start
+    return ShardIndex(
+        src=src,
+        pad_rows=expand_segments(first + tokens, segs.length - tokens),
+        fill_rows=expand_segments(first + sourced, tokens - sourced),
+    )
+
+
+def token_gather_index(seq: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, buffer_start: torch.Tensor,
+                       seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``(N,)``: the row of a gathered buffer holding each token, tokens in sequence order.
+
+    The inputs describe every rank's segments together; ``buffer_start[k]`` is the buffer row of
+    segment ``k``'s first row. Sorted by (sequence, position), the segments' token rows tile the
+    batch's tokens in order, so one expansion gives the inverse of sharding without a permutation
+    of the whole padded buffer.
+    """
+    tokens = (seqlens[seq] - pos).clamp(min=0).minimum(length)
+    stride = int(pos.max() + length.max()) + 1 if pos.numel() else 1
+    order = torch.argsort(seq * stride + pos, stable=True)
+    return expand_segments(buffer_start[order], tokens[order], num_tokens)

@@ -1,0 +1,128 @@
+"""``cpshard`` command line: see why a layout is right.
+
+``cpshard plan --lengths 5,3 --cp 2`` prints which rows each rank holds (SPEC.md's picture), the
+padding overhead and how evenly causal-attention work is spread over the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from cpshard.layout import Layout
+from cpshard.plan import ShardPlan
+
+__all__ = ["describe_plan", "main"]
+
+_PICTURE_MAX_ROWS = 96
+
+
+def _row_label(seq: int, pos: int, n: int) -> str:
+    return f"s{seq}p{pos}" if pos < n else "pad"
+
+
+def _picture(plan: ShardPlan) -> list[str]:
+    """SPEC.md's picture: the global padded buffer and each rank's rows, segments split by '|'."""
+    lens = plan.seqlens_py
+    cells: list[list[str]] = []
+    names = ["global"] + [f"rank {r}" for r in range(plan.cp_size)]
+    glob = []
+    for i in range(plan.num_seqs):
+        if i and plan.padded_seqlens_py[i]:
+            glob.append("|")
+        glob += [_row_label(i, p, lens[i]) for p in range(plan.padded_seqlens_py[i])]
+    cells.append(glob)
+    zigzag = plan.layout is Layout.ZIGZAG and plan.cp_size > 1
+    for r in range(plan.cp_size):
+        seqs, poss = plan.sequence_ids(r).tolist(), plan.position_ids(r).tolist()
+        # zigzag rows split at chunk boundaries, contiguous rows at sequence boundaries
+        chunk = [p // max(plan.padded_seqlens_py[s] // (2 * plan.cp_size), 1) if zigzag else 0
+                 for s, p in zip(seqs, poss)]
+        line: list[str] = []
+        for j, (s, p) in enumerate(zip(seqs, poss)):
+            if j and (s, chunk[j]) != (seqs[j - 1], chunk[j - 1]):
+                line.append("|")
+            line.append(_row_label(s, p, lens[s]))
+        cells.append(line)
+    width = max((len(c) for line in cells for c in line), default=1)
+    head = max(len(n) for n in names)
+    return [f"{name:<{head}} : " + " ".join(c.ljust(width) if c != "|" else c for c in line).rstrip()
+            for name, line in zip(names, cells)]
+
+
+def _balance(plan: ShardPlan) -> list[str]:
+    """Per rank: rows, token rows, and causal-attention work (sum over token rows of keys seen)."""
+    lines = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"]
+    work = []
+    for r in range(plan.cp_size):
+        mask = plan.token_mask(r)
+        tokens = int(mask.sum())
+        w = int((plan.position_ids(r)[mask] + 1).sum())
+        work.append(w)
+        lines.append(f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {w:>14}")
+    mean = sum(work) / len(work)
+    ratio = max(work) / mean if mean else 1.0
+    lines.append(f"causal work max/mean = {ratio:.3f} (1.000 is perfectly balanced)")
+    return lines
+
+
+def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
+    """The text ``cpshard plan`` prints for ``plan``."""
+    out = [
+        repr(plan),
+        f"alignment a = {plan.alignment}; padded_seqlens = {list(plan.padded_seqlens_py)}",
+        f"cu_seqlens_padded = {list(plan.cu_seqlens_padded_py)}; max_seqlen = {plan.max_seqlen}",
+        f"tokens = {plan.num_tokens}, padded rows T = {plan.total_len}, rows per rank L = {plan.local_len} "
+        f"(L / tp = {plan.local_len // plan.tp_size}); padding overhead = {100 * plan.padding_overhead:.1f}%",
+        "",
+    ]
+    if picture is None:
+        picture = plan.total_len <= _PICTURE_MAX_ROWS
+    if picture:
+        out += _picture(plan) + [""]
+    else:
+        out += [f"(picture omitted: {plan.total_len} rows > {_PICTURE_MAX_ROWS}; pass --picture to force it)", ""]
+    out += _balance(plan)
+    return "\n".join(out)
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lengths={text!r}: expected comma-separated ints, e.g. 5,3") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpshard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print which rows each context-parallel rank holds")
+    p.add_argument("--lengths", type=_lengths, default=[5, 3], help="sequence lengths, e.g. 5,3 (default)")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout])
+    p.add_argument("--fp8", action="store_true", help="fp8 padding (lcm(16, a) per sequence, a * 128 total)")
+    p.add_argument("--min-local-rows", type=int, default=None)
+    p.add_argument("--length-bucket", type=int, default=None)
+    p.add_argument("--picture", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows)")
+    args = parser.parse_args(argv)
+    # torch logs a deprecation notice from torch.fx when nested tensors are first used; not ours to show
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    try:
+        plan = ShardPlan.build(args.lengths, cp_size=args.cp, tp_size=args.tp, layout=args.layout, fp8=args.fp8,
+                               min_local_rows=args.min_local_rows, length_bucket=args.length_bucket)
+    except (ValueError, TypeError) as exc:
+        print(f"cpshard plan: {exc}", file=sys.stderr)
+        return 2
+    print(describe_plan(plan, picture=args.picture))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Across context-parallel ranks: gather outputs, shift sharded tensors, check that plans agree.
+
+The only module of cpshard that uses ``torch.distributed``. Every function takes its process group
+as an argument (``None`` is the default group) and reads no global state, so a Megatron CP
+sub-group or a per-micro-batch dynamic group of ``local_cp_size`` ranks works the same way. The
+caller's rank is the group rank. Every check (group size, row counts, argument values) runs before
+the first collective; a check that only one rank fails still leaves the others waiting in theirs,
+which ``check=True`` (one small extra collective) turns into an error on every rank when the cause
+is ranks that built different plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+from cpshard._errors import check_int, check_tensor, fail
+from cpshard._exchange import Exchange
+from cpshard.bshd import BshdPlan
+from cpshard.ops import rows_to_nested
+from cpshard.plan import ShardPlan
+
+__all__ = ["check_plan", "gather", "gather_tokens", "plan_fingerprint", "shift_sharded"]
+
+Plan = Union[ShardPlan, BshdPlan]
+Scalar = Union[int, float, bool]
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+
+def _group_rank(plan: Plan, group: Any) -> int:
+    """This process's rank in ``group``, after checking the group matches ``plan``. No communication."""
+    if not isinstance(plan, (ShardPlan, BshdPlan)):
+        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
+             kind=TypeError)
+    if not (dist.is_available() and dist.is_initialized()):
+        fail("group", repr(group), "needs an initialized torch.distributed process group",
+             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+    size = dist.get_world_size(group)
+    if size != plan.cp_size:
+        fail("group", f"a group of {size} ranks", f"must have plan.cp_size = {plan.cp_size} ranks",
+             "pass the context-parallel group the plan was built for (or build the plan with "
+             f"cp_size={size})")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        fail("group", repr(group), "does not contain this process", "pass a group this rank belongs to")
+    return rank
+
+
+def _check_local(local: Any, plan: Plan) -> torch.Tensor:
+    local = check_tensor("local", local)
+    lead = plan.local_shape
+    if local.dim() < len(lead) or tuple(local.shape[:len(lead)]) != lead:
+        fail("local", f"tensor of shape {tuple(local.shape)}", f"must lead with the plan's local_shape = {lead}",
+             "pass this rank's whole local output for the plan (pad rows included)")
+    return local
+
+
+def plan_fingerprint(plan: Plan) -> torch.Tensor:
+    """``(8,)`` int64 summary of a plan; equal plans give equal fingerprints. No communication.
+
+    ``[kind, cp_size, tp_size, layout, num_seqs, total_len or seq_len, hash, hash]``; the two hash
+    words are a BLAKE2b digest of every length, so plans that differ anywhere differ here.
+    """
+    key = repr(plan._key()).encode()
+    digest = hashlib.blake2b(key, digest_size=16).digest()
+    h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
+    bshd = isinstance(plan, BshdPlan)
+    size = plan.seq_len if isinstance(plan, BshdPlan) else plan.total_len
+    layout = 0 if plan.layout.value == "zigzag" else 1
+    return torch.tensor([int(bshd), plan.cp_size, plan.tp_size, layout, plan.num_seqs, size, h1, h2],
+                        dtype=torch.int64)
+
+
+def _describe(fp: Sequence[int]) -> str:
+    kind = "BshdPlan" if fp[0] else "ShardPlan"
+    size = "seq_len" if fp[0] else "total_len"
+    layout = "zigzag" if fp[3] == 0 else "contiguous"
+    return (f"{kind}(cp_size={fp[1]}, tp_size={fp[2]}, layout={layout!r}, num_seqs={fp[4]}, {size}={fp[5]}, "
+            f"digest={fp[6]:x})")
+
+
+def _collective_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_plan(plan: Plan, group: Any = None) -> None:
+    """Raise on every rank of ``group`` unless all of them built the same plan.
+
+    One ``all_gather_into_tensor`` of an ``(8,)`` int64 fingerprint (:func:`plan_fingerprint`); it
+    cannot hang while every rank calls it, since every rank sends the same size whatever its plan.
+    The error names which ranks built which plan.
+    """
+    rank = _group_rank(plan, group)
+    device = _collective_device(group)
+    mine = plan_fingerprint(plan).to(device)
+    every = torch.empty(plan.cp_size * mine.numel(), dtype=mine.dtype, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    rows = [tuple(r) for r in every.view(plan.cp_size, -1).tolist()]
+    if len(set(rows)) == 1:
+        return
+    by_plan: dict[tuple[int, ...], list[int]] = {}
+    for r, fp in enumerate(rows):
+        by_plan.setdefault(fp, []).append(r)
+    listing = "; ".join(f"ranks {ranks} built {_describe(fp)}" for fp, ranks in by_plan.items())
+    raise ValueError(
+        f"plan: the ranks of the context-parallel group built different plans (this is rank {rank}): {listing}. "
+        "Fix: build every rank's plan from the same batch lengths, sizes and layout (e.g. broadcast the "
+        "lengths from one rank), so that no rank mixes rows of different layouts.")
+
+
+# -- gather ----------------------------------------------------------------------------------
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A view the backend can move: bool travels as uint8 (same bytes)."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+class _AllGatherOwnGrad(torch.autograd.Function):
+    """All-gather along dim 0; the gradient is the slice of the caller's own rows, not reduced."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        local = local.contiguous()
+        ctx.rows, ctx.rank = local.shape[0], rank
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(_wire(out), _wire(local), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        own = grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+        return own, None, None, None
+
+
+def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool) -> torch.Tensor:
+    local = _check_local(local, plan)
+    rank = _group_rank(plan, group)
+    if check:
+        check_plan(plan, group)
+    if isinstance(plan, BshdPlan):
+        b, mc = plan.batch_size, plan.local_seq_len
+        trailing = local.shape[2:]
+        flat = _AllGatherOwnGrad.apply(local.reshape(b * mc, *trailing), group, rank, plan.cp_size)
+        # (cp, B, M/cp, ...) -> (B, cp, M/cp, ...): each row's columns in rank order, as unshard cats them
+        return flat.view(plan.cp_size, b, mc, *trailing).movedim(0, 1).reshape(b * plan.seq_len, *trailing)
+    return _AllGatherOwnGrad.apply(local, group, rank, plan.cp_size)
+
+
+def gather(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = False) -> torch.Tensor:
+    """Every rank's local outputs, restored per sequence, on every rank: ``unshard`` across processes.
+
+    Args:
+        local: this rank's output, ``(plan.local_len, ...)`` (THD) or ``(B, plan.local_seq_len,
+            ...)`` (BSHD): log-probs ``(L,)``, entropy, values, hidden rows ``(L, h)``, any dtype.
+        plan: the plan every rank of ``group`` sharded this micro-batch with.
+        group: the context-parallel process group (``None``: the default group); its size must
+            be ``plan.cp_size`` and this process's rank in it is its CP rank.
+        check: first run :func:`check_plan` (one small extra collective).
+
+    Returns:
+        A jagged nested tensor ``(B, j, ...)``, equal on every rank to ``unshard`` of all ranks'
+        ``local``. One ``all_gather_into_tensor``, then one ``index_select``.
+
+    Autograd:
+        The gradient reaches the calling rank's own ``local`` rows exactly once, from the positions
+        they occupy in the result; the other ranks' rows are constants on this rank (their
+        gradients are not sent back). If every rank computes the same loss from the gathered
+        result, each rank's local gradient equals that of the single-process computation; sum
+        ``local``-gradients across ranks yourself only if each rank computed a different part.
+    """
+    buf = _gathered_buffer(local, plan, group, check)
+    return rows_to_nested(buf, plan)
+
+
+def gather_tokens(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = False) -> torch.Tensor:
+    """Like :func:`gather`, as one flat ``(num_tokens, ...)`` tensor (the nested result's ``values()``).
+
+    For callers that reduce over tokens and need no per-sequence view. Same autograd contract.
+    """
+    buf = _gathered_buffer(local, plan, group, check)
+    return buf.index_select(0, plan._unshard_index(buf.device))
+
+
+# -- sharded shift ---------------------------------------------------------------------------
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                group: Any) -> None:
+    dist.all_to_all_single(_wire(out), _wire(inp.contiguous()), list(out_splits), list(in_splits), group=group)
+
+
+class _ShiftSharded(torch.autograd.Function):
+    """Forward: local gather + one all-to-all of boundary rows. Backward: the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, ex: Exchange, group: Any, pad_value: Scalar,
+                fill: Scalar) -> torch.Tensor:
+        ctx.ex, ctx.group = ex, group
+        out = local.index_select(0, ex.local_src)
+        if ex.total_remote:
+            recv = local.new_empty((sum(ex.recv_splits), *local.shape[1:]))
+            _all_to_all(recv, local.index_select(0, ex.send_rows), ex.recv_splits, ex.send_splits, group)
+            out.index_copy_(0, ex.recv_rows, recv)
+        if ex.pad_rows.numel():
+            out.index_fill_(0, ex.pad_rows, pad_value)
+        if ex.fill_rows.numel():
+            out.index_fill_(0, ex.fill_rows, fill)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ex = ctx.ex
+        kept = grad.clone()
+        for rows in (ex.pad_rows, ex.fill_rows, ex.recv_rows):
+            if rows.numel():
+                kept.index_fill_(0, rows, 0)
+        grad_local = torch.zeros_like(grad).index_add_(0, ex.local_src, kept)
+        if ex.total_remote:
+            back = grad.new_empty((sum(ex.send_splits), *grad.shape[1:]))
+            _all_to_all(back, grad.index_select(0, ex.recv_rows), ex.send_splits, ex.recv_splits, ctx.group)
+            grad_local.index_add_(0, ex.send_rows, back)
+        return grad_local, None, None, None, None
+
+
+def shift_sharded(local: torch.Tensor, plan: ShardPlan, group: Any = None, *, shift: int = 1,
+                  fill: Scalar = 0, pad_value: Scalar = 0, check: bool = False) -> torch.Tensor:
+    """Shift a tensor that exists only sharded: exactly ``shard(shift(x, k), plan, rank)``.
+
+    For labels and loss masks that Megatron's multi-token prediction rolls after sharding. Works for
+    every layout and every ``k >= 1``, with one ``all_to_all_single`` per call whatever the batch
+    size, moving only rows whose shifted source lives on another rank (under zigzag, about ``k``
+    rows per sequence and chunk boundary; see Note [Sharded shift exchange] in ``_exchange.py``).
+    With ``cp_size == 1``, or when no row crosses ranks, there is no collective at all.
+
+    Args:
+        local: this rank's rows ``(plan.local_len, ...)``, any dtype (bool travels as uint8).
+        plan: a THD :class:`ShardPlan` shared by every rank of ``group``.
+        group: the context-parallel group (``None``: default); its size must be ``plan.cp_size``.
+        shift: ``k >= 0``.
+        fill: value of token rows whose source ``p + k`` lies past the sequence's end.
+        pad_value: value of pad rows.
+        check: first run :func:`check_plan`.
+
+    Autograd: differentiable; the gradient of a row flows back to the rank and row it was read
+    from (a second all-to-all in backward). Pad and fill rows pass no gradient.
+    """
+    if isinstance(plan, BshdPlan):
+        fail("plan", "BshdPlan", "shift_sharded takes a THD ShardPlan",
+             "shard BSHD labels already shifted with shard(x, plan, rank, shift=k)", kind=TypeError)
+    local = _check_local(local, plan)
+    shift = check_int("shift", shift, minimum=0)
+    rank = _group_rank(plan, group)
+    if check:
+        check_plan(plan, group)
+    ex = plan._exchange(rank, shift, local.device)
+    return _ShiftSharded.apply(local, ex, group, pad_value, fill)

@@ -1,0 +1,360 @@
+"""A deliberately naive reference for cpshard, written from /work/shared/SPEC.md only.
+
+Everything here is plain Python: loops over sequences and tokens, Python ints, one row at a time.
+Nothing is vectorised and nothing is shared with the library. Tensors are only touched at the very
+edges (reading the input sequences as Python lists, building the output from a Python list).
+
+SPEC sections mirrored here: "Padding (THD)", "Which rows a rank holds", "What a sharded row
+contains", "Shifts", "Restoring outputs", "BSHD".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ZIGZAG = "zigzag"
+CONTIGUOUS = "contiguous"
+
+
+# --------------------------------------------------------------------------------------------------
+# small integer helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _lcm(*xs: int) -> int:
+    out = 1
+    for x in xs:
+        out = out * x // math.gcd(out, x)
+    return out
+
+
+def _roundup(n: int, a: int) -> int:
+    """The smallest multiple of ``a`` that is >= ``n`` (0 stays 0)."""
+    m = 0
+    while m < n:
+        m += a
+    return m
+
+
+def _layout_str(layout) -> str:
+    s = layout.value if hasattr(layout, "value") else str(layout)
+    assert s in (ZIGZAG, CONTIGUOUS), layout
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Padding (THD)
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_alignment_before_fp8(cp: int, tp: int, layout) -> int:
+    """SPEC "Padding" table, rows 1-3."""
+    layout = _layout_str(layout)
+    if cp == 1:
+        return tp
+    if layout == ZIGZAG:
+        return 2 * cp * tp
+    return cp * tp
+
+
+def ref_alignment(cp: int, tp: int, layout, fp8: bool = False) -> int:
+    """The per-sequence alignment ``a`` (with fp8: ``lcm(16, a)``)."""
+    a = ref_alignment_before_fp8(cp, tp, layout)
+    if fp8:
+        return _lcm(16, a)
+    return a
+
+
+def ref_padded_lengths(
+    seqlens,
+    cp: int,
+    tp: int,
+    layout,
+    fp8: bool = False,
+    min_local_rows=None,
+    length_bucket=None,
+) -> list:
+    """Padded length ``P_i`` of every sequence (SPEC "Padding").
+
+    Each sequence is padded to the next multiple of its alignment ``u``; then the optional
+    extensions lengthen only the last sequence, always by whole multiples of ``u`` (so every
+    ``P_i % u == 0`` still holds), until their condition holds together with the invariants
+    (``T % cp == 0``, ``L % tp == 0``, and with fp8 ``T % (a_before_fp8 * 128) == 0``).
+    """
+    seqlens = [int(n) for n in seqlens]
+    a0 = ref_alignment_before_fp8(cp, tp, layout)
+    u = ref_alignment(cp, tp, layout, fp8)
+    padded = [_roundup(n, u) for n in seqlens]
+
+    def total() -> int:
+        return sum(padded)
+
+    def invariants_hold() -> bool:
+        t = total()
+        if t % cp != 0:
+            return False
+        if (t // cp) % tp != 0:
+            return False
+        if fp8 and t % (a0 * 128) != 0:
+            return False
+        return True
+
+    # (a) fp8: total extended to a multiple of a_before_fp8 * 128 (that is invariants_hold()).
+    while not invariants_hold():
+        padded[-1] += u
+
+    # (b) min_local_rows = m: every rank holds at least m rows, i.e. T >= m * cp.
+    if min_local_rows is not None:
+        m = int(min_local_rows)
+        while total() < m * cp or not invariants_hold():
+            padded[-1] += u
+
+    # (c) length_bucket = b: total a multiple of lcm(b, cp).
+    if length_bucket is not None:
+        b = int(length_bucket)
+        while total() % b != 0 or total() % cp != 0 or not invariants_hold():
+            padded[-1] += u
+
+    return padded
+
+
+def ref_cumsum(xs) -> list:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Which rows a rank holds
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_rank_rows(padded, cp: int, layout, rank: int) -> list:
+    """Global padded row of each local row of ``rank`` (SPEC "Which rows a rank holds")."""
+    layout = _layout_str(layout)
+    padded = [int(p) for p in padded]
+    total = sum(padded)
+    if cp == 1:
+        return list(range(total))
+    rows = []
+    if layout == ZIGZAG:
+        start = 0
+        for p_i in padded:
+            assert p_i % (2 * cp) == 0
+            c = p_i // (2 * cp)
+            for q in range(rank * c, (rank + 1) * c):
+                rows.append(start + q)
+            for q in range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c):
+                rows.append(start + q)
+            start += p_i
+    else:
+        assert total % cp == 0
+        local = total // cp
+        for g in range(rank * local, (rank + 1) * local):
+            rows.append(g)
+    return rows
+
+
+def ref_locate(padded, g: int):
+    """(sequence i, position p inside the padded sequence) of global padded row ``g``."""
+    start = 0
+    for i, p_i in enumerate(padded):
+        if start <= g < start + p_i:
+            return i, g - start
+        start += p_i
+    raise AssertionError(f"row {g} is outside the padded buffer of total {start}")
+
+
+def ref_row_info(seqlens, padded, cp: int, layout, rank: int):
+    """Per local row of ``rank``: (global row, sequence id, position p, is_token)."""
+    out = []
+    for g in ref_rank_rows(padded, cp, layout, rank):
+        i, p = ref_locate(padded, g)
+        out.append((g, i, p, p < int(seqlens[i])))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# What a sharded row contains / Shifts
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_py_rows(t: torch.Tensor):
+    """A sequence tensor (n, *trailing) as a Python list of rows (exact for all tested dtypes)."""
+    if t.dtype == torch.bfloat16 or t.dtype == torch.float16:
+        return t.float().tolist()  # bf16/fp16 -> fp32 is exact, and fp32 -> bf16 of those is exact
+    return t.tolist()
+
+
+def _const_row(value, trailing):
+    """A row of shape ``trailing`` filled with ``value``, as a (nested) Python list."""
+    if len(trailing) == 0:
+        return value
+    return [_const_row(value, trailing[1:]) for _ in range(trailing[0])]
+
+
+def _build(rows, n_rows: int, trailing, dtype) -> torch.Tensor:
+    """torch tensor (n_rows, *trailing) from a Python list of rows."""
+    if n_rows == 0:
+        return torch.empty((0, *trailing), dtype=dtype)
+    return torch.tensor(rows, dtype=dtype).reshape(n_rows, *trailing)
+
+
+def ref_value(seq_rows, n: int, p: int, shift: int, pad_value, fill, trailing):
+    """The value of position ``p`` of a sequence of ``n`` tokens (SPEC "Shifts")."""
+    if p >= n:
+        return _const_row(pad_value, trailing)
+    if shift > 0 and p + shift >= n:
+        return _const_row(fill, trailing)
+    return seq_rows[p + shift]
+
+
+def ref_shard(
+    seqs,
+    seqlens,
+    cp: int,
+    tp: int,
+    layout,
+    rank: int,
+    shift: int = 0,
+    pad_value=0,
+    fill=0,
+    *,
+    trailing=None,
+    dtype=None,
+    **ext,
+) -> torch.Tensor:
+    """Rank ``rank``'s local rows (L, *trailing) of ``shift(x, shift)``.
+
+    ``seqs`` is a list of per-sequence tensors (n_i, *trailing). ``ext`` holds ``fp8``,
+    ``min_local_rows`` and ``length_bucket``. ``trailing``/``dtype`` are only needed when there
+    are no sequences to read them from.
+    """
+    seqlens = [int(n) for n in seqlens]
+    assert len(seqs) == len(seqlens)
+    for s, n in zip(seqs, seqlens):
+        assert s.shape[0] == n
+    if trailing is None:
+        trailing = tuple(seqs[0].shape[1:])
+    if dtype is None:
+        dtype = seqs[0].dtype
+    padded = ref_padded_lengths(seqlens, cp, tp, layout, **ext)
+    py = [_as_py_rows(s) for s in seqs]
+    rows = []
+    for g in ref_rank_rows(padded, cp, layout, rank):
+        i, p = ref_locate(padded, g)
+        rows.append(ref_value(py[i], seqlens[i], p, shift, pad_value, fill, trailing))
+    return _build(rows, len(rows), trailing, dtype)
+
+
+def ref_shift_seqs(seqs, shift: int, fill):
+    """``shift(x, k)`` restricted to token rows: per-sequence tensors of the same lengths."""
+    out = []
+    for s in seqs:
+        n = s.shape[0]
+        trailing = tuple(s.shape[1:])
+        py = _as_py_rows(s)
+        rows = [ref_value(py, n, p, shift, None, fill, trailing) for p in range(n)]
+        out.append(_build(rows, n, trailing, s.dtype))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# BSHD
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_bshd_alignment(batch_size: int, cp: int, tp: int, layout, fp8: bool = False) -> int:
+    a = ref_alignment_before_fp8(cp, tp, layout)
+    if fp8:
+        k = 128 * tp * cp
+        a = _lcm(a, k // math.gcd(batch_size, k))
+    return a
+
+
+def ref_bshd_seq_len(seqlens, cp: int, tp: int, layout, fp8: bool = False, max_seqlen=None) -> int:
+    seqlens = [int(n) for n in seqlens]
+    m = max(seqlens) if seqlens else 0
+    if max_seqlen is not None:
+        m = max(m, int(max_seqlen))
+    return _roundup(m, ref_bshd_alignment(len(seqlens), cp, tp, layout, fp8))
+
+
+def ref_bshd_columns(M: int, cp: int, layout, rank: int) -> list:
+    """Columns of rank ``rank``: the THD rule for one sequence of length M."""
+    return ref_rank_rows([M], cp, layout, rank)
+
+
+def ref_bshd_shard(
+    seqs,
+    seqlens,
+    cp: int,
+    tp: int,
+    layout,
+    rank: int,
+    shift: int = 0,
+    pad_value=0,
+    fill=0,
+    max_seqlen=None,
+    fp8: bool = False,
+    *,
+    trailing=None,
+    dtype=None,
+) -> torch.Tensor:
+    """Rank ``rank``'s (B, M // cp, *trailing) block."""
+    seqlens = [int(n) for n in seqlens]
+    if trailing is None:
+        trailing = tuple(seqs[0].shape[1:])
+    if dtype is None:
+        dtype = seqs[0].dtype
+    M = ref_bshd_seq_len(seqlens, cp, tp, layout, fp8, max_seqlen)
+    cols = ref_bshd_columns(M, cp, layout, rank)
+    py = [_as_py_rows(s) for s in seqs]
+    rows = []
+    for b in range(len(seqlens)):
+        for j in cols:
+            rows.append(ref_value(py[b], seqlens[b], j, shift, pad_value, fill, trailing))
+    flat = _build(rows, len(rows), trailing, dtype)
+    return flat.reshape(len(seqlens), len(cols), *trailing)
+
+
+# --------------------------------------------------------------------------------------------------
+# padded <-> jagged
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_from_padded(x: torch.Tensor, mask: torch.Tensor):
+    """Per-row extraction of the True entries, in order: list of (n_b, *trailing) tensors."""
+    out = []
+    for b in range(x.shape[0]):
+        keep = [j for j in range(x.shape[1]) if bool(mask[b, j])]
+        if keep:
+            out.append(torch.stack([x[b, j] for j in keep]))
+        else:
+            out.append(x[b, :0])
+    return out
+
+
+def ref_to_padded(seqs, side: str = "right", length=None, pad_value=0):
+    """(x (B, S, *trailing), mask (B, S)) with S = length or max n_b."""
+    trailing = tuple(seqs[0].shape[1:])
+    dtype = seqs[0].dtype
+    lens = [s.shape[0] for s in seqs]
+    S = max(lens) if length is None else int(length)
+    py = [_as_py_rows(s) for s in seqs]
+    rows, mrows = [], []
+    for b, n in enumerate(lens):
+        lead = 0 if side == "right" else S - n
+        for j in range(S):
+            if lead <= j < lead + n:
+                rows.append(py[b][j - lead])
+                mrows.append(True)
+            else:
+                rows.append(_const_row(pad_value, trailing))
+                mrows.append(False)
+    x = _build(rows, len(rows), trailing, dtype).reshape(len(lens), S, *trailing)
+    m = torch.tensor(mrows, dtype=torch.bool).reshape(len(lens), S)
+    return x, m

@@ -1,0 +1,301 @@
+"""gather / shift_sharded / check_plan across real gloo processes (tests/dist_harness.py).
+
+Each spawned group runs many sub-cases and asserts inside every rank; the parent asserts on what the
+ranks report. Collectives are counted by wrapping the ``torch.distributed`` functions in each rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpshard import BshdPlan, Layout, ShardPlan, shard, unshard
+from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded
+from dist_harness import run_ranks
+
+_COMM = ("all_gather_into_tensor", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "broadcast",
+         "send", "recv", "isend", "irecv", "batch_isend_irecv", "reduce_scatter_tensor", "gather", "scatter")
+
+
+class CommCounter:
+    """Counts calls of torch.distributed communication functions and the elements they send."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.elements = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        saved = {name: getattr(dist, name) for name in _COMM}
+
+        def wrap(name, fn):
+            def counted(*args, **kwargs):
+                self.calls.append(name)
+                sent = args[1] if name in ("all_gather_into_tensor", "all_to_all_single") else args[0]
+                if isinstance(sent, torch.Tensor):
+                    self.elements += sent.numel()
+                return fn(*args, **kwargs)
+            return counted
+
+        for name, fn in saved.items():
+            setattr(dist, name, wrap(name, fn))
+        try:
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+
+
+def _data(lens, trailing, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n, *trailing), generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(n, *trailing, generator=g).to(dtype)
+    return torch.randint(-1000, 1000, (n, *trailing), generator=g).to(dtype)
+
+
+def _batches(cp):
+    a = 2 * cp
+    return [
+        [0, 1, 3 * a + 1, 0, a - 1, a, a + 1],
+        [1],
+        [0],
+        [700, 5, 0, 333],
+    ]
+
+
+def _fill_for(dtype):
+    return (True, False) if dtype == torch.bool else (-7, -1)
+
+
+def _gather_and_shift(rank, world):
+    """gather == unshard and shift_sharded == shard(shift) on every rank; one collective each."""
+    checked = 0
+    for layout in Layout:
+        for tp in (1, 2):
+            for i, lens in enumerate(_batches(world)):
+                plan = ShardPlan.build(lens, cp_size=world, tp_size=tp, layout=layout)
+                for dtype, trailing in ((torch.float32, ()), (torch.int64, (3,)), (torch.bool, ()),
+                                        (torch.bfloat16, (2,))):
+                    x = _data(lens, trailing, dtype, seed=100 * i + tp)
+                    parts = [shard(x, plan, r) for r in range(world)]
+                    counter = CommCounter()
+                    with counter():
+                        got = gather(parts[rank], plan)
+                    assert counter.calls == ["all_gather_into_tensor"], counter.calls
+                    want = unshard(parts, plan)
+                    assert torch.equal(got.values(), want.values()) and torch.equal(got.offsets(), want.offsets())
+                    assert torch.equal(gather_tokens(parts[rank], plan), x)
+                    fill, pad = _fill_for(dtype)
+                    for k in (1, 2, 3):
+                        counter = CommCounter()
+                        with counter():
+                            out = shift_sharded(parts[rank], plan, shift=k, fill=fill, pad_value=pad)
+                        expected = shard(x, plan, rank, shift=k, fill=fill, pad_value=pad)
+                        assert out.dtype == dtype and torch.equal(out, expected), (layout, lens, k, out, expected)
+                        crossing = plan._exchange(rank, k, torch.device("cpu")).total_remote
+                        assert len(counter.calls) == (1 if crossing else 0), counter.calls
+                        checked += 1
+    return checked
+
+
+def _bshd_gather(rank, world):
+    for layout in Layout:
+        lens = [0, 5, 2 * world + 1, 1]
+        plan = BshdPlan.build(lens, cp_size=world, layout=layout)
+        x = _data(lens, (2,), torch.float32, seed=7)
+        parts = [shard(list(x.split(lens)), plan, r) for r in range(world)]
+        got = gather(parts[rank], plan, check=True)
+        assert torch.equal(got.values(), x)
+        assert torch.equal(got.values(), unshard(parts, plan).values())
+    return True
+
+
+def _autograd(rank, world):
+    """Gradients through gather and shift_sharded equal the single-process ones for this rank's rows."""
+    for layout in Layout:
+        lens = [9, 0, 4 * world + 3, 2]
+        plan = ShardPlan.build(lens, cp_size=world, layout=layout)
+        h = _data(lens, (3,), torch.float64, seed=3)
+        w = _data(lens, (3,), torch.float64, seed=4)
+
+        # single process: every rank's shard is a leaf; the loss sees all of them through unshard
+        leaves = [shard(h, plan, r).requires_grad_() for r in range(world)]
+        (unshard(leaves, plan).values() * w).sum().backward()
+        local = shard(h, plan, rank).requires_grad_()
+        (gather(local, plan).values() * w).sum().backward()
+        assert torch.equal(local.grad, leaves[rank].grad)
+
+        # shift: each rank's loss uses its own shifted rows; gradients travel back to the source rank
+        for k in (1, 2):
+            weights = [shard(w, plan, r) for r in range(world)]
+            leaves = [shard(h, plan, r).requires_grad_() for r in range(world)]
+            hh = unshard(leaves, plan).values()
+            sum((shard(hh, plan, r, shift=k) * weights[r]).sum() for r in range(world)).backward()
+            local = shard(h, plan, rank).requires_grad_()
+            (shift_sharded(local, plan, shift=k) * weights[rank]).sum().backward()
+            assert torch.equal(local.grad, leaves[rank].grad), (layout, k)
+    return True
+
+
+def _costs(rank, world):
+    """Collective count does not grow with the batch; a shift moves a small fraction of the rows."""
+    calls, fractions = {}, {}
+    for b in (4, 256):
+        g = torch.Generator().manual_seed(b)
+        lens = (torch.randint(1, 40, (b,), generator=g)).tolist()
+        plan = ShardPlan.build(lens, cp_size=world)
+        local = shard(torch.arange(sum(lens)), plan, rank)
+        counter = CommCounter()
+        with counter():
+            gather(local, plan)
+            shift_sharded(local, plan, shift=1)
+        calls[b] = list(counter.calls)
+    lens = [3000, 2000, 1500]
+    plan = ShardPlan.build(lens, cp_size=world)
+    local = shard(torch.randn(sum(lens), 16), plan, rank)
+    counter = CommCounter()
+    with counter():
+        shift_sharded(local, plan, shift=1)
+    fractions["long"] = counter.elements / local.numel()
+    return calls, fractions
+
+
+def _mismatch(rank, world):
+    """One rank builds a different plan: every rank raises, naming the odd rank, within seconds."""
+    lens = [5, 3] if rank != 2 else [5, 4]
+    plan = ShardPlan.build(lens, cp_size=world)
+    start = time.monotonic()
+    errors = []
+    for call in (lambda: check_plan(plan), lambda: gather(shard(torch.arange(plan.num_tokens), plan, rank),
+                                                          plan, check=True),
+                 lambda: shift_sharded(torch.zeros(plan.local_len), plan, check=True)):
+        try:
+            call()
+        except ValueError as exc:
+            errors.append(str(exc))
+    # a plan for the wrong group size fails before any communication
+    counter = CommCounter()
+    with counter():
+        wrong = ShardPlan.build([5, 3], cp_size=world // 2)
+        try:
+            gather(torch.zeros(wrong.local_len), wrong)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors, counter.calls, time.monotonic() - start
+
+
+def _subgroups(rank, world):
+    """Megatron-style CP sub-groups (two groups of world/2 ranks): functions use the group's rank."""
+    half = world // 2
+    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world)))]
+    group = groups[rank // half]
+    cp_rank = rank % half
+    lens = [7, 0, 13] if rank < half else [2, 21]  # each CP group has its own micro-batch
+    plan = ShardPlan.build(lens, cp_size=half, layout="contiguous")
+    x = torch.arange(sum(lens)) + 1000 * (rank // half)
+    local = shard(x, plan, cp_rank)
+    got = gather(local, plan, group, check=True)
+    assert torch.equal(got.values(), x)
+    out = shift_sharded(local, plan, group, shift=2, fill=-1, check=True)
+    assert torch.equal(out, shard(x, plan, cp_rank, shift=2, fill=-1))
+    return True
+
+
+# One spawned group per world size runs every sub-case planned for it (starting processes is the
+# expensive part on a small machine); each test then asserts on its sub-case's results.
+_PLAN = {
+    2: ("_gather_and_shift", "_bshd_gather", "_autograd"),
+    3: ("_gather_and_shift", "_bshd_gather"),
+    4: ("_gather_and_shift", "_autograd", "_costs", "_mismatch", "_subgroups"),
+    8: ("_gather_and_shift",),
+}
+
+
+def _suite(rank, world, names):
+    out = {}
+    for name in names:
+        out[name] = globals()[name](rank, world)
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def suites():
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_ranks(_suite, world, _PLAN[world], timeout=400, collective_timeout=60)
+        return cache[world]
+    return get
+
+
+def _results(suites, world, name):
+    return [ranks[name] for ranks in suites(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_gather_and_shift_sharded(suites, world):
+    assert _results(suites, world, "_gather_and_shift") == [2 * 2 * 4 * 4 * 3] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bshd_gather(suites, world):
+    assert _results(suites, world, "_bshd_gather") == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_autograd_matches_single_process(suites, world):
+    assert _results(suites, world, "_autograd") == [True] * world
+
+
+def test_collective_counts_and_volume(suites):
+    for calls, fractions in _results(suites, 4, "_costs"):
+        assert calls[4] == calls[256] == ["all_gather_into_tensor", "all_to_all_single"]
+        assert fractions["long"] < 0.01, fractions
+
+
+def test_mismatched_plans_raise_everywhere(suites):
+    for errors, calls, elapsed in _results(suites, 4, "_mismatch"):
+        assert len(errors) == 4, errors
+        for msg in errors[:3]:
+            assert "built different plans" in msg and "ranks [2]" in msg and "ranks [0, 1, 3]" in msg, msg
+        assert "group=a group of 4 ranks" in errors[3] and "cp_size = 2" in errors[3]
+        assert calls == []
+        assert elapsed < 20
+
+
+def test_sub_groups(suites):
+    assert _results(suites, 4, "_subgroups") == [True] * 4
+
+
+def test_harness_reports_rank_failures_and_timeouts():
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed"):
+        run_ranks(_fail_on_rank_one, 2, timeout=60)
+    with pytest.raises(TimeoutError, match="did not finish"):
+        run_ranks(_hang_on_rank_one, 2, timeout=8, collective_timeout=60)
+
+
+def _fail_on_rank_one(rank, world):
+    if rank == 1:
+        raise ValueError("boom")
+    return rank
+
+
+def _hang_on_rank_one(rank, world):
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def test_no_process_group_is_a_clear_error():
+    plan = ShardPlan.build([3], cp_size=1)
+    with pytest.raises(ValueError, match="init_process_group"):
+        gather(torch.zeros(plan.local_len), plan)
