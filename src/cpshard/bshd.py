@@ -72,7 +72,9 @@ class BshdPlan(PlanCache):
             total = 128 * tp_size * cp_size
             unit = math.lcm(unit, total // math.gcd(len(lens), total))
         seq_len = -(-longest // unit) * unit
-        return cls(lens, seq_len, cp_size, tp_size, layout, unit)
+        plan = cls(lens, seq_len, cp_size, tp_size, layout, unit)
+        plan._remember_offsets(seqlens)
+        return plan
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", Layout.parse(self.layout))

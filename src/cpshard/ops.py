@@ -15,7 +15,7 @@ import torch
 from cpshard import _index
 from cpshard._errors import check_int, check_rank, fail
 from cpshard.bshd import BshdPlan
-from cpshard.plan import ShardPlan
+from cpshard.plan import ShardPlan, _jagged_offsets
 
 __all__ = ["as_flat", "shard", "shift", "unshard"]
 
@@ -32,13 +32,9 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
     """
     lens = plan.seqlens_py
     if isinstance(x, torch.Tensor) and x.is_nested:
-        if x.layout != torch.jagged:
-            fail(name, f"nested tensor with layout={x.layout}", "must use layout=torch.jagged",
-                 "build it with torch.nested.nested_tensor(..., layout=torch.jagged) or pass a list", kind=TypeError)
-        if getattr(x, "_lengths", None) is not None:
-            fail(name, "non-contiguous jagged tensor", "must have no holes (lengths=None)",
-                 "call torch.nested.nested_tensor_from_jagged(values, offsets) with compact values")
-        offsets = x.offsets()  # type: ignore[attr-defined]
+        offsets = _jagged_offsets(x, name)
+        if plan._offsets_known(offsets):
+            return x.values()
         if offsets.numel() != len(lens) + 1:
             fail(name, f"nested tensor of {offsets.numel() - 1} sequences",
                  f"must hold the plan's {len(lens)} sequences", "build the plan from this batch's lengths")
@@ -46,6 +42,7 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
         if got[0] != 0 or _diffs(got) != lens:
             fail(name, f"nested tensor with lengths {list(_diffs(got))}", f"must match the plan's seqlens {list(lens)}",
                  "build the plan from this batch's lengths")
+        plan._remember_offsets(x)
         return x.values()
     if isinstance(x, torch.Tensor):
         if x.dim() == 0 or x.shape[0] != plan.num_tokens:
@@ -196,7 +193,9 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
 def rows_to_nested(buf: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Token rows of a rank-concatenated buffer (``cat`` of every rank's rows) as a jagged tensor."""
     values = buf.index_select(0, plan._unshard_index(buf.device))
-    return torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(buf.device))
+    nt = torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(buf.device))
+    plan._remember_offsets(nt)
+    return nt
 
 
 def shift(x: TokenRows, plan: Plan, k: int, *, fill: Scalar = 0) -> torch.Tensor:
@@ -215,4 +214,6 @@ def shift(x: TokenRows, plan: Plan, k: int, *, fill: Scalar = 0) -> torch.Tensor
         return _index.shard_index(whole, lens, cu, k, plan.num_tokens).to(rows.device)
 
     values = _gather_rows(rows, plan._memo(("shift", k, rows.device), make), 0, fill)
-    return torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(rows.device))
+    nt = torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(rows.device))
+    plan._remember_offsets(nt)
+    return nt

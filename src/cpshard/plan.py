@@ -8,6 +8,7 @@ of one step can never disagree about which rank holds which row.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,11 +27,14 @@ _I32 = torch.int32
 
 
 def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
-    """Sequence lengths as a tuple of Python ints, from ints or a 1-D integer tensor.
+    """Sequence lengths as a tuple of Python ints, from ints, a 1-D integer tensor or a jagged tensor.
 
     A tensor costs exactly one device-to-host copy here; nothing later reads lengths back.
     """
-    if isinstance(seqlens, torch.Tensor):
+    if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
+        offsets = _jagged_offsets(seqlens, name)
+        values = torch.diff(offsets).tolist()
+    elif isinstance(seqlens, torch.Tensor):
         if seqlens.dim() != 1:
             fail(name, f"tensor of shape {tuple(seqlens.shape)}", "must be 1-D, one length per sequence",
                  "pass a (B,) tensor or a list of ints")
@@ -56,6 +60,17 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
     return tuple(out)
 
 
+def _jagged_offsets(nt: torch.Tensor, name: str) -> torch.Tensor:
+    """The offsets of a compact jagged nested tensor (checks layout and holes; no device copy)."""
+    if nt.layout != torch.jagged:
+        fail(name, f"nested tensor with layout={nt.layout}", "must use layout=torch.jagged",
+             "build it with torch.nested.nested_tensor(..., layout=torch.jagged) or pass a list", kind=TypeError)
+    if getattr(nt, "_lengths", None) is not None:
+        fail(name, "non-contiguous jagged tensor", "must have no holes (lengths=None)",
+             "call torch.nested.nested_tensor_from_jagged(values, offsets) with compact values")
+    return nt.offsets()  # type: ignore[attr-defined,no-any-return]
+
+
 def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,
                     fp8: Any) -> tuple[tuple[int, ...], int, int, Layout, bool]:
     """Validate the arguments every plan builder shares."""
@@ -75,6 +90,16 @@ class PlanCache:
     """
 
     _cache: dict[Any, Any]
+
+    def _remember_offsets(self, nt: Any) -> None:
+        """Record that a jagged tensor's offsets match this plan, so ``shard`` need not re-read them."""
+        if isinstance(nt, torch.Tensor) and nt.is_nested:
+            offsets = nt.offsets()  # type: ignore[attr-defined]
+            self._cache[("offsets-ok", id(offsets))] = weakref.ref(offsets)
+
+    def _offsets_known(self, offsets: torch.Tensor) -> bool:
+        ref = self._cache.get(("offsets-ok", id(offsets)))
+        return ref is not None and ref() is offsets
 
     def _memo(self, key: Any, make: Any) -> Any:
         try:
@@ -185,7 +210,9 @@ class ShardPlan(PlanCache):
         if length_bucket is not None:
             length_bucket = check_int("length_bucket", length_bucket, minimum=1)
         unit, padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket)
-        return cls(lens, padded, cp_size, tp_size, layout, unit)
+        plan = cls(lens, padded, cp_size, tp_size, layout, unit)
+        plan._remember_offsets(seqlens)
+        return plan
 
     def __post_init__(self) -> None:
         # Runs for hand-built plans too: an invalid plan cannot exist.
