@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -21,9 +23,13 @@ SETTINGS = dict(
 )
 
 
+# CPSHARD_PROPS_SCALE=10 runs every property with 10x the examples (a deeper, slower search).
+_SCALE = float(os.environ.get("CPSHARD_PROPS_SCALE", "1"))
+
+
 def props(n: int):
-    """settings(...) for one property with ``n`` examples."""
-    return settings(max_examples=n, **SETTINGS)
+    """settings(...) for one property with ``n`` examples (times CPSHARD_PROPS_SCALE)."""
+    return settings(max_examples=max(1, int(n * _SCALE)), **SETTINGS)
 
 
 CPS = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -239,3 +245,14 @@ def assert_jagged_equals(nt, seqs, seqlens, trailing, dtype):
     assert got_off.dtype == torch.int64, got_off.dtype
     assert torch.equal(got_off, want_off), (got_off, want_off)
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_torch_thread():
+    """The tensors here are tiny; intra-op threads only add OpenMP spin-waits, which on a busy
+    2-core machine made some index ops (``repeat_interleave``) ~500x slower. Restored afterwards.
+    Imported into each *_props module so that it applies there (and only there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from cpshard import ShardPlan, shard, unshard
 from reference import ref_locate, ref_rank_rows, ref_shard, ref_shift_seqs
+from strategies import single_torch_thread  # noqa: F401  (autouse fixture)
 from strategies import (
     FORMS,
     DataCfg,

@@ -31,9 +31,9 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
 
     A tensor costs exactly one device-to-host copy here; nothing later reads lengths back.
     """
+    values: list[Any]
     if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
-        offsets = _jagged_offsets(seqlens, name)
-        values = torch.diff(offsets).tolist()
+        values = torch.diff(_jagged_offsets(seqlens, name)).tolist()
     elif isinstance(seqlens, torch.Tensor):
         if seqlens.dim() != 1:
             fail(name, f"tensor of shape {tuple(seqlens.shape)}", "must be 1-D, one length per sequence",
@@ -41,7 +41,7 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
         if seqlens.dtype.is_floating_point or seqlens.dtype.is_complex or seqlens.dtype == torch.bool:
             fail(name, f"tensor of dtype {seqlens.dtype}", "must hold integers",
                  "pass an integer tensor (e.g. torch.int32) or a list of ints", kind=TypeError)
-        values: list[Any] = seqlens.tolist()
+        values = seqlens.tolist()
     elif isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Sequence):
         fail(name, repr(seqlens), "must be a sequence of ints or a 1-D integer tensor",
              "pass e.g. seqlens=[5, 3]", kind=TypeError)
@@ -68,7 +68,7 @@ def _jagged_offsets(nt: torch.Tensor, name: str) -> torch.Tensor:
     if getattr(nt, "_lengths", None) is not None:
         fail(name, "non-contiguous jagged tensor", "must have no holes (lengths=None)",
              "call torch.nested.nested_tensor_from_jagged(values, offsets) with compact values")
-    return nt.offsets()  # type: ignore[attr-defined,no-any-return]
+    return nt.offsets()  # type: ignore[attr-defined]
 
 
 def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,
