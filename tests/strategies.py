@@ -6,7 +6,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -244,15 +243,3 @@ def assert_jagged_equals(nt, seqs, seqlens, trailing, dtype):
     got_off = nt.offsets()
     assert got_off.dtype == torch.int64, got_off.dtype
     assert torch.equal(got_off, want_off), (got_off, want_off)
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_torch_thread():
-    """The tensors here are tiny; intra-op threads only add OpenMP spin-waits, which on a busy
-    2-core machine made some index ops (``repeat_interleave``) ~500x slower. Restored afterwards.
-    Imported into each *_props module so that it applies there (and only there)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

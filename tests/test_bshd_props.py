@@ -17,7 +17,6 @@ from reference import (
     ref_bshd_shard,
     ref_shift_seqs,
 )
-from strategies import single_torch_thread  # noqa: F401  (autouse fixture)
 from strategies import (
     CPS,
     LAYOUTS,

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 
 from cpshard import from_padded, to_padded
 from reference import ref_from_padded, ref_to_padded
-from strategies import single_torch_thread  # noqa: F401  (autouse fixture)
 from strategies import DataCfg, as_jagged, assert_jagged_equals, data_cfgs, make_seqs, props
 
 LENGTHS = st.one_of(

@@ -17,7 +17,6 @@ from reference import (
     ref_rank_rows,
     ref_row_info,
 )
-from strategies import single_torch_thread  # noqa: F401  (autouse fixture)
 from strategies import PlanCfg, plan_cfgs, props, seqlens_as
 
 # the per-row tests walk every row of every rank through the naive oracle: keep T moderate

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from cpshard import ShardPlan, shard, unshard
 from reference import ref_locate, ref_rank_rows, ref_shard, ref_shift_seqs
-from strategies import single_torch_thread  # noqa: F401  (autouse fixture)
 from strategies import (
     FORMS,
     DataCfg,
@@ -127,8 +126,8 @@ def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
     # oracle: where does global row S_i + p live?
     where = {}
     for r in range(cp):
-        for l, g in enumerate(ref_rank_rows(P, cp, cfg.layout, r)):
-            where[g] = (r, l)
+        for local, g in enumerate(ref_rank_rows(P, cp, cfg.layout, r)):
+            where[g] = (r, local)
     want = []
     start = 0
     for i, n in enumerate(cfg.seqlens):
@@ -136,8 +135,8 @@ def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
         for p in range(n):
             g = start + p
             assert ref_locate(P, g) == (i, p)
-            r, l = where[g]
-            rows.append(parts[r][l])
+            r, local = where[g]
+            rows.append(parts[r][local])
         want.append(torch.stack(rows) if rows else torch.empty((0, *trailing), dtype=dtype))
         start += P[i]
     nt = unshard(parts, plan)
