@@ -180,6 +180,17 @@ def _mismatch(rank, world):
             call()
         except ValueError as exc:
             errors.append(str(exc))
+    # with check=True, bad input on one rank, or one rank's plan sized for another group, makes every
+    # rank raise (after the small check collective) instead of leaving the others waiting
+    good = ShardPlan.build([5, 3], cp_size=world)
+    local = shard(torch.arange(8), good, rank)
+    for call in (lambda: gather(local[:-1] if rank == 2 else local, good, check=True),
+                 lambda: shift_sharded(local, ShardPlan.build([5, 3], cp_size=2) if rank == 1 else good,
+                                       check=True)):
+        try:
+            call()
+        except ValueError as exc:
+            errors.append(str(exc))
     # a plan for the wrong group size fails before any communication
     counter = CommCounter()
     with counter():
@@ -263,11 +274,16 @@ def test_collective_counts_and_volume(suites):
 
 
 def test_mismatched_plans_raise_everywhere(suites):
-    for errors, calls, elapsed in _results(suites, 4, "_mismatch"):
-        assert len(errors) == 4, errors
+    for rank, (errors, calls, elapsed) in enumerate(_results(suites, 4, "_mismatch")):
+        assert len(errors) == 6, errors
         for msg in errors[:3]:
             assert "built different plans" in msg and "ranks [2]" in msg and "ranks [0, 1, 3]" in msg, msg
-        assert "group=a group of 4 ranks" in errors[3] and "cp_size = 2" in errors[3]
+        if rank == 2:
+            assert "local=tensor of shape (3,)" in errors[3], errors[3]
+        else:
+            assert "ranks [2] of the context-parallel group rejected their input" in errors[3], errors[3]
+        assert "ranks [1] built ShardPlan(cp_size=2" in errors[4], errors[4]
+        assert "group=a group of 4 ranks" in errors[5] and "cp_size = 2" in errors[5]
         assert calls == []
         assert elapsed < 20
 

@@ -4,16 +4,17 @@ The only module of cpshard that uses ``torch.distributed``. Every function takes
 as an argument (``None`` is the default group) and reads no global state, so a Megatron CP
 sub-group or a per-micro-batch dynamic group of ``local_cp_size`` ranks works the same way. The
 caller's rank is the group rank. Every check (group size, row counts, argument values) runs before
-the first collective; a check that only one rank fails still leaves the others waiting in theirs,
-which ``check=True`` (one small extra collective) turns into an error on every rank when the cause
-is ranks that built different plans.
+the first collective. Without ``check``, a check that fails on one rank only raises there while the
+others wait in their collective; ``check=True`` costs one small extra collective that shares every
+rank's verdict and plan fingerprint first, so that bad input on any rank, or ranks that built
+different plans, raise on every rank and nothing hangs.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ __all__ = ["check_plan", "gather", "gather_tokens", "plan_fingerprint", "shift_s
 
 Plan = Union[ShardPlan, BshdPlan]
 Scalar = Union[int, float, bool]
+_T = TypeVar("_T")
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -92,28 +94,67 @@ def _collective_device(group: Any) -> torch.device:
 
 
 def check_plan(plan: Plan, group: Any = None) -> None:
-    """Raise on every rank of ``group`` unless all of them built the same plan.
+    """Raise on every rank of ``group`` unless all of them built the same plan, sized for the group.
 
-    One ``all_gather_into_tensor`` of an ``(8,)`` int64 fingerprint (:func:`plan_fingerprint`); it
-    cannot hang while every rank calls it, since every rank sends the same size whatever its plan.
-    The error names which ranks built which plan.
+    One ``all_gather_into_tensor`` of a small int64 fingerprint (:func:`plan_fingerprint`). It
+    cannot hang while every rank calls it: every rank sends the same size whatever its plan, and
+    the group-size check comes after the exchange, so a rank whose plan has the wrong ``cp_size``
+    makes every rank raise instead of leaving the others waiting. The error names which ranks built
+    which plan.
     """
-    rank = _group_rank(plan, group)
+    _agree(plan, group, None)
+
+
+def _checked(plan: Any, group: Any, check: bool, validate: Callable[[], _T]) -> tuple[_T, int]:
+    """Run ``validate()`` (local checks) and return its result with this rank's group rank.
+
+    ``check=False``: a failing check raises at once, before any collective. ``check=True``: the
+    outcome is shared with the other ranks first, together with the plan's fingerprint, so that a
+    failure on any rank, or ranks with different plans, raise on every rank instead of one rank
+    raising while the others wait in the next collective.
+    """
+    if not check:
+        result = validate()
+        return result, _group_rank(plan, group)
+    try:
+        result = validate()
+    except (ValueError, TypeError) as exc:
+        _agree(plan, group, exc)
+        raise  # _agree re-raises it; kept for the type checker
+    _agree(plan, group, None)
+    return result, _group_rank(plan, group)
+
+
+def _agree(plan: Any, group: Any, error: Exception | None) -> None:
+    if not isinstance(plan, (ShardPlan, BshdPlan)):
+        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
+             kind=TypeError)
+    if not (dist.is_available() and dist.is_initialized()):
+        fail("group", repr(group), "needs an initialized torch.distributed process group",
+             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _collective_device(group)
-    mine = plan_fingerprint(plan).to(device)
-    every = torch.empty(plan.cp_size * mine.numel(), dtype=mine.dtype, device=device)
+    mine = torch.cat([plan_fingerprint(plan), torch.tensor([int(error is not None)])]).to(device)
+    every = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
     dist.all_gather_into_tensor(every, mine, group=group)
-    rows = [tuple(r) for r in every.view(plan.cp_size, -1).tolist()]
-    if len(set(rows)) == 1:
-        return
+    rows = [tuple(r) for r in every.view(size, -1).tolist()]
     by_plan: dict[tuple[int, ...], list[int]] = {}
-    for r, fp in enumerate(rows):
-        by_plan.setdefault(fp, []).append(r)
-    listing = "; ".join(f"ranks {ranks} built {_describe(fp)}" for fp, ranks in by_plan.items())
-    raise ValueError(
-        f"plan: the ranks of the context-parallel group built different plans (this is rank {rank}): {listing}. "
-        "Fix: build every rank's plan from the same batch lengths, sizes and layout (e.g. broadcast the "
-        "lengths from one rank), so that no rank mixes rows of different layouts.")
+    for r, row in enumerate(rows):
+        by_plan.setdefault(row[:-1], []).append(r)
+    if len(by_plan) > 1:  # the root cause of most other errors: report it first, on every rank
+        listing = "; ".join(f"ranks {ranks} built {_describe(fp)}" for fp, ranks in by_plan.items())
+        raise ValueError(
+            f"plan: the ranks of the context-parallel group built different plans (this is rank {rank}): {listing}. "
+            "Fix: build every rank's plan from the same batch lengths, sizes and layout (e.g. broadcast the "
+            "lengths from one rank), so that no rank mixes rows of different layouts.") from error
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[-1]]
+    if failed:
+        raise ValueError(
+            f"ranks {failed} of the context-parallel group rejected their input (their errors say why; this is "
+            f"rank {rank}). Fix: correct the input on those ranks; every rank stopped before communicating data.")
+    _group_rank(plan, group)  # the same plan everywhere: a size mismatch now raises on every rank
 
 
 # -- gather ----------------------------------------------------------------------------------
@@ -142,10 +183,12 @@ class _AllGatherOwnGrad(torch.autograd.Function):
 
 
 def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool) -> torch.Tensor:
-    local = _check_local(local, plan)
-    rank = _group_rank(plan, group)
-    if check:
-        check_plan(plan, group)
+    def validate() -> torch.Tensor:
+        checked = _check_local(local, plan)
+        _group_rank(plan, group)
+        return checked
+
+    local, rank = _checked(plan, group, check, validate)
     if isinstance(plan, BshdPlan):
         b, mc = plan.batch_size, plan.local_seq_len
         trailing = local.shape[2:]
@@ -253,13 +296,14 @@ def shift_sharded(local: torch.Tensor, plan: ShardPlan, group: Any = None, *, sh
     Autograd: differentiable; the gradient of a row flows back to the rank and row it was read
     from (a second all-to-all in backward). Pad and fill rows pass no gradient.
     """
-    if isinstance(plan, BshdPlan):
+    if isinstance(plan, BshdPlan):  # the same answer on every rank: raising before communicating is safe
         fail("plan", "BshdPlan", "shift_sharded takes a THD ShardPlan",
              "shard BSHD labels already shifted with shard(x, plan, rank, shift=k)", kind=TypeError)
-    local = _check_local(local, plan)
-    shift = check_int("shift", shift, minimum=0)
-    rank = _group_rank(plan, group)
-    if check:
-        check_plan(plan, group)
-    ex = plan._exchange(rank, shift, local.device)
+    def validate() -> tuple[torch.Tensor, int]:
+        checked = _check_local(local, plan)
+        _group_rank(plan, group)
+        return checked, check_int("shift", shift, minimum=0)
+
+    (local, k), rank = _checked(plan, group, check, validate)
+    ex = plan._exchange(rank, k, local.device)
     return _ShiftSharded.apply(local, ex, group, pad_value, fill)
