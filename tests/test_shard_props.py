@@ -7,6 +7,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+import cpshard
 from cpshard import ShardPlan, shard, unshard
 from reference import ref_locate, ref_rank_rows, ref_shard, ref_shift_seqs
 from strategies import (
@@ -141,3 +142,19 @@ def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
         start += P[i]
     nt = unshard(parts, plan)
     assert_jagged_equals(nt, want, cfg.seqlens, trailing, dtype)
+
+
+@props(80)
+@given(
+    seqlens=st.lists(st.integers(0, 40), min_size=1, max_size=16),
+    cp=st.integers(1, 4),
+    d=data_cfgs(),
+    form=st.sampled_from(FORMS),
+)
+def test_unsharded_shift_matches_reference(seqlens, cp, d, form):
+    """``cpshard.shift`` (no sharding) equals the naive shift for every plan it is given."""
+    plan = ShardPlan.build(seqlens, cp_size=cp)
+    seqs = make_seqs(seqlens, d)
+    k = max(d.shift, 1)
+    got = cpshard.shift(as_form(form, seqs, seqlens, d.trailing, d.dtype), plan, k, fill=d.fill)
+    assert_jagged_equals(got, ref_shift_seqs(seqs, k, d.fill), seqlens, d.trailing, d.dtype)
