@@ -66,6 +66,8 @@ def _check_local(local: Any, plan: Plan) -> torch.Tensor:
 def plan_fingerprint(plan: Plan) -> torch.Tensor:
     """``(8,)`` int64 summary of a plan; equal plans give equal fingerprints. No communication.
 
+    What :func:`check_plan` exchanges, with one more word: whether the rank's input passed its checks.
+
     ``[kind, cp_size, tp_size, layout, num_seqs, total_len or seq_len, hash, hash]``; the two hash
     words are a BLAKE2b digest of every length, so plans that differ anywhere differ here.
     """
@@ -207,7 +209,8 @@ def gather(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = 
         plan: the plan every rank of ``group`` sharded this micro-batch with.
         group: the context-parallel process group (``None``: the default group); its size must
             be ``plan.cp_size`` and this process's rank in it is its CP rank.
-        check: first run :func:`check_plan` (one small extra collective).
+        check: first share every rank's input verdict and plan fingerprint (one small extra
+            collective, as :func:`check_plan`), so that bad input on any rank raises on all.
 
     Returns:
         A jagged nested tensor ``(B, j, ...)``, equal on every rank to ``unshard`` of all ranks'
@@ -291,7 +294,7 @@ def shift_sharded(local: torch.Tensor, plan: ShardPlan, group: Any = None, *, sh
         shift: ``k >= 0``.
         fill: value of token rows whose source ``p + k`` lies past the sequence's end.
         pad_value: value of pad rows.
-        check: first run :func:`check_plan`.
+        check: as in :func:`gather`.
 
     Autograd: differentiable; the gradient of a row flows back to the rank and row it was read
     from (a second all-to-all in backward). Pad and fill rows pass no gradient.
