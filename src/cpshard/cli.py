@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -120,7 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"cpshard plan: {exc}", file=sys.stderr)
         return 2
-    print(describe_plan(plan, picture=args.picture))
+    try:
+        print(describe_plan(plan, picture=args.picture), flush=True)
+    except BrokenPipeError:  # `cpshard plan ... | head`: stop quietly, like other CLI tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
