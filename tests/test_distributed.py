@@ -1,4 +1,4 @@
-"""gather / shift_sharded / check_plan across real gloo processes (tests/dist_harness.py).
+"""gather / shift_sharded / check_plan across real gloo processes (cpshard.spawn.run_ranks).
 
 Each spawned group runs many sub-cases and asserts inside every rank; the parent asserts on what the
 ranks report. Collectives are counted by wrapping the ``torch.distributed`` functions in each rank.
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cpshard import BshdPlan, Layout, ShardPlan, shard, unshard
 from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded
-from dist_harness import run_ranks
+from cpshard.spawn import run_ranks
 
 _COMM = ("all_gather_into_tensor", "all_gather", "all_to_all_single", "all_to_all", "all_reduce", "broadcast",
          "send", "recv", "isend", "irecv", "batch_isend_irecv", "reduce_scatter_tensor", "gather", "scatter")

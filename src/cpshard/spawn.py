@@ -1,12 +1,25 @@
 """Run a function on ``world_size`` real gloo processes on 127.0.0.1 and collect what each returns.
 
+The harness cpshard's own multi-process tests use, public so that tests of code built on cpshard
+(and tools such as a CPU end-to-end check) can run real ``torch.distributed`` ranks the same way.
+
 ``run_ranks(fn, world_size, *args)`` spawns fresh interpreters (``spawn``: no inherited state),
 initializes the default gloo group on a free port, calls ``fn(rank, world_size, *args)`` on each,
 and returns the ranks' results in rank order. The first traceback from any rank is re-raised in the
 caller (with the rank named); a run that outlives ``timeout`` seconds is killed and raises
 ``TimeoutError`` instead of hanging the suite. No process is left behind either way.
 
-``fn`` and its arguments must be picklable: define ``fn`` at module level in a test module.
+``fn`` and its arguments must be picklable: define ``fn`` at module level in an importable module.
+
+Example::
+
+    def body(rank, world_size):
+        import torch, torch.distributed as dist
+        t = torch.tensor([rank])
+        dist.all_reduce(t)
+        return int(t)
+
+    assert run_ranks(body, 3) == [3, 3, 3]
 """
 
 from __future__ import annotations
@@ -22,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_ranks"]
 
 _CTX = mp.get_context("spawn")
 
