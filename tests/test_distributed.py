@@ -216,6 +216,18 @@ def _subgroups(rank, world):
     assert torch.equal(got.values(), x)
     out = shift_sharded(local, plan, group, shift=2, fill=-1, check=True)
     assert torch.equal(out, shard(x, plan, cp_rank, shift=2, fill=-1))
+
+    # verl's dynamic CP: a group of local_cp_size ranks built for each micro-batch
+    for local_cp_size in (world, half, 1):
+        groups = [dist.new_group(list(range(s, s + local_cp_size))) for s in range(0, world, local_cp_size)]
+        group = groups[rank // local_cp_size]
+        lens = [3 * local_cp_size + 1, 0, 5 + rank // local_cp_size]
+        plan = ShardPlan.build(lens, cp_size=local_cp_size)
+        x = torch.arange(sum(lens), dtype=torch.float32)
+        local = shard(x, plan, rank % local_cp_size)
+        assert torch.equal(gather(local, plan, group, check=True).values(), x)
+        assert torch.equal(shift_sharded(local, plan, group, shift=1, fill=-1),
+                           shard(x, plan, rank % local_cp_size, shift=1, fill=-1))
     return True
 
 
