@@ -73,8 +73,8 @@ VOCAB = 32000
 _P2P_SEND = ("send", "isend")
 _P2P_RECV = ("recv", "irecv")
 _COUNTED = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all_single", "all_to_all",
-            "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast", "reduce_scatter_tensor",
-            "reduce_scatter", "gather", "scatter", "reduce", "barrier", "all_gather_object",
+            "all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
+            "reduce_scatter_tensor", "reduce_scatter", "gather", "scatter", "reduce", "barrier", "all_gather_object",
             "broadcast_object_list")
 
 
@@ -96,8 +96,8 @@ def _elements_sent(name: str, args: tuple, kwargs: dict, world: int, rank: int) 
         return (sum(splits) - splits[rank]) * row
     if name == "all_to_all":
         return sum(t.numel() for i, t in enumerate(arg(1, "input_tensor_list")) if i != rank)
-    if name in ("all_gather_into_tensor", "all_gather"):
-        return arg(1, "input_tensor" if name == "all_gather_into_tensor" else "tensor").numel() * (world - 1)
+    if name in ("all_gather_single", "all_gather_into_tensor", "all_gather"):
+        return arg(1, "tensor" if name == "all_gather" else "input_tensor").numel() * (world - 1)
     if name in ("all_reduce", "broadcast", "reduce"):
         return arg(0, "tensor").numel()
     if name == "reduce_scatter_tensor":

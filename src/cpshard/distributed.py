@@ -98,7 +98,7 @@ def _collective_device(group: Any) -> torch.device:
 def check_plan(plan: Plan, group: Any = None) -> None:
     """Raise on every rank of ``group`` unless all of them built the same plan, sized for the group.
 
-    One ``all_gather_into_tensor`` of a small int64 fingerprint (:func:`plan_fingerprint`). It
+    One all-gather (``all_gather_single``) of a small int64 fingerprint (:func:`plan_fingerprint`). It
     cannot hang while every rank calls it: every rank sends the same size whatever its plan, and
     the group-size check comes after the exchange, so a rank whose plan has the wrong ``cp_size``
     makes every rank raise instead of leaving the others waiting. The error names which ranks built
@@ -138,7 +138,7 @@ def _agree(plan: Any, group: Any, error: Exception | None) -> None:
     device = _collective_device(group)
     mine = torch.cat([plan_fingerprint(plan), torch.tensor([int(error is not None)])]).to(device)
     every = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
+    _all_gather_flat(every, mine, group)
     rows = [tuple(r) for r in every.view(size, -1).tolist()]
     by_plan: dict[tuple[int, ...], list[int]] = {}
     for r, row in enumerate(rows):
@@ -162,6 +162,17 @@ def _agree(plan: Any, group: Any, error: Exception | None) -> None:
 # -- gather ----------------------------------------------------------------------------------
 
 
+def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """Concatenate every rank's ``inp`` into ``out`` along dim 0.
+
+    ``all_gather_single`` where torch has it (2.13 deprecates ``all_gather_into_tensor``, which
+    older releases, back to the 2.4 that cpshard supports, only have). Looked up at call time so
+    that wrappers installed on ``torch.distributed`` (collective counters) see the call.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """A view the backend can move: bool travels as uint8 (same bytes)."""
     return t.view(torch.uint8) if t.dtype == torch.bool else t
@@ -175,7 +186,7 @@ class _AllGatherOwnGrad(torch.autograd.Function):
         local = local.contiguous()
         ctx.rows, ctx.rank = local.shape[0], rank
         out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(_wire(out), _wire(local), group=group)
+        _all_gather_flat(_wire(out), _wire(local), group)
         return out
 
     @staticmethod
@@ -214,7 +225,7 @@ def gather(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = 
 
     Returns:
         A jagged nested tensor ``(B, j, ...)``, equal on every rank to ``unshard`` of all ranks'
-        ``local``. One ``all_gather_into_tensor``, then one ``index_select``.
+        ``local``. One all-gather (``all_gather_single``), then one ``index_select``.
 
     Autograd:
         The gradient reaches the calling rank's own ``local`` rows exactly once, from the positions
