@@ -127,3 +127,129 @@ def test_cli_balance_zigzag_beats_contiguous(capsys):
     def ratio(text):
         return float(text.split("causal work max/mean = ")[1].split()[0])
     assert ratio(zigzag) == 1.0 and ratio(contiguous) > 1.5
+
+
+# -- found in review: caches, aliasing, odd inputs ------------------------------------------------
+
+
+def test_replace_gives_a_fresh_cache():
+    import dataclasses
+
+    p = ShardPlan.build([6, 2], cp_size=2)
+    shard(torch.arange(8), p, 0)
+    q = dataclasses.replace(p, layout="contiguous")
+    assert shard(torch.arange(8), q, 0).tolist() == [0, 1, 2, 3, 4, 5]
+    b = BshdPlan.build([6, 2], cp_size=2)
+    shard([torch.arange(6), torch.arange(2)], b, 0)
+    c = dataclasses.replace(b, layout="contiguous")
+    assert c.columns(0).tolist() == [0, 1, 2, 3]
+
+
+def test_plans_pickle_after_use():
+    import pickle
+
+    nt = _jagged([5, 3])
+    plan = ShardPlan.build(nt, cp_size=2)
+    unshard([shard(nt, plan, r) for r in range(2)], plan)
+    clone = pickle.loads(pickle.dumps(plan))
+    assert clone == plan and torch.equal(shard(nt, clone, 1), shard(nt, plan, 1))
+
+
+def test_views_cannot_change_the_plan():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    mask = plan.token_mask(0).clone()
+    plan.position_ids(0).clamp_(max=1)
+    plan.global_rows(0).zero_()
+    plan.cu_seqlens_padded[1] = 0
+    assert torch.equal(plan.token_mask(0), mask)
+    assert plan.cu_seqlens_padded.tolist() == [0, 8, 12]
+    out = unshard([shard(torch.arange(8), plan, r) for r in range(2)], plan)
+    out.offsets()[1] = 1  # the caller's tensor; the plan keeps its own
+    assert cpshard.shift(torch.arange(8), plan, 1).values().tolist() == [1, 2, 3, 4, 0, 6, 7, 0]
+
+
+def test_offsets_edited_in_place_are_read_again():
+    off = torch.tensor([0, 5, 8])
+    nt = torch.nested.nested_tensor_from_jagged(torch.arange(8), offsets=off)
+    plan = ShardPlan.build(nt, cp_size=2)
+    off[1] = 2
+    nt2 = torch.nested.nested_tensor_from_jagged(torch.arange(8) + 50, offsets=off)
+    with pytest.raises(ValueError, match=r"lengths \[2, 6\]"):
+        shard(nt2, plan, 0)
+
+
+def test_offsets_must_start_at_zero():
+    nt = torch.nested.nested_tensor_from_jagged(torch.arange(100, 110), offsets=torch.tensor([2, 7, 10]))
+    with pytest.raises(ValueError, match="offsets must start at 0"):
+        ShardPlan.build(nt, cp_size=2)
+    with pytest.raises(ValueError, match="offsets starting at 2"):
+        shard(nt, ShardPlan.build([5, 3], cp_size=2), 0)
+
+
+def test_transposed_nested_is_rejected():
+    nt = torch.nested.nested_tensor_from_jagged(torch.arange(128.0).reshape(8, 16), offsets=torch.tensor([0, 5, 8]))
+    with pytest.raises(ValueError, match="ragged dimension at 2"):
+        shard(nt.transpose(1, 2), ShardPlan.build([5, 3], cp_size=2), 0)
+
+
+@pytest.mark.parametrize(("dtype", "name", "value", "kind"), [
+    (torch.bool, "fill", -100, ValueError),
+    (torch.uint8, "fill", -100, ValueError),
+    (torch.int64, "pad_value", 1.7, ValueError),
+    (torch.int8, "pad_value", 300, ValueError),
+    (torch.float32, "fill", None, TypeError),
+    (torch.float32, "fill", 1j, ValueError),
+])
+def test_fill_values_must_fit_the_dtype(dtype, name, value, kind):
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(kind, match=f"{name}="):
+        shard(torch.zeros(8, dtype=dtype), plan, 1, shift=1, **{name: value})
+
+
+def test_fill_values_that_fit_are_accepted():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    assert shard(torch.ones(8, dtype=torch.bool), plan, 1, shift=1, fill=0).tolist() == \
+        [True, True, False, False, True, False]
+    assert shard(torch.zeros(8, dtype=torch.int64), plan, 1, pad_value=-100.0).tolist()[3] == -100
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_rows(dtype):
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    x = (torch.arange(8, dtype=torch.float32) / 4).to(dtype)
+    out = shard(x, plan, 1, shift=1, fill=-2.0, pad_value=0.5)
+    want = torch.tensor([0.75, 1.0, -2.0, 0.5, 1.75, -2.0]).to(dtype)
+    assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    back = unshard([shard(x, plan, r) for r in range(2)], plan)
+    assert torch.equal(back.values().view(torch.uint8), x.view(torch.uint8))
+
+
+def test_all_empty_batch_keeps_the_graph():
+    plan = ShardPlan.build([0, 0], cp_size=2, min_local_rows=4)
+    x = torch.zeros(0, 3, requires_grad=True)
+    out = shard(x, plan, 0)
+    assert out.shape == (4, 3) and out.requires_grad
+    out.sum().backward()
+    assert x.grad.shape == (0, 3)
+
+
+def test_odd_length_inputs():
+    import numpy as np
+
+    assert ShardPlan.build(np.array([5, 3]), cp_size=2) == ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(ValueError, match="meta device"):
+        ShardPlan.build(torch.tensor([5, 3], device="meta"), cp_size=2)
+    with pytest.raises(ValueError, match="below 2\\*\\*31"):
+        ShardPlan.build([2**30, 2**30], cp_size=1)
+
+
+def test_shift_with_bshd_plan_and_plain_tensor_is_refused():
+    plan = BshdPlan.build([1, 1], cp_size=1)
+    with pytest.raises(ValueError, match="padded \\(B, S, ...\\) batch"):
+        cpshard.shift(torch.zeros(2, 4), plan, 1)
+
+
+def test_cli_rejects_empty_length(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--lengths", "5,,3"])
+    assert "expected comma-separated ints" in capsys.readouterr().err

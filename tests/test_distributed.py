@@ -122,6 +122,23 @@ def _bshd_gather(rank, world):
     return True
 
 
+def _odd_dtypes(rank, world):
+    """fp8 (no index_fill_ or gloo support: moved as bytes), float16, int8 and complex rows."""
+    lens = [7, 0, 2 * world + 3]
+    for layout in Layout:
+        plan = ShardPlan.build(lens, cp_size=world, layout=layout)
+        for dtype in (torch.float8_e4m3fn, torch.float16, torch.int8, torch.complex64):
+            base = torch.arange(sum(lens), dtype=torch.float32) / 4
+            x = base.to(dtype) if dtype != torch.int8 else torch.arange(sum(lens), dtype=torch.int8)
+            local = shard(x, plan, rank)
+            got = gather(local, plan, check=True).values()
+            assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
+            out = shift_sharded(local, plan, shift=2, fill=1, pad_value=0, check=True)
+            want = shard(x, plan, rank, shift=2, fill=1, pad_value=0)
+            assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    return True
+
+
 def _autograd(rank, world):
     """Gradients through gather and shift_sharded equal the single-process ones for this rank's rows."""
     for layout in Layout:
@@ -196,6 +213,14 @@ def _mismatch(rank, world):
             call()
         except ValueError as exc:
             errors.append(str(exc))
+    # ... and so do different arguments for one step (dtype, row shape, shift), or a non-plan
+    for call in (lambda: gather(local.double() if rank == 1 else local.float(), good, check=True),
+                 lambda: shift_sharded(local, good, shift=3 if rank == 1 else 1, check=True),
+                 lambda: gather(local, "not a plan" if rank == 3 else good, check=True)):
+        try:
+            call()
+        except (ValueError, TypeError) as exc:
+            errors.append(str(exc))
     # a plan for the wrong group size fails before any communication
     counter = CommCounter()
     with counter():
@@ -239,8 +264,8 @@ def _subgroups(rank, world):
 # One spawned group per world size runs every sub-case planned for it (starting processes is the
 # expensive part on a small machine); each test then asserts on its sub-case's results.
 _PLAN = {
-    2: ("_gather_and_shift", "_bshd_gather", "_autograd"),
-    3: ("_gather_and_shift", "_bshd_gather"),
+    2: ("_gather_and_shift", "_bshd_gather", "_autograd", "_odd_dtypes"),
+    3: ("_gather_and_shift", "_bshd_gather", "_odd_dtypes"),
     4: ("_gather_and_shift", "_autograd", "_costs", "_mismatch", "_subgroups"),
     8: ("_gather_and_shift",),
 }
@@ -279,6 +304,11 @@ def test_bshd_gather(suites, world):
     assert _results(suites, world, "_bshd_gather") == [True] * world
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_odd_dtypes(suites, world):
+    assert _results(suites, world, "_odd_dtypes") == [True] * world
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_autograd_matches_single_process(suites, world):
     assert _results(suites, world, "_autograd") == [True] * world
@@ -292,7 +322,7 @@ def test_collective_counts_and_volume(suites):
 
 def test_mismatched_plans_raise_everywhere(suites):
     for rank, (errors, calls, elapsed) in enumerate(_results(suites, 4, "_mismatch")):
-        assert len(errors) == 6, errors
+        assert len(errors) == 9, errors
         for msg in errors[:3]:
             assert "built different plans" in msg and "ranks [2]" in msg and "ranks [0, 1, 3]" in msg, msg
         if rank == 2:
@@ -300,7 +330,11 @@ def test_mismatched_plans_raise_everywhere(suites):
         else:
             assert "ranks [2] of the context-parallel group rejected their input" in errors[3], errors[3]
         assert "ranks [1] built ShardPlan(cp_size=2" in errors[4], errors[4]
-        assert "group=a group of 4 ranks" in errors[5] and "cp_size = 2" in errors[5]
+        for msg in errors[5:7]:
+            assert "called with different arguments: ranks [0, 2, 3] vs [1]" in msg, msg
+        assert "dtype=torch.float" in errors[5] and "shift=" in errors[6]
+        assert "ranks [3] built no plan (see that rank's TypeError)" in errors[7], errors[7]
+        assert "group=a group of 4 ranks" in errors[8] and "cp_size = 2" in errors[8]
         assert calls == []
         assert elapsed < 20
 

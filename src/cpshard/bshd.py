@@ -40,7 +40,7 @@ class BshdPlan(PlanCache):
     tp_size: int = 1
     layout: Layout = Layout.ZIGZAG
     alignment: int = 1
-    _cache: dict[Any, Any] = field(default_factory=dict, compare=False)
+    _cache: dict[Any, Any] = field(init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -77,6 +77,7 @@ class BshdPlan(PlanCache):
         return plan
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "layout", Layout.parse(self.layout))
         object.__setattr__(self, "seqlens_py", tuple(self.seqlens_py))
         cp = check_int("cp_size", self.cp_size, minimum=1)
@@ -118,7 +119,7 @@ class BshdPlan(PlanCache):
     def columns(self, rank: int) -> torch.Tensor:
         """``(M / cp,)`` int64: the global column each local column holds."""
         rank = check_rank(rank, self.cp_size)
-        return self._memo(("cols", rank), lambda: self._segments(rank).positions())
+        return self._memo(("cols", rank), lambda: self._segments(rank).positions()).clone()
 
     def attention_mask(self, rank: int) -> torch.Tensor:
         """``(B, M / cp)`` bool: True on token columns."""

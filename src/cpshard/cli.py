@@ -93,7 +93,7 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
 
 def _lengths(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in text.replace(" ", "").split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--lengths={text!r}: expected comma-separated ints, e.g. 5,3") from None
 

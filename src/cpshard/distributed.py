@@ -19,6 +19,7 @@ from typing import Any, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from cpshard._dtypes import OPAQUE, bit_pattern, check_fill, wire
 from cpshard._errors import check_int, check_tensor, fail
 from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
@@ -55,6 +56,9 @@ def _group_rank(plan: Plan, group: Any) -> int:
 
 
 def _check_local(local: Any, plan: Plan) -> torch.Tensor:
+    if not isinstance(plan, (ShardPlan, BshdPlan)):
+        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
+             kind=TypeError)
     local = check_tensor("local", local)
     lead = plan.local_shape
     if local.dim() < len(lead) or tuple(local.shape[:len(lead)]) != lead:
@@ -82,6 +86,8 @@ def plan_fingerprint(plan: Plan) -> torch.Tensor:
 
 
 def _describe(fp: Sequence[int]) -> str:
+    if fp[1] == 0:  # the zero fingerprint of a rank that passed no plan at all
+        return "no plan (see that rank's TypeError)"
     kind = "BshdPlan" if fp[0] else "ShardPlan"
     size = "seq_len" if fp[0] else "total_len"
     layout = "zigzag" if fp[3] == 0 else "contiguous"
@@ -104,45 +110,63 @@ def check_plan(plan: Plan, group: Any = None) -> None:
     makes every rank raise instead of leaving the others waiting. The error names which ranks built
     which plan.
     """
-    _agree(plan, group, None)
+    _agree(plan, group, None, {})
 
 
-def _checked(plan: Any, group: Any, check: bool, validate: Callable[[], _T]) -> tuple[_T, int]:
+def _checked(plan: Any, group: Any, check: bool,
+             validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int]:
     """Run ``validate()`` (local checks) and return its result with this rank's group rank.
 
-    ``check=False``: a failing check raises at once, before any collective. ``check=True``: the
-    outcome is shared with the other ranks first, together with the plan's fingerprint, so that a
-    failure on any rank, or ranks with different plans, raise on every rank instead of one rank
-    raising while the others wait in the next collective.
+    ``validate`` returns ``(result, call)`` where ``call`` names the arguments every rank must
+    pass alike (dtype, row shape, shift, fill values). ``check=False``: a failing check raises at
+    once, before any collective. ``check=True``: the verdict, the plan's fingerprint and a digest of
+    ``call`` are shared with the other ranks first, so that a failure on any rank, different plans
+    or different arguments raise on every rank instead of one rank raising while the others wait
+    (or the collective mixing data of different dtypes).
     """
     if not check:
-        result = validate()
+        result, _ = validate()
         return result, _group_rank(plan, group)
     try:
-        result = validate()
+        result, call = validate()
     except (ValueError, TypeError) as exc:
-        _agree(plan, group, exc)
+        _agree(plan, group, exc, {})
         raise  # _agree re-raises it; kept for the type checker
-    _agree(plan, group, None)
+    _agree(plan, group, None, call)
     return result, _group_rank(plan, group)
 
 
-def _agree(plan: Any, group: Any, error: Exception | None) -> None:
-    if not isinstance(plan, (ShardPlan, BshdPlan)):
-        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
-             kind=TypeError)
+def _digest(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
+    """The small collective behind ``check_plan`` and ``check=True``; raises on every rank or none."""
     if not (dist.is_available() and dist.is_initialized()):
         fail("group", repr(group), "needs an initialized torch.distributed process group",
              "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+    if isinstance(plan, (ShardPlan, BshdPlan)):
+        fingerprint = plan_fingerprint(plan)
+    else:  # still take part in the exchange, so that the other ranks raise too
+        fingerprint = torch.zeros(8, dtype=torch.int64)
+        if error is None:
+            error = TypeError(f"plan={type(plan).__name__}: must be a ShardPlan or BshdPlan. "
+                              "Fix: build one with ShardPlan.build.")
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _collective_device(group)
-    mine = torch.cat([plan_fingerprint(plan), torch.tensor([int(error is not None)])]).to(device)
+    extra = torch.tensor([_digest(sorted(call.items())) if error is None else 0, int(error is not None)])
+    mine = torch.cat([fingerprint, extra]).to(device)
     every = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
     _all_gather_flat(every, mine, group)
     rows = [tuple(r) for r in every.view(size, -1).tolist()]
-    by_plan: dict[tuple[int, ...], list[int]] = {}
-    for r, row in enumerate(rows):
-        by_plan.setdefault(row[:-1], []).append(r)
+
+    def ranks_by(key: Callable[[tuple[int, ...]], Any]) -> dict[Any, list[int]]:
+        groups: dict[Any, list[int]] = {}
+        for r, row in enumerate(rows):
+            groups.setdefault(key(row), []).append(r)
+        return groups
+
+    by_plan = ranks_by(lambda row: row[:8])
     if len(by_plan) > 1:  # the root cause of most other errors: report it first, on every rank
         listing = "; ".join(f"ranks {ranks} built {_describe(fp)}" for fp, ranks in by_plan.items())
         raise ValueError(
@@ -151,11 +175,18 @@ def _agree(plan: Any, group: Any, error: Exception | None) -> None:
             "lengths from one rank), so that no rank mixes rows of different layouts.") from error
     if error is not None:
         raise error
-    failed = [r for r, row in enumerate(rows) if row[-1]]
+    failed = [r for r, row in enumerate(rows) if row[9]]
     if failed:
         raise ValueError(
             f"ranks {failed} of the context-parallel group rejected their input (their errors say why; this is "
             f"rank {rank}). Fix: correct the input on those ranks; every rank stopped before communicating data.")
+    by_call = ranks_by(lambda row: row[8])
+    if len(by_call) > 1:
+        mine_desc = ", ".join(f"{k}={v}" for k, v in call.items())
+        raise ValueError(
+            f"the ranks of the context-parallel group called with different arguments: ranks "
+            f"{' vs '.join(str(r) for r in by_call.values())} (this is rank {rank}, which passed {mine_desc}). "
+            "Fix: pass every rank the same dtype, row shape, shift and fill values for one step.")
     _group_rank(plan, group)  # the same plan everywhere: a size mismatch now raises on every rank
 
 
@@ -173,9 +204,7 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """A view the backend can move: bool travels as uint8 (same bytes)."""
-    return t.view(torch.uint8) if t.dtype == torch.bool else t
+_wire = wire
 
 
 class _AllGatherOwnGrad(torch.autograd.Function):
@@ -196,10 +225,10 @@ class _AllGatherOwnGrad(torch.autograd.Function):
 
 
 def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool) -> torch.Tensor:
-    def validate() -> torch.Tensor:
+    def validate() -> tuple[torch.Tensor, dict[str, Any]]:
         checked = _check_local(local, plan)
         _group_rank(plan, group)
-        return checked
+        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
     local, rank = _checked(plan, group, check, validate)
     if isinstance(plan, BshdPlan):
@@ -310,14 +339,21 @@ def shift_sharded(local: torch.Tensor, plan: ShardPlan, group: Any = None, *, sh
     Autograd: differentiable; the gradient of a row flows back to the rank and row it was read
     from (a second all-to-all in backward). Pad and fill rows pass no gradient.
     """
-    if isinstance(plan, BshdPlan):  # the same answer on every rank: raising before communicating is safe
-        fail("plan", "BshdPlan", "shift_sharded takes a THD ShardPlan",
-             "shard BSHD labels already shifted with shard(x, plan, rank, shift=k)", kind=TypeError)
-    def validate() -> tuple[torch.Tensor, int]:
+    def validate() -> tuple[tuple[torch.Tensor, int, Any, Any], dict[str, Any]]:
+        if isinstance(plan, BshdPlan):
+            fail("plan", "BshdPlan", "shift_sharded takes a THD ShardPlan",
+                 "shard BSHD labels already shifted with shard(x, plan, rank, shift=k)", kind=TypeError)
         checked = _check_local(local, plan)
         _group_rank(plan, group)
-        return checked, check_int("shift", shift, minimum=0)
+        k = check_int("shift", shift, minimum=0)
+        pad, fil = check_fill("pad_value", pad_value, checked.dtype), check_fill("fill", fill, checked.dtype)
+        call = {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]), "shift": k, "pad_value": pad,
+                "fill": fil}
+        return (checked, k, pad, fil), call
 
-    (local, k), rank = _checked(plan, group, check, validate)
+    (local, k, pad, fil), rank = _checked(plan, group, check, validate)
     ex = plan._exchange(rank, k, local.device)
-    return _ShiftSharded.apply(local, ex, group, pad_value, fill)
+    if local.dtype in OPAQUE:  # fp8 rows move as bytes; nothing to differentiate
+        return _ShiftSharded.apply(local.view(torch.uint8), ex, group, bit_pattern(pad, local.dtype),
+                                   bit_pattern(fil, local.dtype)).view(local.dtype)
+    return _ShiftSharded.apply(local, ex, group, pad, fil)

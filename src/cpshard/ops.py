@@ -13,6 +13,7 @@ from typing import Any, Union
 import torch
 
 from cpshard import _index
+from cpshard._dtypes import OPAQUE, bit_pattern, check_fill
 from cpshard._errors import check_int, check_rank, fail
 from cpshard.bshd import BshdPlan
 from cpshard.plan import ShardPlan, _jagged_offsets
@@ -39,11 +40,17 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
             fail(name, f"nested tensor of {offsets.numel() - 1} sequences",
                  f"must hold the plan's {len(lens)} sequences", "build the plan from this batch's lengths")
         got = tuple(offsets.tolist())
-        if got[0] != 0 or _diffs(got) != lens:
+        if got[0] != 0:
+            fail(name, f"nested tensor with offsets starting at {got[0]}", "offsets must start at 0",
+                 "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
+        if _diffs(got) != lens:
             fail(name, f"nested tensor with lengths {list(_diffs(got))}", f"must match the plan's seqlens {list(lens)}",
                  "build the plan from this batch's lengths")
         plan._remember_offsets(x)
         return x.values()
+    if isinstance(x, torch.Tensor) and isinstance(plan, BshdPlan):
+        fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
+             "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
     if isinstance(x, torch.Tensor):
         if x.dim() == 0 or x.shape[0] != plan.num_tokens:
             fail(name, f"tensor of shape {tuple(x.shape)}",
@@ -78,9 +85,16 @@ def _check_shift(value: Any) -> int:
 
 
 def _gather_rows(rows: torch.Tensor, index: _index.ShardIndex, pad_value: Scalar, fill: Scalar) -> torch.Tensor:
+    """One gather of ``rows`` by ``index``, then the pad and fill rows. Values checked by the caller."""
+    if rows.dtype in OPAQUE:  # fp8: move the bytes, fill with the values' bit patterns
+        out = _gather_rows(rows.view(torch.uint8), index, bit_pattern(pad_value, rows.dtype),
+                           bit_pattern(fill, rows.dtype))
+        return out.view(rows.dtype)
     src, pad_rows, fill_rows = index.src, index.pad_rows, index.fill_rows
     if rows.shape[0] == 0:  # nothing to read: every output row is a pad row
         out = rows.new_full((src.numel(), *rows.shape[1:]), pad_value)
+        if rows.requires_grad:  # keep the (empty) graph, so that backward() still reaches the input
+            out = out + rows.sum() * 0
     else:
         out = rows.index_select(0, src)
         if pad_rows.numel():
@@ -127,6 +141,7 @@ def shard(x: TokenRows, plan: Plan, rank: int, *, shift: int = 0, pad_value: Sca
     rank = check_rank(rank, plan.cp_size)
     shift = _check_shift(shift)
     rows = as_flat(x, plan)
+    pad_value, fill = check_fill("pad_value", pad_value, rows.dtype), check_fill("fill", fill, rows.dtype)
     return _gather_rows(rows, plan._shard_index(rank, shift, rows.device), pad_value, fill)
 
 
@@ -144,6 +159,7 @@ def _shard_bshd(x: TokenRows, plan: BshdPlan, rank: int, shift: Any, pad_value: 
         rows = x.reshape(b * stride, *x.shape[2:])
     else:
         stride, rows = None, as_flat(x, plan)
+    pad_value, fill = check_fill("pad_value", pad_value, rows.dtype), check_fill("fill", fill, rows.dtype)
     out = _gather_rows(rows, plan._shard_index(rank, shift, stride, rows.device), pad_value, fill)
     return out.view(plan.batch_size, plan.local_seq_len, *rows.shape[1:])
 
@@ -193,7 +209,8 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
 def rows_to_nested(buf: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Token rows of a rank-concatenated buffer (``cat`` of every rank's rows) as a jagged tensor."""
     values = buf.index_select(0, plan._unshard_index(buf.device))
-    nt = torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(buf.device))
+    # a copy: the result belongs to the caller, who may edit it; the plan's offsets stay intact
+    nt = torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(buf.device).clone())
     plan._remember_offsets(nt)
     return nt
 
@@ -206,6 +223,7 @@ def shift(x: TokenRows, plan: Plan, k: int, *, fill: Scalar = 0) -> torch.Tensor
     """
     k = check_int("k", k, minimum=0)
     rows = as_flat(x, plan)
+    fill = check_fill("fill", fill, rows.dtype)
 
     def make() -> _index.ShardIndex:
         cu = plan._offsets(torch.device("cpu"))
@@ -214,6 +232,6 @@ def shift(x: TokenRows, plan: Plan, k: int, *, fill: Scalar = 0) -> torch.Tensor
         return _index.shard_index(whole, lens, cu, k, plan.num_tokens).to(rows.device)
 
     values = _gather_rows(rows, plan._memo(("shift", k, rows.device), make), 0, fill)
-    nt = torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(rows.device))
+    nt = torch.nested.nested_tensor_from_jagged(values, offsets=plan._offsets(rows.device).clone())
     plan._remember_offsets(nt)
     return nt

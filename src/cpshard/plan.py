@@ -32,8 +32,14 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
     A tensor costs exactly one device-to-host copy here; nothing later reads lengths back.
     """
     values: list[Any]
+    if isinstance(seqlens, torch.Tensor) and seqlens.is_meta:
+        fail(name, "a tensor on the meta device", "must hold real values", "pass the lengths on a real device")
     if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
-        values = torch.diff(_jagged_offsets(seqlens, name)).tolist()
+        offsets = _jagged_offsets(seqlens, name).tolist()
+        if offsets[0] != 0:
+            fail(name, f"nested tensor with offsets starting at {offsets[0]}", "offsets must start at 0",
+                 "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
+        values = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     elif isinstance(seqlens, torch.Tensor):
         if seqlens.dim() != 1:
             fail(name, f"tensor of shape {tuple(seqlens.shape)}", "must be 1-D, one length per sequence",
@@ -42,6 +48,8 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
             fail(name, f"tensor of dtype {seqlens.dtype}", "must hold integers",
                  "pass an integer tensor (e.g. torch.int32) or a list of ints", kind=TypeError)
         values = seqlens.tolist()
+    elif hasattr(seqlens, "tolist") and getattr(seqlens, "ndim", None) == 1:  # a NumPy array
+        values = list(seqlens.tolist())
     elif isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Sequence):
         fail(name, repr(seqlens), "must be a sequence of ints or a 1-D integer tensor",
              "pass e.g. seqlens=[5, 3]", kind=TypeError)
@@ -61,13 +69,17 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
 
 
 def _jagged_offsets(nt: torch.Tensor, name: str) -> torch.Tensor:
-    """The offsets of a compact jagged nested tensor (checks layout and holes; no device copy)."""
+    """The offsets of a compact jagged nested tensor (checks layout, holes, ragged dim; no device copy)."""
     if nt.layout != torch.jagged:
         fail(name, f"nested tensor with layout={nt.layout}", "must use layout=torch.jagged",
              "build it with torch.nested.nested_tensor(..., layout=torch.jagged) or pass a list", kind=TypeError)
     if getattr(nt, "_lengths", None) is not None:
         fail(name, "non-contiguous jagged tensor", "must have no holes (lengths=None)",
              "call torch.nested.nested_tensor_from_jagged(values, offsets) with compact values")
+    ragged = getattr(nt, "_ragged_idx", 1)
+    if ragged != 1:
+        fail(name, f"nested tensor of shape {tuple(nt.shape)} with its ragged dimension at {ragged}",
+             "the ragged (sequence) dimension must be dimension 1", "transpose it back before sharding")
     return nt.offsets()  # type: ignore[attr-defined]
 
 
@@ -92,14 +104,31 @@ class PlanCache:
     _cache: dict[Any, Any]
 
     def _remember_offsets(self, nt: Any) -> None:
-        """Record that a jagged tensor's offsets match this plan, so ``shard`` need not re-read them."""
-        if isinstance(nt, torch.Tensor) and nt.is_nested:
-            offsets = nt.offsets()  # type: ignore[attr-defined]
-            self._cache[("offsets-ok", id(offsets))] = weakref.ref(offsets)
+        """Record that a jagged tensor's offsets match this plan, so ``shard`` need not re-read them.
+
+        Keyed by identity and checked against the tensor's version counter, so offsets rewritten in
+        place are read again. Only the few most recent are kept.
+        """
+        if not (isinstance(nt, torch.Tensor) and nt.is_nested):
+            return
+        offsets = nt.offsets()  # type: ignore[attr-defined]
+        known = self._memo("known-offsets", dict)
+        known[id(offsets)] = (weakref.ref(offsets), offsets._version)
+        while len(known) > 16:
+            del known[next(iter(known))]
 
     def _offsets_known(self, offsets: torch.Tensor) -> bool:
-        ref = self._cache.get(("offsets-ok", id(offsets)))
-        return ref is not None and ref() is offsets
+        entry = self._cache.get("known-offsets", {}).get(id(offsets))
+        return entry is not None and entry[0]() is offsets and entry[1] == offsets._version
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle the plan, not its caches (device tensors, weak references): they are rebuilt on demand.
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def _memo(self, key: Any, make: Any) -> Any:
         try:
@@ -181,7 +210,7 @@ class ShardPlan(PlanCache):
     tp_size: int = 1
     layout: Layout = Layout.ZIGZAG
     alignment: int = 1
-    _cache: dict[Any, Any] = field(default_factory=dict, compare=False)
+    _cache: dict[Any, Any] = field(init=False, repr=False, compare=False)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -215,7 +244,9 @@ class ShardPlan(PlanCache):
         return plan
 
     def __post_init__(self) -> None:
-        # Runs for hand-built plans too: an invalid plan cannot exist.
+        # Runs for hand-built plans too (and dataclasses.replace): an invalid plan cannot exist, and
+        # every plan starts with its own empty cache.
+        object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "layout", Layout.parse(self.layout))
         cp, tp = check_int("cp_size", self.cp_size, minimum=1), check_int("tp_size", self.tp_size, minimum=1)
         lens, padded = tuple(self.seqlens_py), tuple(self.padded_seqlens_py)
@@ -229,6 +260,9 @@ class ShardPlan(PlanCache):
                 fail(f"padded_seqlens_py[{i}]", p, f"must be >= the sequence length {n} >= 0",
                      "build plans with ShardPlan.build")
         total = sum(padded)
+        if total >= 2**31:
+            fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
+                 "Megatron and TransformerEngine take them)", "split the micro-batch")
         if total % cp or (total // cp) % tp:
             fail("padded_seqlens_py", padded, f"total {total} must split into cp_size={cp} equal parts "
                  f"each divisible by tp_size={tp}", "build plans with ShardPlan.build")
@@ -275,22 +309,22 @@ class ShardPlan(PlanCache):
     def cu_seqlens_padded_py(self) -> tuple[int, ...]:
         return _cumsum(self.padded_seqlens_py)
 
-    @cached_property
+    @property
     def seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32."""
+        """``(B,)`` int32, a new CPU tensor on every access (the plan's own values cannot be edited)."""
         return torch.tensor(self.seqlens_py, dtype=_I32)
 
-    @cached_property
+    @property
     def padded_seqlens(self) -> torch.Tensor:
         """``(B,)`` int32."""
         return torch.tensor(self.padded_seqlens_py, dtype=_I32)
 
-    @cached_property
+    @property
     def cu_seqlens(self) -> torch.Tensor:
         """``(B + 1,)`` int32, starting at 0."""
         return torch.tensor(self.cu_seqlens_py, dtype=_I32)
 
-    @cached_property
+    @property
     def cu_seqlens_padded(self) -> torch.Tensor:
         """``(B + 1,)`` int32, starting at 0."""
         return torch.tensor(self.cu_seqlens_padded_py, dtype=_I32)
@@ -302,17 +336,20 @@ class ShardPlan(PlanCache):
 
     # -- per-rank views (CPU, int64) -------------------------------------------------------
 
+    # Each per-rank view is a new CPU tensor (a copy of the cached one): editing it cannot change
+    # the plan. Move it to the device once per step, like any other input.
+
     def global_rows(self, rank: int) -> torch.Tensor:
         """``(L,)`` int64: the global padded row each of ``rank``'s local rows holds."""
-        return self._per_rank("rows", rank, lambda segs: segs.rows(self._i64("cu_padded")))
+        return self._per_rank("rows", rank, lambda segs: segs.rows(self._i64("cu_padded"))).clone()
 
     def sequence_ids(self, rank: int) -> torch.Tensor:
         """``(L,)`` int64: the sequence each local row belongs to (pad rows included)."""
-        return self._per_rank("seq", rank, lambda segs: segs.seq_ids())
+        return self._per_rank("seq", rank, lambda segs: segs.seq_ids()).clone()
 
     def position_ids(self, rank: int) -> torch.Tensor:
         """``(L,)`` int64: each local row's position inside its padded sequence."""
-        return self._per_rank("pos", rank, lambda segs: segs.positions())
+        return self._per_rank("pos", rank, lambda segs: segs.positions()).clone()
 
     def token_mask(self, rank: int) -> torch.Tensor:
         """``(L,)`` bool: True on token rows, False on pad rows."""
