@@ -253,3 +253,12 @@ def test_cli_rejects_empty_length(capsys):
     with pytest.raises(SystemExit):
         cli_main(["plan", "--lengths", "5,,3"])
     assert "expected comma-separated ints" in capsys.readouterr().err
+
+
+def test_cli_bshd_columns(capsys):
+    assert cli_main(["plan", "--bshd", "--lengths", "5,3", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 : columns [0, 1, 6, 7]" in out and "rank 1 : columns [2, 3, 4, 5]" in out
+    assert "row 1  : t0 t1 .  .  | t2 .  .  ." in out
+    assert cli_main(["plan", "--bshd", "--lengths", "5,3", "--cp", "2", "--max-seqlen", "4"]) == 2
+    assert "max_seqlen=4" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from cpshard.layout import Layout
+from cpshard.bshd import BshdPlan
 from cpshard.plan import ShardPlan
 
 __all__ = ["describe_plan", "main"]
@@ -91,6 +92,24 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
     return "\n".join(out)
 
 
+def describe_bshd(plan: BshdPlan) -> str:
+    """The text ``cpshard plan --bshd`` prints: each rank's columns of every row."""
+    out = [repr(plan), f"alignment = {plan.alignment}; every row padded to M = {plan.seq_len}, "
+           f"{plan.local_seq_len} columns per rank; padding overhead = "
+           f"{100 * (plan.batch_size * plan.seq_len - plan.num_tokens) / max(plan.num_tokens, 1):.1f}%", ""]
+    head = max(len(f"rank {plan.cp_size - 1}"), len("row 0"))
+    for r in range(plan.cp_size):
+        out.append(f"{f'rank {r}':<{head}} : columns {plan.columns(r).tolist()}")
+    if plan.batch_size * plan.seq_len <= 4 * _PICTURE_MAX_ROWS:
+        out.append("")
+        for b, n in enumerate(plan.seqlens_py):
+            cells = [[f"t{c}" if c < n else "." for c in plan.columns(r).tolist()] for r in range(plan.cp_size)]
+            width = max((len(c) for rank in cells for c in rank), default=1)
+            shown = " | ".join(" ".join(c.ljust(width) for c in rank) for rank in cells)
+            out.append(f"{f'row {b}':<{head}} : {shown}".rstrip())
+    return "\n".join(out)
+
+
 def _lengths(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",")]
@@ -109,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fp8", action="store_true", help="fp8 padding (lcm(16, a) per sequence, a * 128 total)")
     p.add_argument("--min-local-rows", type=int, default=None)
     p.add_argument("--length-bucket", type=int, default=None)
+    p.add_argument("--bshd", action="store_true", help="plan a padded (B, S) batch instead of a packed one")
+    p.add_argument("--max-seqlen", type=int, default=None, help="with --bshd: the forced padded length")
     p.add_argument("--picture", action=argparse.BooleanOptionalAction, default=None,
                    help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows)")
     args = parser.parse_args(argv)
@@ -116,13 +137,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
-        plan = ShardPlan.build(args.lengths, cp_size=args.cp, tp_size=args.tp, layout=args.layout, fp8=args.fp8,
-                               min_local_rows=args.min_local_rows, length_bucket=args.length_bucket)
+        if args.bshd:
+            text = describe_bshd(BshdPlan.build(args.lengths, cp_size=args.cp, tp_size=args.tp, layout=args.layout,
+                                                fp8=args.fp8, max_seqlen=args.max_seqlen))
+        else:
+            plan = ShardPlan.build(args.lengths, cp_size=args.cp, tp_size=args.tp, layout=args.layout, fp8=args.fp8,
+                                   min_local_rows=args.min_local_rows, length_bucket=args.length_bucket)
+            text = describe_plan(plan, picture=args.picture)
     except (ValueError, TypeError) as exc:
         print(f"cpshard plan: {exc}", file=sys.stderr)
         return 2
     try:
-        print(describe_plan(plan, picture=args.picture), flush=True)
+        print(text, flush=True)
     except BrokenPipeError:  # `cpshard plan ... | head`: stop quietly, like other CLI tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
