@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
-from cpshard.layout import Layout
 from cpshard.bshd import BshdPlan
+from cpshard.layout import Layout
 from cpshard.plan import ShardPlan
 
-__all__ = ["describe_plan", "main"]
+__all__ = ["describe_bshd", "describe_plan", "main"]
 
 _PICTURE_MAX_ROWS = 96
 
