@@ -112,6 +112,7 @@ def test_nested_lengths_disagree_with_plan():
         shard(nt, plan, 0)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_strided_nested_rejected():
     plan = ShardPlan.build([2, 2], cp_size=1)
     nt = torch.nested.nested_tensor([torch.arange(2), torch.arange(2)])
