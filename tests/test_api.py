@@ -262,3 +262,17 @@ def test_cli_bshd_columns(capsys):
     assert "row 1  : t0 t1 .  .  | t2 .  .  ." in out
     assert cli_main(["plan", "--bshd", "--lengths", "5,3", "--cp", "2", "--max-seqlen", "4"]) == 2
     assert "max_seqlen=4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("dtype", "ok", "bad"), [
+    (torch.uint8, (0, 255), (-1, 256)),
+    (torch.int8, (-128, 127), (-129, 128)),
+])
+def test_fill_values_at_the_edges_of_the_range(dtype, ok, bad):
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    for v in ok:
+        out = shard(torch.zeros(8, dtype=dtype), plan, 1, shift=1, fill=v, pad_value=v)
+        assert out.tolist() == [0, 0, v, v, 0, v]
+    for v in bad:
+        with pytest.raises(ValueError, match="outside the range"):
+            shard(torch.zeros(8, dtype=dtype), plan, 1, shift=1, fill=v)

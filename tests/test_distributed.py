@@ -119,6 +119,13 @@ def _bshd_gather(rank, world):
         got = gather(parts[rank], plan, check=True)
         assert torch.equal(got.values(), x)
         assert torch.equal(got.values(), unshard(parts, plan).values())
+        # backward through the BSHD gather (view, movedim, reshape) equals the single-process one
+        w = _data(lens, (2,), torch.float64, seed=8)
+        leaves = [p.double().requires_grad_() for p in parts]
+        (unshard(leaves, plan).values() * w).sum().backward()
+        local = parts[rank].double().requires_grad_()
+        (gather(local, plan).values() * w).sum().backward()
+        assert torch.equal(local.grad, leaves[rank].grad)
     return True
 
 
@@ -221,6 +228,11 @@ def _mismatch(rank, world):
             call()
         except (ValueError, TypeError) as exc:
             errors.append(str(exc))
+    # check_plan itself: the same plan on every rank, but sized for another group, raises everywhere
+    try:
+        check_plan(ShardPlan.build([5, 3], cp_size=world // 2))
+    except ValueError as exc:
+        errors.append(str(exc))
     # a plan for the wrong group size fails before any communication
     counter = CommCounter()
     with counter():
@@ -322,7 +334,7 @@ def test_collective_counts_and_volume(suites):
 
 def test_mismatched_plans_raise_everywhere(suites):
     for rank, (errors, calls, elapsed) in enumerate(_results(suites, 4, "_mismatch")):
-        assert len(errors) == 9, errors
+        assert len(errors) == 10, errors
         for msg in errors[:3]:
             assert "built different plans" in msg and "ranks [2]" in msg and "ranks [0, 1, 3]" in msg, msg
         if rank == 2:
@@ -334,7 +346,8 @@ def test_mismatched_plans_raise_everywhere(suites):
             assert "called with different arguments: ranks [0, 2, 3] vs [1]" in msg, msg
         assert "dtype=torch.float" in errors[5] and "shift=" in errors[6]
         assert "ranks [3] built no plan (see that rank's TypeError)" in errors[7], errors[7]
-        assert "group=a group of 4 ranks" in errors[8] and "cp_size = 2" in errors[8]
+        for msg in errors[8:10]:
+            assert "group=a group of 4 ranks" in msg and "cp_size = 2" in msg, msg
         assert calls == []
         assert elapsed < 20
 

@@ -178,6 +178,12 @@ def test_hand_built_plan_is_validated():
         ShardPlan((5,), (4,), cp_size=1)
 
 
+def test_hand_built_bshd_plan_is_validated():
+    with _raises(ValueError, "seq_len=6", "must divide by 4"):
+        BshdPlan((5, 3), 6, 2)
+    assert BshdPlan((5, 3), 6, 2, layout="contiguous").local_seq_len == 3
+
+
 def test_errors_leave_outputs_untouched():
     """A failing call writes nothing: the caller's tensors are unchanged."""
     plan = ShardPlan.build([5, 3], cp_size=2)
