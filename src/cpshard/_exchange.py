@@ -64,8 +64,7 @@ def build_exchange(segments: list[_index.Segments], seqlens: torch.Tensor, rank:
     pos = torch.cat([s.pos for s in segments])
     length = torch.cat([s.length for s in segments])
     first = torch.cat([s.local_start for s in segments])
-    n = seqlens[seq]
-    sourced = (n - shift - pos).clamp(min=0).minimum(length)  # rows of each segment that have a source
+    sourced = torch.cat([_index.sourced_rows(s, seqlens, shift)[1] for s in segments])
 
     # Boundary rows: the last `shift` rows of each segment that have a source.
     tail = (length - shift).clamp(min=0)
@@ -96,15 +95,14 @@ def build_exchange(segments: list[_index.Segments], seqlens: torch.Tensor, rank:
     outgoing = torch.nonzero(remote & (src_rank == rank)).flatten()
     outgoing = outgoing[torch.argsort(dst_rank[outgoing] * max(local, 1) + dst_row[outgoing], stable=True)]
 
-    tokens = (n - pos).clamp(min=0).minimum(length)
-    mine = seg_rank == rank
+    pad_rows, fill_rows = _index.pad_and_fill_rows(segs, seqlens, shift)
     return Exchange(
         local_src=local_src,
         send_rows=src_row[outgoing],
         send_splits=tuple(torch.bincount(dst_rank[outgoing], minlength=cp).tolist()),
         recv_splits=tuple(torch.bincount(src_rank[incoming], minlength=cp).tolist()),
         recv_rows=dst_row[incoming],
-        pad_rows=_index.expand_segments((first + tokens)[mine], (length - tokens)[mine]),
-        fill_rows=_index.expand_segments((first + sourced)[mine], (tokens - sourced)[mine]),
+        pad_rows=pad_rows,
+        fill_rows=fill_rows,
         total_remote=int(remote.sum()),
     )

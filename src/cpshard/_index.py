@@ -114,18 +114,26 @@ def shard_index(segs: Segments, seqlens: torch.Tensor, starts: torch.Tensor, shi
     ``starts[i]`` is the input row of token 0 of sequence ``i`` (``cu_seqlens`` for packed input,
     ``i * S`` for a padded ``(B, S, ...)`` input); ``input_rows`` bounds the gather index.
     """
-    n = seqlens[segs.seq]
-    tokens = (n - segs.pos).clamp(min=0).minimum(segs.length)  # leading token rows of each segment
-    sourced = (n - shift - segs.pos).clamp(min=0).minimum(segs.length)  # of which have a source
     src = segs.expand(starts[segs.seq] + segs.pos + shift)
     if src.numel():
         src.clamp_(0, max(input_rows - 1, 0))  # pad/fill rows are overwritten; keep their index valid
+    return ShardIndex(src, *pad_and_fill_rows(segs, seqlens, shift))
+
+
+def sourced_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment: its leading token rows, and how many of those have a source ``shift`` ahead."""
+    n = seqlens[segs.seq]
+    tokens = (n - segs.pos).clamp(min=0).minimum(segs.length)
+    sourced = (n - shift - segs.pos).clamp(min=0).minimum(segs.length)
+    return tokens, sourced
+
+
+def pad_and_fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local rows past their sequence's end (pad), and token rows whose source is past it (fill)."""
+    tokens, sourced = sourced_rows(segs, seqlens, shift)
     first = segs.local_start
-    return ShardIndex(
-        src=src,
-        pad_rows=expand_segments(first + tokens, segs.length - tokens),
-        fill_rows=expand_segments(first + sourced, tokens - sourced),
-    )
+    return (expand_segments(first + tokens, segs.length - tokens),
+            expand_segments(first + sourced, tokens - sourced))
 
 
 def token_gather_index(seq: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, buffer_start: torch.Tensor,
