@@ -36,9 +36,10 @@ def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | No
         total = int(lengths.sum())
     if total == 0:
         return torch.zeros(0, dtype=_I64)
+    # row i of segment k is starts[k] + (i - seg_begin[k]): one repeat_interleave of the difference
     seg_begin = torch.cumsum(lengths, 0) - lengths
-    offsets = torch.arange(total, dtype=_I64) - torch.repeat_interleave(seg_begin, lengths, output_size=total)
-    return torch.repeat_interleave(starts, lengths, output_size=total) + offsets
+    out = torch.repeat_interleave(starts - seg_begin, lengths, output_size=total)
+    return out.add_(torch.arange(total, dtype=_I64))
 
 
 @dataclass(frozen=True)
