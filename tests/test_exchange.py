@@ -7,7 +7,7 @@ Each rank's ``Exchange`` is applied to its shard, with the all-to-all emulated b
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpshard import Layout, ShardPlan, shard
@@ -35,7 +35,7 @@ def emulate_shift_sharded(shards, plan, k, fill, pad_value):
     return outs, exs
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(0, 70), min_size=1, max_size=12),
     cp=st.integers(1, 8),
