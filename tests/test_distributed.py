@@ -349,7 +349,7 @@ def test_mismatched_plans_raise_everywhere(suites):
         for msg in errors[8:10]:
             assert "group=a group of 4 ranks" in msg and "cp_size = 2" in msg, msg
         assert calls == []
-        assert elapsed < 20
+        assert elapsed < 45  # far below the collective timeout (60 s here, 30 min by default)
 
 
 def test_sub_groups(suites):
