@@ -227,7 +227,6 @@ class _AllGatherOwnGrad(torch.autograd.Function):
 def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool) -> torch.Tensor:
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
         checked = _check_local(local, plan)
-        _group_rank(plan, group)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
     local, rank = _checked(plan, group, check, validate)
@@ -344,7 +343,6 @@ def shift_sharded(local: torch.Tensor, plan: ShardPlan, group: Any = None, *, sh
             fail("plan", "BshdPlan", "shift_sharded takes a THD ShardPlan",
                  "shard BSHD labels already shifted with shard(x, plan, rank, shift=k)", kind=TypeError)
         checked = _check_local(local, plan)
-        _group_rank(plan, group)
         k = check_int("shift", shift, minimum=0)
         pad, fil = check_fill("pad_value", pad_value, checked.dtype), check_fill("fill", fill, checked.dtype)
         call = {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]), "shift": k, "pad_value": pad,

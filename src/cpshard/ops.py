@@ -2,7 +2,7 @@
 
 Each call is one gather (``index_select``) of the input rows by an index the plan caches per rank,
 shift and device, plus ``index_fill_`` of the pad and fill rows; ``unshard`` is one ``cat`` and one
-gather by the inverse permutation. Nothing loops over sequences or tokens.
+gather of the token rows (the inverse of sharding). Nothing loops over sequences or tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from cpshard import _index
 from cpshard._dtypes import OPAQUE, bit_pattern, check_fill
 from cpshard._errors import check_int, check_rank, fail
 from cpshard.bshd import BshdPlan
-from cpshard.plan import ShardPlan, _jagged_offsets
+from cpshard.plan import ShardPlan, _jagged_offsets, jagged_lengths
 
 __all__ = ["as_flat", "shard", "shift", "unshard"]
 
@@ -36,15 +36,9 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
         offsets = _jagged_offsets(x, name)
         if plan._offsets_known(offsets):
             return x.values()
-        if offsets.numel() != len(lens) + 1:
-            fail(name, f"nested tensor of {offsets.numel() - 1} sequences",
-                 f"must hold the plan's {len(lens)} sequences", "build the plan from this batch's lengths")
-        got = tuple(offsets.tolist())
-        if got[0] != 0:
-            fail(name, f"nested tensor with offsets starting at {got[0]}", "offsets must start at 0",
-                 "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
-        if _diffs(got) != lens:
-            fail(name, f"nested tensor with lengths {list(_diffs(got))}", f"must match the plan's seqlens {list(lens)}",
+        got = jagged_lengths(x, name)
+        if got != lens:
+            fail(name, f"nested tensor with lengths {list(got)}", f"must match the plan's seqlens {list(lens)}",
                  "build the plan from this batch's lengths")
         plan._remember_offsets(x)
         return x.values()
@@ -74,10 +68,6 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
         return torch.cat(list(x))
     fail(name, type(x).__name__, "must be a tensor, a jagged nested tensor or a list of tensors",
          "pass the batch's token rows", kind=TypeError)
-
-
-def _diffs(cu: Sequence[int]) -> tuple[int, ...]:
-    return tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
 
 
 def _check_shift(value: Any) -> int:

@@ -35,11 +35,7 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
     if isinstance(seqlens, torch.Tensor) and seqlens.is_meta:
         fail(name, "a tensor on the meta device", "must hold real values", "pass the lengths on a real device")
     if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
-        offsets = _jagged_offsets(seqlens, name).tolist()
-        if offsets[0] != 0:
-            fail(name, f"nested tensor with offsets starting at {offsets[0]}", "offsets must start at 0",
-                 "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
-        values = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+        values = list(jagged_lengths(seqlens, name))
     elif isinstance(seqlens, torch.Tensor):
         if seqlens.dim() != 1:
             fail(name, f"tensor of shape {tuple(seqlens.shape)}", "must be 1-D, one length per sequence",
@@ -81,6 +77,15 @@ def _jagged_offsets(nt: torch.Tensor, name: str) -> torch.Tensor:
         fail(name, f"nested tensor of shape {tuple(nt.shape)} with its ragged dimension at {ragged}",
              "the ragged (sequence) dimension must be dimension 1", "transpose it back before sharding")
     return nt.offsets()  # type: ignore[attr-defined]
+
+
+def jagged_lengths(nt: torch.Tensor, name: str) -> tuple[int, ...]:
+    """The sequence lengths of a compact jagged nested tensor: one device-to-host copy."""
+    offsets = _jagged_offsets(nt, name).tolist()
+    if offsets[0] != 0:
+        fail(name, f"nested tensor with offsets starting at {offsets[0]}", "offsets must start at 0",
+             "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
+    return tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
 
 
 def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,
