@@ -303,7 +303,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         group = dist.new_group(list(range(WORLD)))
-        from _megatron import import_roll_tensor
+        from cpshard.megatron._import import import_roll_tensor
         roll_tensor, PackedSeqParams = import_roll_tensor()
         results = []
         for b in args.batches:

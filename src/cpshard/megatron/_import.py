@@ -1,4 +1,4 @@
-"""Import Megatron-core's ``roll_tensor`` and ``PackedSeqParams`` on a machine without triton.
+"""Import megatron-core lazily, on a machine without triton. The only place cpshard imports Megatron.
 
 megatron-core 0.19.2 guards almost every ``import triton`` with ``try/except ImportError``, but
 ``megatron/core/transformer/moe/ops/paged_stash.py`` imports it unconditionally, and importing
@@ -19,6 +19,7 @@ Install: ``pip install numpy 'packaging>=24.2'`` then
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 import types
@@ -51,7 +52,7 @@ def _preload_paged_stash() -> None:
         return
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("megatron-core is not installed; see benchmarks/_megatron.py for the pip commands")
+        raise ImportError("megatron-core is not installed; see cpshard/megatron/_import.py for the pip commands")
     path = f"{list(spec.submodule_search_locations)[0]}/core/transformer/moe/ops/paged_stash.py"
     fakes = _fake_triton()
     saved = {name: sys.modules.get(name) for name in fakes}
@@ -74,18 +75,26 @@ def _preload_paged_stash() -> None:
                 sys.modules[name] = old
 
 
-def import_roll_tensor() -> tuple[Callable[..., Any], type]:
-    """Return ``(roll_tensor, PackedSeqParams)`` from megatron-core (no triton needed)."""
+def megatron_version() -> str | None:
+    """The installed megatron-core version, or None when it is not installed. Imports nothing."""
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def import_megatron(module: str) -> Any:
+    """Import ``megatron.core.<module>`` on a machine without triton (see the module docstring).
+
+    Raises ``ImportError`` when megatron-core is not installed.
+    """
     _preload_paged_stash()
-    assert "triton" not in sys.modules or not hasattr(sys.modules["triton"], "constexpr")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed", absl
-        mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
-        psp = importlib.import_module("megatron.core.packed_seq_params")
-    return mtp.roll_tensor, psp.PackedSeqParams
+        return importlib.import_module(f"megatron.core.{module}")
 
 
-if __name__ == "__main__":
-    roll_tensor, PackedSeqParams = import_roll_tensor()
-    print(roll_tensor.__module__, roll_tensor.__name__, PackedSeqParams)
-    print("triton left in sys.modules:", "triton" in sys.modules)
+def import_roll_tensor() -> tuple[Callable[..., Any], type]:
+    """Return ``(roll_tensor, PackedSeqParams)`` from megatron-core (no triton needed)."""
+    mtp = import_megatron("transformer.multi_token_prediction")
+    return mtp.roll_tensor, import_megatron("packed_seq_params").PackedSeqParams
