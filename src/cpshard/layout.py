@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from cpshard._errors import check_int, fail
+from cpshard._errors import check_int, parse_choice
 
 __all__ = [
     "Layout",
@@ -40,16 +40,7 @@ class Layout(str, enum.Enum):
     @classmethod
     def parse(cls, value: Any, name: str = "layout") -> Layout:
         """Accept a ``Layout`` or its string value; anything else is a clear error."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        valid = ", ".join(repr(m.value) for m in cls)
-        fail(name, repr(value), f"is not a known layout (valid: {valid})",
-             f"pass one of {valid} or a cpshard.Layout member")
+        return parse_choice(cls, value, name, "layout", "cpshard.Layout")
 
 
 def alignment(cp_size: int, tp_size: int, layout: Layout | str) -> int:
