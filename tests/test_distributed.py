@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard import BshdPlan, Layout, ShardPlan, shard, unshard
+from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange, unshard
 from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded
 from cpshard.spawn import run_ranks
 
@@ -92,19 +92,19 @@ def _gather_and_shift(rank, world):
                     parts = [shard(x, plan, r) for r in range(world)]
                     counter = CommCounter()
                     with counter():
-                        got = gather(parts[rank], plan)
+                        got = gather(parts[rank], plan, dist.group.WORLD)
                     assert counter.calls == [GATHER], counter.calls
                     want = unshard(parts, plan)
                     assert torch.equal(got.values(), want.values()) and torch.equal(got.offsets(), want.offsets())
-                    assert torch.equal(gather_tokens(parts[rank], plan), x)
+                    assert torch.equal(gather_tokens(parts[rank], plan, dist.group.WORLD), x)
                     fill, pad = _fill_for(dtype)
                     for k in (1, 2, 3):
                         counter = CommCounter()
                         with counter():
-                            out = shift_sharded(parts[rank], plan, shift=k, fill=fill, pad_value=pad)
+                            out = shift_sharded(parts[rank], plan, dist.group.WORLD, shift=k, fill=fill, pad_value=pad)
                         expected = shard(x, plan, rank, shift=k, fill=fill, pad_value=pad)
                         assert out.dtype == dtype and torch.equal(out, expected), (layout, lens, k, out, expected)
-                        crossing = plan._exchange(rank, k, torch.device("cpu")).total_remote
+                        crossing = shift_exchange(plan, rank, k).total_remote
                         assert len(counter.calls) == (1 if crossing else 0), counter.calls
                         checked += 1
     return checked
@@ -116,7 +116,7 @@ def _bshd_gather(rank, world):
         plan = BshdPlan.build(lens, cp_size=world, layout=layout)
         x = _data(lens, (2,), torch.float32, seed=7)
         parts = [shard(list(x.split(lens)), plan, r) for r in range(world)]
-        got = gather(parts[rank], plan, check=True)
+        got = gather(parts[rank], plan, dist.group.WORLD, check=True)
         assert torch.equal(got.values(), x)
         assert torch.equal(got.values(), unshard(parts, plan).values())
         # backward through the BSHD gather (view, movedim, reshape) equals the single-process one
@@ -124,7 +124,7 @@ def _bshd_gather(rank, world):
         leaves = [p.double().requires_grad_() for p in parts]
         (unshard(leaves, plan).values() * w).sum().backward()
         local = parts[rank].double().requires_grad_()
-        (gather(local, plan).values() * w).sum().backward()
+        (gather(local, plan, dist.group.WORLD).values() * w).sum().backward()
         assert torch.equal(local.grad, leaves[rank].grad)
     return True
 
@@ -138,9 +138,9 @@ def _odd_dtypes(rank, world):
             base = torch.arange(sum(lens), dtype=torch.float32) / 4
             x = base.to(dtype) if dtype != torch.int8 else torch.arange(sum(lens), dtype=torch.int8)
             local = shard(x, plan, rank)
-            got = gather(local, plan, check=True).values()
+            got = gather(local, plan, dist.group.WORLD, check=True).values()
             assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
-            out = shift_sharded(local, plan, shift=2, fill=1, pad_value=0, check=True)
+            out = shift_sharded(local, plan, dist.group.WORLD, shift=2, fill=1, pad_value=0, check=True)
             want = shard(x, plan, rank, shift=2, fill=1, pad_value=0)
             assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     return True
@@ -158,7 +158,7 @@ def _autograd(rank, world):
         leaves = [shard(h, plan, r).requires_grad_() for r in range(world)]
         (unshard(leaves, plan).values() * w).sum().backward()
         local = shard(h, plan, rank).requires_grad_()
-        (gather(local, plan).values() * w).sum().backward()
+        (gather(local, plan, dist.group.WORLD).values() * w).sum().backward()
         assert torch.equal(local.grad, leaves[rank].grad)
 
         # shift: each rank's loss uses its own shifted rows; gradients travel back to the source rank
@@ -168,7 +168,7 @@ def _autograd(rank, world):
             hh = unshard(leaves, plan).values()
             sum((shard(hh, plan, r, shift=k) * weights[r]).sum() for r in range(world)).backward()
             local = shard(h, plan, rank).requires_grad_()
-            (shift_sharded(local, plan, shift=k) * weights[rank]).sum().backward()
+            (shift_sharded(local, plan, dist.group.WORLD, shift=k) * weights[rank]).sum().backward()
             assert torch.equal(local.grad, leaves[rank].grad), (layout, k)
     return True
 
@@ -183,15 +183,15 @@ def _costs(rank, world):
         local = shard(torch.arange(sum(lens)), plan, rank)
         counter = CommCounter()
         with counter():
-            gather(local, plan)
-            shift_sharded(local, plan, shift=1)
+            gather(local, plan, dist.group.WORLD)
+            shift_sharded(local, plan, dist.group.WORLD, shift=1)
         calls[b] = list(counter.calls)
     lens = [3000, 2000, 1500]
     plan = ShardPlan.build(lens, cp_size=world)
     local = shard(torch.randn(sum(lens), 16), plan, rank)
     counter = CommCounter()
     with counter():
-        shift_sharded(local, plan, shift=1)
+        shift_sharded(local, plan, dist.group.WORLD, shift=1)
     fractions["long"] = counter.elements / local.numel()
     return calls, fractions
 
@@ -202,9 +202,10 @@ def _mismatch(rank, world):
     plan = ShardPlan.build(lens, cp_size=world)
     start = time.monotonic()
     errors = []
-    for call in (lambda: check_plan(plan), lambda: gather(shard(torch.arange(plan.num_tokens), plan, rank),
-                                                          plan, check=True),
-                 lambda: shift_sharded(torch.zeros(plan.local_len), plan, check=True)):
+    world_group = dist.group.WORLD
+    for call in (lambda: check_plan(plan, world_group),
+                 lambda: gather(shard(torch.arange(plan.num_tokens), plan, rank), plan, world_group, check=True),
+                 lambda: shift_sharded(torch.zeros(plan.local_len), plan, dist.group.WORLD, check=True)):
         try:
             call()
         except ValueError as exc:
@@ -213,24 +214,24 @@ def _mismatch(rank, world):
     # rank raise (after the small check collective) instead of leaving the others waiting
     good = ShardPlan.build([5, 3], cp_size=world)
     local = shard(torch.arange(8), good, rank)
-    for call in (lambda: gather(local[:-1] if rank == 2 else local, good, check=True),
+    for call in (lambda: gather(local[:-1] if rank == 2 else local, good, dist.group.WORLD, check=True),
                  lambda: shift_sharded(local, ShardPlan.build([5, 3], cp_size=2) if rank == 1 else good,
-                                       check=True)):
+                                       dist.group.WORLD, check=True)):
         try:
             call()
         except ValueError as exc:
             errors.append(str(exc))
     # ... and so do different arguments for one step (dtype, row shape, shift), or a non-plan
-    for call in (lambda: gather(local.double() if rank == 1 else local.float(), good, check=True),
-                 lambda: shift_sharded(local, good, shift=3 if rank == 1 else 1, check=True),
-                 lambda: gather(local, "not a plan" if rank == 3 else good, check=True)):
+    for call in (lambda: gather(local.double() if rank == 1 else local.float(), good, dist.group.WORLD, check=True),
+                 lambda: shift_sharded(local, good, dist.group.WORLD, shift=3 if rank == 1 else 1, check=True),
+                 lambda: gather(local, "not a plan" if rank == 3 else good, dist.group.WORLD, check=True)):
         try:
             call()
         except (ValueError, TypeError) as exc:
             errors.append(str(exc))
     # check_plan itself: the same plan on every rank, but sized for another group, raises everywhere
     try:
-        check_plan(ShardPlan.build([5, 3], cp_size=world // 2))
+        check_plan(ShardPlan.build([5, 3], cp_size=world // 2), dist.group.WORLD)
     except ValueError as exc:
         errors.append(str(exc))
     # a plan for the wrong group size fails before any communication
@@ -238,7 +239,7 @@ def _mismatch(rank, world):
     with counter():
         wrong = ShardPlan.build([5, 3], cp_size=world // 2)
         try:
-            gather(torch.zeros(wrong.local_len), wrong)
+            gather(torch.zeros(wrong.local_len), wrong, dist.group.WORLD)
         except ValueError as exc:
             errors.append(str(exc))
     return errors, counter.calls, time.monotonic() - start
@@ -378,4 +379,4 @@ def _hang_on_rank_one(rank, world):
 def test_no_process_group_is_a_clear_error():
     plan = ShardPlan.build([3], cp_size=1)
     with pytest.raises(ValueError, match="init_process_group"):
-        gather(torch.zeros(plan.local_len), plan)
+        gather(torch.zeros(plan.local_len), plan, dist.group.WORLD)
