@@ -72,11 +72,13 @@ def bit_pattern(value: Any, dtype: torch.dtype) -> int:
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:
-    """A same-width view every backend and kernel can move: bool and fp8 rows as uint8, uintN as intN."""
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    over = _CARRIERS.get(t.dtype)
-    return t if over is None else t.view(over)
+    """``t``'s bytes, ``(rows, ..., itemsize)`` uint8, a view: what collectives that only move data send.
+
+    Every backend moves uint8 (gloo has no int16, uintN, bool or fp8), and an all-gather or
+    all-to-all never looks at values, so every dtype travels as its bytes; the leading row
+    dimension, and with it the splits counted in rows, is unchanged. ``t`` must be contiguous.
+    """
+    return t.unsqueeze(-1).view(torch.uint8)
 
 
 def movable(t: torch.Tensor, pad_value: Any, fill: Any) -> tuple[torch.Tensor, int, int] | None:
