@@ -36,10 +36,9 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from shift import CommCounter  # noqa: I001  (benchmarks/shift.py: counts every torch.distributed call)
+from cpshard.spawn import CollectiveCounter, run_ranks
 
 WORLD = 4
 VOCAB, HID = 32, 8
@@ -131,7 +130,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, A
                 dist.all_reduce(wgrad, group=group)
                 obj, wgrad = obj / world, wgrad / world
                 dist.barrier(group=group)
-                with CommCounter(world, rank) as counter:
+                with CollectiveCounter() as counter:
                     _call(fn, plan, rank, group, data, n, psp_cls)
                 times = []
                 for i in range(args.warmup + args.repeats):
@@ -142,7 +141,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, A
                         times.append(time.perf_counter() - t0)
                 rows.append({
                     "n": n, "b": b, "impl": name, "tokens": plan.num_tokens, "times": times,
-                    "calls": counter.total_calls(),
+                    "calls": len(counter.calls),
                     "loss_diff": float((obj - ref_obj).abs() / ref_obj.abs().clamp(min=1e-300)),
                     "grad_diff": float((wgrad - ref_w).abs().max() / ref_w.abs().max().clamp(min=1e-300)),
                 })
@@ -168,8 +167,9 @@ def _report(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) -> N
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in table:
         print(fmt.format(*row))
-    print("\ncollectives/call: torch.distributed calls on the busiest rank (Megatron: isend/irecv). diffs: relative "
-          "to cp = 1 (the objective; the weight gradient averaged over CP)")
+    print("\ncollectives/call: c10d calls on the busiest rank (cpshard.spawn.CollectiveCounter; Megatron's are "
+          "send/recv). diffs: relative to cp = 1 (the objective; the weight gradient "
+          "averaged over CP)")
 
 
 def _version() -> str:
@@ -190,8 +190,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10
-    from cpshard.spawn import run_ranks
-
     t0 = time.perf_counter()
     per_rank = run_ranks(_worker, WORLD, args, timeout=3600, collective_timeout=600)
     _report(per_rank, args)

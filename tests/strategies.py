@@ -169,6 +169,8 @@ def data_cfgs(draw, *, with_shift: bool = True):
         pad_value = draw(st.sampled_from([-1.5, 2.25, 0.0, -100.0]))
         fill = draw(st.sampled_from([0.5, -3.0, 0.0]))
     shift = draw(st.integers(0, 3)) if with_shift else 0
+    if draw(st.integers(0, 3)) == 0:
+        pad_value = None  # SPEC's default: fill when shifted, else 0
     return DataCfg(dtype, trailing, seed, pad_value, fill, shift)
 
 

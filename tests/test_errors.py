@@ -79,9 +79,9 @@ def test_two_dim_length_tensor():
 @pytest.mark.parametrize("rank", [-1, 2, 7])
 def test_rank_out_of_range(rank):
     plan = ShardPlan.build([5, 3], cp_size=2)
-    with _raises(ValueError, f"rank={rank}", "[0, 2)"):
+    with _raises(ValueError, f"cp_rank={rank}", "[0, 2)"):
         shard(torch.arange(8), plan, rank)
-    with _raises(ValueError, f"rank={rank}"):
+    with _raises(ValueError, f"cp_rank={rank}"):
         plan.global_rows(rank)
 
 
@@ -173,15 +173,17 @@ def test_plan_type_checked():
 
 def test_hand_built_plan_is_validated():
     with _raises(ValueError, "padded_seqlens_py=(6,)", "divide by 2 * cp_size = 4"):
-        ShardPlan((5,), (6,), cp_size=2, tp_size=1, layout="zigzag", alignment=4)
+        ShardPlan((5,), (6,), cp_size=2, tp_size=1, layout="zigzag", alignment=2)
+    with _raises(ValueError, "padded_seqlens_py[0]=6", "a multiple of alignment=4"):
+        ShardPlan((5,), (6,), cp_size=2, tp_size=1, layout="zigzag")  # the derived alignment
     with _raises(ValueError, "must be >= the sequence length 5"):
         ShardPlan((5,), (4,), cp_size=1)
 
 
 def test_hand_built_bshd_plan_is_validated():
-    with _raises(ValueError, "seq_len=6", "must divide by 4"):
+    with _raises(ValueError, "max_seqlen=6", "must divide by 4"):
         BshdPlan((5, 3), 6, 2)
-    assert BshdPlan((5, 3), 6, 2, layout="contiguous").local_seq_len == 3
+    assert BshdPlan((5, 3), 6, 2, layout="contiguous").local_len == 3
 
 
 def test_errors_leave_outputs_untouched():

@@ -16,8 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpshard import Layout, ShardPlan, shard
-from cpshard.spawn import run_ranks
-from test_distributed import CommCounter
+from cpshard.spawn import CollectiveCounter, run_ranks
 
 F64 = torch.float64
 VOCAB, HID = 9, 3
@@ -199,8 +198,7 @@ def _collectives(rank, world):
                     labels, mask = data[1], data[2]
                     if form == "sharded":
                         labels, mask = shard(labels, plan, rank, pad_value=0), shard(mask, plan, rank, pad_value=0)
-                    counter = CommCounter()
-                    with counter():
+                    with CollectiveCounter() as counter:
                         mtp_loss(chunks, labels, mask, plan, group, output_layer=lambda x: x @ data[4].T,
                                  loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), counts=counts)
                     seen[(b, layout.value, n, form, counts)] = list(counter.calls)
@@ -260,5 +258,5 @@ def test_two_collectives_per_call_whatever_depths_and_batch():
     seen = suites(4)[0]["_collectives"]
     assert len(seen) == 2 * 2 * 2 * 3
     for (b, layout, n, form, counts), calls in seen.items():
-        want = (["all_to_all_single"] if form == "sharded" else []) + (["all_reduce"] if counts == "global" else [])
+        want = (["alltoall_base"] if form == "sharded" else []) + (["allreduce"] if counts == "global" else [])
         assert calls == want, (b, layout, n, form, counts, calls)

@@ -94,13 +94,12 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
 
 def describe_bshd(plan: BshdPlan) -> str:
     """The text ``cpshard plan --bshd`` prints: each rank's columns of every row."""
-    out = [repr(plan), f"alignment = {plan.alignment}; every row padded to M = {plan.seq_len}, "
-           f"{plan.local_seq_len} columns per rank; padding overhead = "
-           f"{100 * (plan.batch_size * plan.seq_len - plan.num_tokens) / max(plan.num_tokens, 1):.1f}%", ""]
+    out = [repr(plan), f"alignment = {plan.alignment}; every row padded to M = {plan.max_seqlen}, "
+           f"{plan.local_len} columns per rank; padding overhead = {100 * plan.padding_overhead:.1f}%", ""]
     head = max(len(f"rank {plan.cp_size - 1}"), len("row 0"))
     for r in range(plan.cp_size):
         out.append(f"{f'rank {r}':<{head}} : columns {plan.columns(r).tolist()}")
-    if plan.batch_size * plan.seq_len <= 4 * _PICTURE_MAX_ROWS:
+    if plan.num_seqs * plan.max_seqlen <= 4 * _PICTURE_MAX_ROWS:
         out.append("")
         for b, n in enumerate(plan.seqlens_py):
             cells = [[f"t{c}" if c < n else "." for c in plan.columns(r).tolist()] for r in range(plan.cp_size)]
