@@ -386,11 +386,12 @@ def megatron_loop(mod):
     missing (0.16: the loop lives in GPTModel; 0.14: roll_tensor has no packed_seq_params).
     """
     def run(hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output, is_training,
-            compute_language_model_loss, config, packed_seq_params=None, scale_logits_fn=None, input_ids=None):
+            compute_language_model_loss, config, cp_group=None, packed_seq_params=None, scale_logits_fn=None,
+            input_ids=None):
         def roll(x):
             if packed_seq_params is None:
-                return mod.roll_tensor(x, shifts=-1, dims=-1)
-            return mod.roll_tensor(x, shifts=-1, dims=-1, packed_seq_params=packed_seq_params)
+                return mod.roll_tensor(x, shifts=-1, dims=-1, cp_group=cp_group)
+            return mod.roll_tensor(x, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
 
         chunks = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
         hidden = chunks[0]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from cpshard import Layout, ShardPlan, shard
 from cpshard.spawn import CollectiveCounter, run_ranks
+from test_mtp import megatron_loop
 
 F64 = torch.float64
 VOCAB, HID = 9, 3
@@ -138,12 +139,19 @@ def _megatron_and_local_counts(rank, world):
     from cpshard.megatron import process_mtp_loss
     from cpshard.megatron._import import import_megatron
 
+    megatrons = None
     try:
         mod = import_megatron("transformer.multi_token_prediction")
     except ImportError as exc:
-        mod, reason = None, f"megatron-core is not importable ({exc})"
+        reason = f"megatron-core is not importable ({exc})"
     else:
-        reason = "" if hasattr(mod, "process_mtp_loss") else "this megatron-core has no process_mtp_loss"
+        reason = ""
+        if hasattr(mod, "process_mtp_loss"):
+            megatrons = mod.process_mtp_loss
+        elif hasattr(mod, "_roll_tensor_packed_seq"):  # 0.16: the same recipe on its own packed CP roll
+            megatrons = megatron_loop(mod)
+        else:
+            reason = "this megatron-core has no packed-sequence roll (0.14/0.15)"
     group = dist.new_group(list(range(world)))
     # Megatron's packed roll splits each sequence's local rows into two halves: under the contiguous
     # layout a sequence with one local row makes it raise (IndexError) after posting sends, so every
@@ -173,8 +181,8 @@ def _megatron_and_local_counts(rank, world):
             ours_local = _drop_in(plan, rank, group, data, n, fn=process_mtp_loss, per_token=per_token,
                                   counts="local", contiguous=contiguous)
             report[f"{key} drop-in local==native local"] = _close(ours_local, local / unit)
-            if mod is not None and not reason:
-                theirs = _drop_in(plan, rank, group, data, n, fn=mod.process_mtp_loss, per_token=per_token)
+            if megatrons is not None:
+                theirs = _drop_in(plan, rank, group, data, n, fn=megatrons, per_token=per_token)
                 report[f"{key} megatron==cp1"] = _close(theirs, ref)
                 report[f"{key} megatron==drop-in local"] = _close(theirs, ours_local)
     return report
