@@ -90,7 +90,7 @@ def test_plans_are_values():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != ShardPlan.build([5, 3], cp_size=2, layout="contiguous")
     assert a != BshdPlan.build([5, 3], cp_size=2)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="cannot assign to field 'cp_size'"):
         a.cp_size = 4  # frozen
 
 

@@ -52,7 +52,8 @@ def _gather_and_shift_cases(world):
         for tp in (1, 2):
             for i, lens in enumerate(_batches(world)):
                 for dtype, trailing in _DTYPES:
-                    yield f"{layout.value}/tp{tp}/batch{i}/{dtype}{list(trailing)}", layout, tp, i, lens, dtype, trailing
+                    name = f"{layout.value}/tp{tp}/batch{i}/{dtype}{list(trailing)}"
+                    yield name, layout, tp, i, lens, dtype, trailing
 
 
 def _gather_and_shift(rank, world):
