@@ -268,6 +268,9 @@ def _switch_and_groups(rank, world):
     # fill=0 on one rank and fill=0.0 on another are the same value in a float tensor
     out = shift_sharded(shard(x, good, rank), good, dist.group.WORLD, fill=0 if rank else 0.0, check=True)
     assert torch.equal(out, shard(x, good, rank, shift=1))
+    with torch.inference_mode():  # log-prob and value passes run there
+        inf = gather(shard(x, good, rank), good, dist.group.WORLD, check=True)
+        assert torch.equal(inf.values(), x)
     with pytest.raises(TypeError, match="group=None: must be the context-parallel process group"):
         gather(local, good, None)
     other = dist.new_group([0])  # every rank creates it; only rank 0 belongs to it
