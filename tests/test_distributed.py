@@ -52,7 +52,8 @@ def _gather_and_shift_cases(world):
         for tp in (1, 2):
             for i, lens in enumerate(_batches(world)):
                 for dtype, trailing in _DTYPES:
-                    yield f"{layout.value}/tp{tp}/batch{i}/{dtype}{list(trailing)}", layout, tp, i, lens, dtype, trailing
+                    name = f"{layout.value}/tp{tp}/batch{i}/{dtype}{list(trailing)}"
+                    yield name, layout, tp, i, lens, dtype, trailing
 
 
 def _gather_and_shift(rank, world):
@@ -267,6 +268,9 @@ def _switch_and_groups(rank, world):
     # fill=0 on one rank and fill=0.0 on another are the same value in a float tensor
     out = shift_sharded(shard(x, good, rank), good, dist.group.WORLD, fill=0 if rank else 0.0, check=True)
     assert torch.equal(out, shard(x, good, rank, shift=1))
+    with torch.inference_mode():  # log-prob and value passes run there
+        inf = gather(shard(x, good, rank), good, dist.group.WORLD, check=True)
+        assert torch.equal(inf.values(), x)
     with pytest.raises(TypeError, match="group=None: must be the context-parallel process group"):
         gather(local, good, None)
     other = dist.new_group([0])  # every rank creates it; only rank 0 belongs to it

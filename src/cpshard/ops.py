@@ -20,7 +20,7 @@ from cpshard._errors import check_int, check_rank, fail
 from cpshard.bshd import BshdPlan
 from cpshard.plan import PlanBase, ShardPlan, jagged_lengths, jagged_offsets, shard_index, unpadded, unshard_index
 
-__all__ = ["as_flat", "check_plan_type", "shard", "shift", "unshard"]
+__all__ = ["shard", "shift", "unshard"]
 
 Plan = Union[ShardPlan, BshdPlan]
 Scalar = Union[int, float, bool]

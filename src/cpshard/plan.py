@@ -21,7 +21,7 @@ from cpshard._errors import check_int, check_rank, fail
 from cpshard._exchange import Exchange, build_exchange
 from cpshard.layout import Layout, alignment, fp8_alignment, fp8_total_alignment
 
-__all__ = ["DeviceTensors", "PlanBase", "ShardPlan", "parse_plan_args", "parse_seqlens", "shift_exchange"]
+__all__ = ["DeviceTensors", "ShardPlan", "shift_exchange"]
 
 _I32 = torch.int32
 _T = TypeVar("_T")
