@@ -1,16 +1,19 @@
 """``cpshard`` command line: see why a layout is right.
 
 ``cpshard plan --lengths 5,3 --cp 2`` prints which rows each rank holds (SPEC.md's picture), the
-padding overhead and how evenly causal-attention work is spread over the ranks.
+padding overhead and how evenly causal-attention work is spread over the ranks (``--png`` draws
+it). ``cpshard verify`` proves a configuration end to end against ``cp = 1`` (``cpshard.verify``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,7 +21,7 @@ from cpshard.bshd import BshdPlan
 from cpshard.layout import Layout
 from cpshard.plan import ShardPlan
 
-__all__ = ["describe_bshd", "describe_plan", "main"]
+__all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
 
 _PICTURE_MAX_ROWS = 96
 
@@ -54,6 +57,22 @@ def _picture(plan: ShardPlan) -> list[str]:
     head = max(len(n) for n in names)
     return [f"{name:<{head}} : " + " ".join(c.ljust(width) if c != "|" else c for c in line).rstrip()
             for name, line in zip(names, cells)]
+
+
+def _summary(plan: ShardPlan) -> list[str]:
+    """The picture's content for long batches: each rank's runs of consecutive rows, ``s<seq>:<first>-<last>``
+    (positions inside the padded sequence, inclusive), capped."""
+    lines = ["rows per rank as runs s<sequence>:<first position>-<last position>:"]
+    for r in range(plan.cp_size):
+        seq, pos = plan.sequence_ids(r), plan.position_ids(r)
+        new = torch.ones_like(seq, dtype=torch.bool)
+        new[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
+        first = new.nonzero().flatten()
+        last = torch.cat([first[1:] - 1, torch.tensor([seq.numel() - 1])])
+        runs = [f"s{s}:{a}-{b}" for s, a, b in zip(seq[first].tolist(), pos[first].tolist(), pos[last].tolist())]
+        shown = runs if len(runs) <= 9 else runs[:6] + ["..."] + runs[-2:] + [f"({len(runs)} runs)"]
+        lines.append(f"rank {r} : {' '.join(shown)}")
+    return lines
 
 
 def _balance(plan: ShardPlan) -> list[str]:
@@ -93,6 +112,7 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
     ]
     if picture is None and plan.total_len > _PICTURE_MAX_ROWS:
         out += [f"(picture omitted: {plan.total_len} rows > {_PICTURE_MAX_ROWS}; pass --picture to force it)", ""]
+        out += _summary(plan) + [""]
     elif picture is False:
         out += ["(picture omitted: --no-picture)", ""]
     else:
@@ -125,24 +145,125 @@ def _lengths(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--lengths={text!r}: expected comma-separated ints, e.g. 5,3") from None
 
 
+def read_lengths_file(path: str) -> list[int]:
+    """Sequence lengths from a file: one per line (blank lines and ``#`` comments ignored), or a JSON list."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: cannot be read ({exc.strerror})") from None
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: not a JSON list ({exc})") from None
+        if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: the JSON list must hold integers only")
+        return values
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        try:
+            out.append(int(line))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {line!r}, expected one "
+                                             "integer length per line (or a JSON list)") from None
+    return out
+
+
+def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: str) -> None:
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--lengths", type=_lengths, default=list(default),
+                       help=f"sequence lengths, e.g. {example} (default {','.join(map(str, default))})")
+    which.add_argument("--lengths-file", type=read_lengths_file, default=None, metavar="PATH",
+                       help="sequence lengths from a file: one per line, or a JSON list")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. 2,4") from None
+
+
+def _verify_parser(sub: Any) -> argparse.ArgumentParser:
+    from cpshard import verify
+
+    v = sub.add_parser("verify", help="prove CP configurations end to end against cp=1 (a tiny transformer)",
+                       description=(verify.__doc__ or "").split("\n\n")[0])
+    _add_lengths(v, verify.DEFAULT_LENGTHS, "97,23,1,5")
+    v.add_argument("--cp", type=_ints, default=None, help="context-parallel sizes (default 2,4; under torchrun "
+                   "the world size)")
+    v.add_argument("--tp", type=_ints, default=[1, 2], help="tensor-parallel alignments (default 1,2)")
+    v.add_argument("--layouts", default="zigzag,contiguous", help="layouts (default zigzag,contiguous)")
+    v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
+    v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    v.add_argument("--attention", default="reference", choices=["reference", "naive"],
+                   help="'naive': run every configuration with the layout-naive attention (zigzag must fail)")
+    v.add_argument("--backend", default=None, choices=["nccl", "gloo"],
+                   help="under torchrun: the process-group backend (default nccl with CUDA, else gloo)")
+    v.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    return v
+
+
+def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
+    from cpshard import verify
+
+    lengths = args.lengths_file if args.lengths_file is not None else args.lengths
+    layouts = [x for x in args.layouts.replace(" ", "").split(",") if x]
+    try:
+        if verify.launched():
+            world = int(os.environ["WORLD_SIZE"])
+            if args.cp is not None and args.cp != [world]:
+                v.error(f"--cp {args.cp} under torchrun: the CP size is the world size ({world}); drop --cp")
+            report = verify.verify_launched(lengths, backend=args.backend, tps=args.tp, layouts=layouts,
+                                            dtype=args.dtype, attention=args.attention, progress=args.progress)
+            if report is None:  # not rank 0: rank 0 reports; every rank exits 0 unless it failed
+                return 0
+        else:
+            if args.backend is not None:
+                v.error("--backend applies under torchrun only (torchrun --nproc-per-node N -m cpshard verify "
+                        "--backend nccl); spawned ranks use gloo")
+            report = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, layouts=layouts, dtype=args.dtype,
+                                   attention=args.attention, progress=args.progress)
+    except (ValueError, TypeError) as exc:
+        print(f"cpshard verify: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_json()) if args.json else verify.format_table(report), flush=True)
+    return 0 if report.ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cpshard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print which rows each context-parallel rank holds")
-    p.add_argument("--lengths", type=_lengths, default=[5, 3], help="sequence lengths, e.g. 5,3 (default)")
+    _add_lengths(p, [5, 3], "5,3")
     p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout])
+    p.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout] + ["both"],
+                   help="'both': zigzag and contiguous, one after the other (side by side with --png)")
     p.add_argument("--fp8", action="store_true", help="fp8 padding (lcm(16, a) per sequence, a * 128 total)")
     p.add_argument("--min-local-rows", type=int, default=None)
     p.add_argument("--length-bucket", type=int, default=None)
     p.add_argument("--bshd", action="store_true", help="plan a padded (B, S) batch instead of a packed one")
     p.add_argument("--max-seqlen", type=int, default=None, help="with --bshd: the forced padded length")
     p.add_argument("--picture", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows)")
+                   help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows; else a summary)")
+    p.add_argument("--png", default=None, metavar="PATH", help="also draw the token-to-rank map and the per-rank "
+                   "causal work as a PNG (needs matplotlib: pip install 'cpshard[plot]')")
+    v = _verify_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+        torch.set_num_threads(1)
+        return _run_verify(args, v)
+    lengths = args.lengths_file if args.lengths_file is not None else args.lengths
+    layouts = [m.value for m in Layout] if args.layout == "both" else [args.layout]
     not_for = ([("--min-local-rows", args.min_local_rows), ("--length-bucket", args.length_bucket),
-                ("--picture/--no-picture", args.picture)] if args.bshd else [("--max-seqlen", args.max_seqlen)])
+                ("--picture/--no-picture", args.picture), ("--png", args.png)]
+               if args.bshd else [("--max-seqlen", args.max_seqlen)])
     ignored = [flag for flag, value in not_for if value is not None]
     if ignored:
         mode = "with --bshd (a padded batch)" if args.bshd else "without --bshd (a packed batch)"
@@ -152,14 +273,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
-        if args.bshd:
-            text = describe_bshd(BshdPlan.build(args.lengths, cp_size=args.cp, tp_size=args.tp, layout=args.layout,
-                                                fp8=args.fp8, max_seqlen=args.max_seqlen))
-        else:
-            plan = ShardPlan.build(args.lengths, cp_size=args.cp, tp_size=args.tp, layout=args.layout, fp8=args.fp8,
+        texts, plans = [], []
+        for layout in layouts:
+            if args.bshd:
+                texts.append(describe_bshd(BshdPlan.build(lengths, cp_size=args.cp, tp_size=args.tp, layout=layout,
+                                                          fp8=args.fp8, max_seqlen=args.max_seqlen)))
+                continue
+            plan = ShardPlan.build(lengths, cp_size=args.cp, tp_size=args.tp, layout=layout, fp8=args.fp8,
                                    min_local_rows=args.min_local_rows, length_bucket=args.length_bucket)
-            text = describe_plan(plan, picture=args.picture)
-    except (ValueError, TypeError) as exc:
+            plans.append(plan)
+            texts.append(describe_plan(plan, picture=args.picture))
+        text = "\n\n".join(texts)
+        if args.png is not None:
+            from cpshard.plot import draw_plans
+            draw_plans(plans, args.png)
+            text += f"\n\nwrote {args.png}"
+    except (ValueError, TypeError, ImportError) as exc:
         print(f"cpshard plan: {exc}", file=sys.stderr)
         return 2
     try:

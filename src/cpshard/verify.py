@@ -1,0 +1,523 @@
+"""``cpshard verify``: prove a context-parallel configuration end to end, on this machine.
+
+A tiny decoder-only transformer in plain PyTorch (embedding; layers of RMSNorm, rotary attention
+on the plan's position ids through :func:`cpshard.attention.attention`, and an MLP; multi-token
+prediction depths in Megatron's shape, scored by :func:`cpshard.mtp.mtp_loss`) runs forward and
+backward on a built-in batch of varied lengths (long, short, one token, shorter than any
+alignment, empty), first at ``cp = 1`` and then across real ``torch.distributed`` ranks for every
+requested ``cp``, ``tp`` alignment and layout, using cpshard end to end: ``shard`` (tokens, labels),
+``shift_sharded_multi`` (each MTP depth's input ids), the reference attention, the MTP loss and
+``gather`` of the per-token log-probs. Each configuration's loss, per-token log-probs, MTP losses and
+every parameter gradient are compared with ``cp = 1``'s. The layout-naive attention under zigzag is
+run too, and must be caught.
+
+Note [How verify's ranks add up to cp = 1]
+------------------------------------------
+Every rank computes the loss of its own rows in Megatron's gradient convention (gradients averaged
+over DP x CP): ``cp * sum_local(nll * mask) / n_global``, with ``n_global`` the CP group's token
+count (one ``all_reduce``), and the MTP loss with ``normalization="mean"`` and global counts (Note
+[MTP token counts] in ``mtp.py``). The reference attention sends every rank the gradient of all
+ranks' queries with respect to its keys and values. So the mean over ranks of the losses, and of
+the parameter gradients (one ``all_reduce``, divided by ``cp``), equal ``cp = 1``'s; the log-probs
+are restored per sequence with ``gather``.
+
+Two ways to run: ``verify()`` spawns one gloo process group per ``cp`` (``cpshard.spawn.run_ranks``)
+and runs every configuration of that ``cp`` in it; :func:`verify_launched` runs inside a job that
+``torchrun`` started (env:// initialisation, ``cp`` = the world size, any backend), with the
+``cp = 1`` reference computed on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpshard._errors import check_int, fail
+from cpshard.attention import attention, attention_work, naive_attention
+from cpshard.layout import Layout
+from cpshard.ops import shard, unshard
+from cpshard.plan import ShardPlan
+
+__all__ = ["DEFAULT_LENGTHS", "Config", "Report", "Result", "TinyDecoder", "format_table", "verify",
+           "verify_launched"]
+
+#: long, short, one token, shorter than the alignment of cp = 4 (2 * cp * tp = 8 or 16), empty
+DEFAULT_LENGTHS: tuple[int, ...] = (97, 23, 1, 5, 0, 40, 3)
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+#: max |difference| allowed, relative to max(1, max |cp = 1 value|) of each quantity
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
+QUANTITIES = ("loss", "logprobs", "mtp_loss", "grads")
+
+VOCAB, HIDDEN, HEADS, LAYERS, MTP_DEPTHS, MTP_SCALE = 61, 32, 4, 2, 2, 0.3
+MAX_TOKENS = 8192  # the reference attention holds an (L, cp * L) score matrix per head
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``(R, H, D)`` at ``positions`` ``(R,)`` (pairs ``(2i, 2i + 1)`` rotated)."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=x.dtype, device=x.device) / dim))
+    angles = positions.to(x.dtype)[:, None, None] * inv_freq  # (R, 1, D / 2)
+    cos, sin = angles.cos(), angles.sin()
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer: rotary causal attention (by the plan) and a SiLU MLP."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.Parameter(torch.ones(hidden))
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = nn.Parameter(torch.ones(hidden))
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """``x`` ``(R, hidden)``, ``positions`` ``(R,)`` -> ``(R, hidden)``."""
+        q, k, v = self.qkv(_rms_norm(x, self.norm1)).view(x.shape[0], 3, self.heads, -1).unbind(1)
+        x = x + self.proj(attend(rotary(q, positions), rotary(k, positions), v).flatten(1))
+        return x + self.down(F.silu(self.up(_rms_norm(x, self.norm2))))
+
+
+class TinyDecoder(nn.Module):
+    """Embedding, ``LAYERS`` blocks, and ``MTP_DEPTHS`` multi-token-prediction depths in Megatron's
+    shape (depth ``d``: a block over ``proj(cat(norm(h_{d-1}), norm(embed(ids shifted by d))))``),
+    sharing the output layer. Deterministic initialisation (seed 0)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        gen = torch.random.fork_rng(devices=[])
+        with gen:
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.layers = nn.ModuleList(Block(HIDDEN, HEADS) for _ in range(LAYERS))
+            self.mtp_in = nn.ModuleList(nn.Linear(2 * HIDDEN, HIDDEN, bias=False) for _ in range(MTP_DEPTHS))
+            self.mtp_layers = nn.ModuleList(Block(HIDDEN, HEADS) for _ in range(MTP_DEPTHS))
+            self.final_norm = nn.Parameter(torch.ones(HIDDEN))
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.to(dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``(R, hidden)`` -> ``(R, VOCAB)``: the output layer every depth shares."""
+        return self.head(_rms_norm(h, self.final_norm))
+
+    def hidden(self, ids: torch.Tensor, shifted_ids: torch.Tensor, positions: torch.Tensor,
+               attend: Attend) -> list[torch.Tensor]:
+        """``ids`` ``(R,)``, ``shifted_ids`` ``(MTP_DEPTHS, R)`` -> ``1 + MTP_DEPTHS`` chunks ``(R, hidden)``."""
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h, positions, attend)
+        chunks = [h]
+        for d, (proj, layer) in enumerate(zip(self.mtp_in, self.mtp_layers)):
+            mixed = proj(torch.cat([_rms_norm(h, 1.0), _rms_norm(self.embed(shifted_ids[d]), 1.0)], -1))
+            h = layer(mixed, positions, attend)
+            chunks.append(h)
+        return chunks
+
+
+# -- configurations and results ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: CP size, TP alignment, layout, and which attention (``"reference"`` or
+    ``"naive"``, the layout-naive kernel)."""
+
+    cp: int
+    tp: int
+    layout: str
+    attention: str = "reference"
+
+    @property
+    def name(self) -> str:
+        naive = ", naive attention" if self.attention == "naive" else ""
+        return f"cp={self.cp} tp={self.tp} {self.layout}{naive}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one step produces (float64 on the CPU): the batch's loss, per-token log-probs (tokens in
+    order, 0 where a token has no label), the MTP losses per depth, and every parameter gradient."""
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    mtp_loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """One configuration compared with ``cp = 1``."""
+
+    config: Config
+    ok: bool
+    max_abs_diff: dict[str, float]
+    padding_overhead: float
+    attention_work: list[int]
+    seconds: float
+
+    @property
+    def attention_imbalance(self) -> float:
+        """Per-rank attention work, max / mean (1.0 is balanced)."""
+        mean = sum(self.attention_work) / len(self.attention_work)
+        return max(self.attention_work) / mean if mean else 1.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"cp": self.config.cp, "tp": self.config.tp, "layout": self.config.layout,
+                "attention": self.config.attention, "ok": self.ok, "max_abs_diff": dict(self.max_abs_diff),
+                "padding_overhead": self.padding_overhead, "attention_imbalance": self.attention_imbalance,
+                "attention_work": list(self.attention_work), "seconds": self.seconds}
+
+
+@dataclass(frozen=True)
+class Report:
+    """The whole run: every configuration's result, and the naive-attention check."""
+
+    results: list[Result]
+    naive: Result | None
+    lengths: tuple[int, ...]
+    dtype: str
+    tolerance: float
+    seconds: float
+
+    @property
+    def naive_kernel_caught(self) -> bool:
+        """The layout-naive attention under zigzag was reported as a mismatch."""
+        return self.naive is not None and not self.naive.ok
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results) and self.naive_kernel_caught
+
+    def as_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "naive_kernel_caught": self.naive_kernel_caught,
+                "results": [r.as_json() for r in self.results],
+                "naive": self.naive.as_json() if self.naive is not None else None,
+                "lengths": list(self.lengths), "dtype": self.dtype, "tolerance": self.tolerance,
+                "seconds": self.seconds}
+
+
+# -- one step -----------------------------------------------------------------------------------
+
+
+def _batch(lengths: Sequence[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over the CP group (one ``all_reduce``); ``t`` itself at ``cp = 1``."""
+    if group is None:
+        return t
+    import torch.distributed as dist
+
+    out = t.detach().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank: int, group: Any, *,
+         naive: bool = False, device: torch.device | None = None) -> Outcome:
+    """Forward and backward of ``model`` on this rank's rows of ``batch`` (Note [How verify's ranks add
+    up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``. Returns the batch's values
+    (the same on every rank); the model's ``.grad`` are left as this rank's own."""
+    from cpshard.mtp import mtp_loss
+
+    start = time.perf_counter()
+    dev = device if device is not None else torch.device("cpu")
+    dtype = next(model.parameters()).dtype
+    ids = shard(batch, plan, cp_rank).to(dev)                       # (L,)
+    labels = shard(batch, plan, cp_rank, shift=1).to(dev)           # (L,) next token; 0 past the end
+    mask = plan.label_mask(cp_rank, shift=1).to(dev)                # (L,) True where a label exists
+    positions = plan.position_ids(cp_rank).to(dev)                  # (L,) for the rotary embedding
+    depths = tuple(range(1, MTP_DEPTHS + 1))
+    if group is None:
+        shifted = torch.stack([shard(batch, plan, cp_rank, shift=d) for d in depths]).to(dev)
+    else:  # what a trainer does when the ids exist only sharded: one exchange for every depth
+        from cpshard.distributed import shift_sharded_multi
+        shifted = shift_sharded_multi([ids], plan, group, shifts=depths)[0]
+    attend_fn = naive_attention if naive else attention
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend_fn(q, k, v, plan, group)
+
+    model.zero_grad(set_to_none=True)
+    chunks = model.hidden(ids, shifted, positions, attend)
+    mtp = mtp_loss(chunks, labels, mask.to(dtype), plan, group, output_layer=model.logits,
+                   loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), scaling_factor=MTP_SCALE)
+    logp = F.log_softmax(model.logits(mtp.hidden), -1)
+    token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype, device=dev))
+    count = _all_reduce(mask.sum().to(dtype), group)
+    loss = -plan.cp_size * token_logp.sum() / count
+    loss.backward()
+
+    names = [n for n, _ in model.named_parameters()]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1), mtp.losses])
+    flat = _all_reduce(flat, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
+    sizes = [g.numel() for g in grads]
+    parts = flat.split(sizes + [1, MTP_DEPTHS])
+    if group is None:
+        restored = unshard([token_logp.detach()], plan).values()
+    else:
+        from cpshard.distributed import gather
+        restored = gather(token_logp.detach(), plan, group).values()
+    return Outcome(loss=parts[-2][0], logprobs=restored.double().cpu(), mtp_loss=parts[-1],
+                   grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-2], model.parameters())},
+                   seconds=time.perf_counter() - start)
+
+
+def compare(config: Config, got: Outcome, want: Outcome, plan: ShardPlan, tolerance: float) -> Result:
+    """``got`` against the ``cp = 1`` outcome ``want``: max |difference| of each quantity, and whether
+    each is within ``tolerance * max(1, max |want|)``."""
+    pairs = {"loss": [(got.loss, want.loss)], "logprobs": [(got.logprobs, want.logprobs)],
+             "mtp_loss": [(got.mtp_loss, want.mtp_loss)],
+             "grads": [(got.grads[n], want.grads[n]) for n in want.grads]}
+    diffs, ok = {}, True
+    for name, items in pairs.items():
+        diff = max(float((a - b).abs().max()) if b.numel() else 0.0 for a, b in items)
+        scale = max([1.0] + [float(b.abs().max()) for _, b in items if b.numel()])
+        diffs[name] = diff
+        ok = ok and math.isfinite(diff) and diff <= tolerance * scale
+    return Result(config, ok, diffs, plan.padding_overhead, attention_work(plan), got.seconds)
+
+
+def _plan(lengths: Sequence[int], config: Config) -> ShardPlan:
+    return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout)
+
+
+def reference(lengths: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> Outcome:
+    """The ``cp = 1``, ``tp = 1`` outcome every configuration is compared with (no communication)."""
+    return step(TinyDecoder(dtype).to(device or "cpu"), _batch(lengths), _plan(lengths, Config(1, 1, "zigzag")), 0,
+                None, device=device)
+
+
+# -- progress -------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """A one-line progress bar on a stream (stderr): one step per configuration.
+
+    Picklable, so that rank 0 of a spawned group draws the steps its configurations take; on a
+    terminal the line is redrawn in place, elsewhere each step is a line of its own.
+    """
+
+    total: int
+    done: int = 0
+    enabled: bool = True
+    width: int = 24
+
+    def step(self, label: str, stream: TextIO | None = None) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        out = stream if stream is not None else sys.stderr
+        filled = round(self.width * self.done / max(self.total, 1))
+        line = f"cpshard verify [{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {label}"
+        tty = out.isatty()
+        out.write(("\r\x1b[2K" + line if tty else line + "\n") + ("\n" if tty and self.done >= self.total else ""))
+        out.flush()
+
+
+# -- spawned gloo groups ----------------------------------------------------------------------
+
+
+def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
+               progress: Progress) -> list[Outcome] | None:
+    """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
+    import logging
+
+    import torch.distributed as dist
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    group = dist.group.WORLD
+    batch = _batch(lengths)
+    model = TinyDecoder(DTYPES[dtype_name])
+    outcomes = []
+    for config in configs:
+        outcome = step(model, batch, _plan(lengths, config), rank, group, naive=config.attention == "naive")
+        slowest = torch.tensor([outcome.seconds])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        outcomes.append(dataclasses.replace(outcome, seconds=float(slowest)))
+        if rank == 0:
+            progress.step(config.name)
+    return outcomes if rank == 0 else None
+
+
+def configurations(cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str]) -> list[Config]:
+    """Every ``(cp, tp, layout)``; at ``cp = 1`` the layouts are one (both are the identity)."""
+    out = []
+    for cp in cps:
+        for tp in tps:
+            for layout in (layouts if cp > 1 else layouts[:1]):
+                out.append(Config(cp, tp, layout))
+    return out
+
+
+def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int],
+                layouts: Sequence[str], dtype: str) -> tuple[tuple[int, ...], list[int], list[int], list[str]]:
+    lens = ShardPlan.build(lengths, cp_size=1).seqlens_py
+    if sum(lens) == 0:
+        fail("lengths", list(lens), "must hold at least one token", "pass lengths with a positive sum")
+    if sum(lens) > MAX_TOKENS:
+        fail("lengths", f"{sum(lens)} tokens", f"must sum to at most {MAX_TOKENS} (the reference attention holds "
+             "an (L, cp * L) score matrix per head)", "verify a smaller batch with the same shape of lengths")
+    cps = sorted({check_int("cp", c, minimum=1) for c in cps})
+    tps = sorted({check_int("tp", t, minimum=1) for t in tps})
+    layouts = [Layout.parse(x).value for x in layouts]
+    if not cps or not tps or not layouts:
+        fail("cp", (cps, tps, layouts), "every list must hold at least one value", "pass e.g. --cp 2,4")
+    if dtype not in DTYPES:
+        fail("dtype", repr(dtype), f"must be one of {', '.join(DTYPES)}", "pass --dtype float64")
+    return lens, cps, tps, list(dict.fromkeys(layouts))
+
+
+def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
+           layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
+           progress: bool = True, timeout: float = 600.0) -> Report:
+    """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
+
+    ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
+    configurations must then fail). The naive attention under zigzag is always run once more, at the
+    smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
+    """
+    from cpshard.spawn import run_ranks
+
+    start = time.perf_counter()
+    lens, cps, tps, layouts = _check_args(lengths, cps, tps, layouts, dtype)
+    if attention not in ("reference", "naive"):
+        fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
+    configs = [dataclasses.replace(c, attention=attention) for c in configurations(cps, tps, layouts)]
+    naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
+    bar = Progress(total=len(configs) + 2, enabled=progress)
+    torch_dtype = DTYPES[dtype]
+    want = reference(lens, torch_dtype)
+    bar.step("cp=1 reference")
+    by_cp: dict[int, list[Config]] = {}
+    for c in dict.fromkeys(configs + [naive]):  # with attention="naive" the check is one of the configurations
+        by_cp.setdefault(c.cp, []).append(c)
+    outcomes: dict[Config, Outcome] = {}
+    for cp, group_configs in by_cp.items():
+        if cp == 1:
+            for c in group_configs:
+                outcomes[c] = step(TinyDecoder(torch_dtype), _batch(lens), _plan(lens, c), 0, None,
+                                   naive=c.attention == "naive")
+                bar.step(c.name)
+            continue
+        got = run_ranks(_rank_body, cp, lens, group_configs, dtype, bar, timeout=timeout)[0]
+        bar.done += len(group_configs)
+        outcomes.update(zip(group_configs, got))
+    tol = TOLERANCE[torch_dtype]
+    results = [compare(c, outcomes[c], want, _plan(lens, c), tol) for c in configs]
+    naive_result = compare(naive, outcomes[naive], want, _plan(lens, naive), tol)
+    return Report(results, naive_result, lens, dtype, tol, time.perf_counter() - start)
+
+
+# -- under torchrun ---------------------------------------------------------------------------
+
+
+def launched() -> bool:
+    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | None = None,
+                    tps: Sequence[int] = (1, 2), layouts: Sequence[str] = ("zigzag", "contiguous"),
+                    dtype: str = "float64", attention: str = "reference", progress: bool = True) -> Report | None:
+    """Every configuration at ``cp`` = the world size, inside a ``torchrun`` job (env:// initialisation).
+
+    ``backend``: ``"nccl"`` (each rank on ``cuda:LOCAL_RANK``) or ``"gloo"``; default nccl when CUDA
+    is available. Rank 0 computes the ``cp = 1`` reference itself and returns the report; the other
+    ranks return None. The process group is created and destroyed here.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    lens, _, tps, layouts = _check_args(lengths, [world], tps, layouts, dtype)
+    if world < 2:
+        fail("WORLD_SIZE", world, "must be >= 2 (a context-parallel group of one rank proves nothing)",
+             "run torchrun --nproc-per-node 2 (or more) -m cpshard verify")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        fail("backend", repr(backend), "must be 'nccl' or 'gloo'", "pass --backend nccl on GPUs, gloo on CPUs")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(minutes=10))
+    try:
+        rank, group = dist.get_rank(), dist.group.WORLD
+        start = time.perf_counter()
+        torch_dtype = DTYPES[dtype]
+        configs = [dataclasses.replace(c, attention=attention) for c in configurations([world], tps, layouts)]
+        naive = Config(world, 1, "zigzag", "naive")
+        bar = Progress(total=len(configs) + 2, enabled=progress and rank == 0)
+        want = reference(lens, torch_dtype, device) if rank == 0 else None
+        bar.step("cp=1 reference")
+        model = TinyDecoder(torch_dtype).to(device)
+        batch = _batch(lens)
+        results: list[Result] = []
+        for c in configs + [naive]:
+            plan = _plan(lens, c)
+            got = step(model, batch, plan, rank, group, naive=c.attention == "naive", device=device)
+            bar.step(c.name)
+            if want is not None:
+                results.append(compare(c, got, want, plan, TOLERANCE[torch_dtype]))
+        if rank != 0:
+            return None
+        return Report(results[:-1], results[-1], lens, dtype, TOLERANCE[torch_dtype], time.perf_counter() - start)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def format_table(report: Report) -> str:
+    """The table ``cpshard verify`` prints: one row per configuration, then the naive check."""
+    head = ["configuration", "loss", "logprobs", "mtp_loss", "grads", "padding", "attn max/mean", "seconds", ""]
+    rows = []
+    for r in report.results + ([report.naive] if report.naive is not None else []):
+        verdict = "ok" if r.ok else "MISMATCH"
+        if r is report.naive:
+            verdict = "MISMATCH (caught, as it must be)" if not r.ok else "NOT CAUGHT"
+        rows.append([r.config.name] + [f"{r.max_abs_diff[q]:.1e}" for q in QUANTITIES]
+                    + [f"{100 * r.padding_overhead:.1f}%", f"{r.attention_imbalance:.3f}", f"{r.seconds:.2f}", verdict])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) if i < len(head) - 1 else str(x)
+                       for i, (x, w) in enumerate(zip(line, widths))).rstrip() for line in [head] + rows]
+    lines.insert(1, "-" * len(lines[0]))
+    summary = (f"lengths {list(report.lengths)}, {report.dtype}, max |difference| from cp=1 "
+               f"(tolerance {report.tolerance:.0e} x max(1, |cp=1 value|)); {report.seconds:.1f} s")
+    verdict = ("OK: every configuration equals cp=1, and the layout-naive attention under zigzag was caught"
+               if report.ok else "FAILED: " + "; ".join(
+                   [f"{r.config.name} differs from cp=1" for r in report.results if not r.ok]
+                   + ([] if report.naive_kernel_caught else ["the layout-naive attention was not caught"])))
+    return "\n".join([summary, ""] + lines + ["", verdict])
