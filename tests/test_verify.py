@@ -1,0 +1,189 @@
+"""``cpshard verify`` and the ``cpshard plan`` additions (lengths files, the summary, ``--png``).
+
+The spawned runs are small (three short sequences, one tp) to keep the suite fast on two cores:
+one passing run with --json, one with the layout-naive attention (must fail), one under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cpshard import ShardPlan
+from cpshard.cli import main as cli_main
+from cpshard.spawn import free_port
+from cpshard.verify import Config, Progress, compare, reference, step
+
+SMALL = ["--lengths", "9,1,4", "--cp", "2"]
+KEYS = {"cp", "tp", "layout", "ok", "max_abs_diff", "padding_overhead", "attention_imbalance", "seconds"}
+DIFFS = {"loss", "logprobs", "grads", "mtp_loss"}
+
+
+def _one_json_object(text: str) -> dict:
+    decoder = json.JSONDecoder()
+    obj, end = decoder.raw_decode(text.strip())
+    assert text.strip()[end:] == "", "more than one JSON object printed"
+    assert isinstance(obj, dict)
+    return obj
+
+
+def _check_schema(report: dict) -> None:
+    assert {"ok", "naive_kernel_caught", "results"} <= set(report)
+    for r in report["results"]:
+        assert KEYS <= set(r) and set(r["max_abs_diff"]) == DIFFS, r
+        assert isinstance(r["cp"], int) and isinstance(r["ok"], bool) and isinstance(r["seconds"], float)
+
+
+def test_verify_json_passes_and_reports_every_configuration(capfd):
+    assert cli_main(["verify", *SMALL, "--tp", "1,2", "--json"]) == 0
+    out, err = capfd.readouterr()
+    report = _one_json_object(out)
+    _check_schema(report)
+    assert report["ok"] is True and report["naive_kernel_caught"] is True
+    assert [(r["cp"], r["tp"], r["layout"]) for r in report["results"]] == [
+        (2, 1, "zigzag"), (2, 1, "contiguous"), (2, 2, "zigzag"), (2, 2, "contiguous")]
+    for r in report["results"]:
+        assert r["ok"] and max(r["max_abs_diff"].values()) < 1e-12, r
+        assert r["padding_overhead"] > 0 and r["attention_imbalance"] >= 1.0
+    assert report["naive"]["ok"] is False and report["naive"]["max_abs_diff"]["logprobs"] > 1e-3
+    assert "6/6" in err  # the progress bar: the reference, four configurations, the naive check
+
+
+def test_naive_attention_under_zigzag_is_a_mismatch_with_nonzero_exit(capfd):
+    assert cli_main(["verify", *SMALL, "--tp", "1", "--attention", "naive", "--no-progress"]) == 1
+    out, _ = capfd.readouterr()
+    assert "cp=2 tp=1 zigzag, naive attention" in out and "MISMATCH" in out
+    assert "FAILED: cp=2 tp=1 zigzag, naive attention differs from cp=1" in out
+    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith("cp=2")}
+    assert rows["cp=2 tp=1 contiguous, naive attention"].endswith(" ok")  # right where its belief holds
+
+
+def test_torchrun_path_on_two_gloo_ranks():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "cpshard", "verify", "--backend", "gloo", "--lengths", "9,1,4",
+           "--tp", "1", "--json", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _one_json_object(proc.stdout)  # rank 0 alone reports
+    _check_schema(report)
+    assert report["ok"] and report["naive_kernel_caught"]
+    assert [(r["cp"], r["layout"], r["ok"]) for r in report["results"]] == [(2, "zigzag", True),
+                                                                            (2, "contiguous", True)]
+
+
+def test_verify_refuses_bad_arguments(capfd):
+    assert cli_main(["verify", "--lengths", "0,0", "--no-progress"]) == 2
+    assert "lengths=[0, 0]: must hold at least one token" in capfd.readouterr().err
+    assert cli_main(["verify", "--layouts", "zigzog", "--no-progress"]) == 2
+    assert "is not a known layout" in capfd.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["verify", "--backend", "nccl"])
+    assert "--backend applies under torchrun only" in capfd.readouterr().err
+
+
+# -- in one process: the step, the comparison, the progress bar --------------------------------------
+
+
+def test_cp1_with_tp_padding_equals_reference_and_comparison_can_fail():
+    lens = (9, 1, 4)
+    want = reference(lens, torch.float64)
+    config = Config(1, 2, "zigzag")
+    from cpshard.verify import TinyDecoder, _batch
+
+    plan = ShardPlan.build(lens, cp_size=1, tp_size=2)
+    got = step(TinyDecoder(), _batch(lens), plan, 0, None)
+    result = compare(config, got, want, plan, 1e-9)
+    assert result.ok and max(result.max_abs_diff.values()) < 1e-13
+    assert result.attention_work == [45 + 1 + 10]
+    broken = got.grads["layers.0.qkv.weight"].clone()
+    broken[0, 0] += 1e-6
+    bad = compare(config, type(got)(got.loss, got.logprobs, got.mtp_loss, {**got.grads, "layers.0.qkv.weight": broken},
+                                    got.seconds), want, plan, 1e-9)
+    assert not bad.ok and bad.max_abs_diff["grads"] == pytest.approx(1e-6, rel=1e-6)
+
+
+def test_progress_bar_lines():
+    import io
+
+    stream = io.StringIO()
+    bar = Progress(total=2, width=4)
+    bar.step("a", stream)
+    bar.step("b", stream)
+    assert stream.getvalue().splitlines() == ["cpshard verify [##..] 1/2 a", "cpshard verify [####] 2/2 b"]
+
+
+# -- cpshard plan additions -------------------------------------------------------------------------
+
+
+SPEC_EXAMPLE = [
+    "global : s0p0 s0p1 s0p2 s0p3 s0p4 pad  pad  pad  | s1p0 s1p1 s1p2 pad",
+    "rank 0 : s0p0 s0p1 | pad  pad  | s1p0 | pad",
+    "rank 1 : s0p2 s0p3 | s0p4 pad  | s1p1 | s1p2",
+]
+
+
+def test_plan_prints_spec_worked_example_from_every_lengths_source(capsys, tmp_path):
+    lines, listed = tmp_path / "lengths.txt", tmp_path / "lengths.json"
+    lines.write_text("# lengths of SPEC's worked example\n5\n\n3\n")
+    listed.write_text("[5, 3]")
+    for argv in (["--lengths", "5,3"], ["--lengths-file", str(lines)], ["--lengths-file", str(listed)]):
+        assert cli_main(["plan", *argv, "--cp", "2"]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [line for line in out if line.startswith(("global", "rank 0 :", "rank 1 :"))] == SPEC_EXAMPLE, argv
+
+
+def test_plan_lengths_file_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("5\nfive\n")
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--lengths-file", str(bad)])
+    assert "line 2 is 'five'" in capsys.readouterr().err
+    good = tmp_path / "good.txt"
+    good.write_text("5\n")
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--lengths", "5", "--lengths-file", str(good)])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_plan_summary_for_long_batches_and_both_layouts(capsys):
+    assert cli_main(["plan", "--lengths", "300,17,1,1200", "--cp", "4", "--layout", "both"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("picture omitted") == 2 and "layout='zigzag'" in out and "layout='contiguous'" in out
+    zigzag, contiguous = out.split("layout='contiguous'")
+    assert "rank 3 : s0:114-189 s1:9-14 s2:3-4 s3:450-749\n" in zigzag  # the two middle chunks, one run
+    assert "rank 0 : s0:0-299 s1:0-19 s2:0-3 s3:0-56\nrank 1 : s3:57-437\n" in contiguous
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plan_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra; the test extra installs it")
+    one, both = tmp_path / "zigzag.png", tmp_path / "both.png"
+    assert cli_main(["plan", "--lengths", "300,17,1,5,1200", "--cp", "4", "--png", str(one)]) == 0
+    assert cli_main(["plan", "--lengths", "300,17,1,5,1200", "--cp", "4", "--layout", "both", "--png", str(both)]) == 0
+    assert f"wrote {both}" in capsys.readouterr().out
+    (w1, h1), (w2, h2) = _png_size(one.read_bytes()), _png_size(both.read_bytes())
+    assert w1 >= 600 and h1 >= 300 and h2 == h1 and w2 > 1.8 * w1  # side by side
+    assert one.stat().st_size > 10_000
+
+
+def test_plan_png_refused_with_bshd(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--bshd", "--png", str(tmp_path / "x.png")])
+    assert "--png does not apply with --bshd" in capsys.readouterr().err
+
+
+def test_scripts_run_sh_runs_verify():
+    text = (pathlib.Path(__file__).resolve().parents[1] / "scripts" / "run.sh").read_text()
+    assert "cpshard verify" in text
