@@ -115,6 +115,9 @@ def test_pack_unpack_rows_roundtrip():
     assert packed.dtype == torch.uint8 and packed.shape == (6, 8 + 4 + 1 + 12)
     for got, want in zip(_halo.unpack_rows(packed, [a, b, c, d]), [a, b, c, d]):
         assert got.dtype == want.dtype and torch.equal(got, want)
+    # one received row (found by cpshard verify --dtype float32: int64 labels + float32 mask, 12 bytes a row)
+    for got, want in zip(_halo.unpack_rows(packed[2:3], [a, b, c, d]), [a, b, c, d]):
+        assert got.dtype == want.dtype and torch.equal(got, want[2:3])
 
 
 # -- the native loss at cp = 1 against a naive oracle ---------------------------------------------

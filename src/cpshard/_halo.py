@@ -168,7 +168,10 @@ def unpack_rows(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torc
     rows, out, col = packed.shape[0], [], 0
     for t in like:
         width = t.element_size() * math.prod(t.shape[1:])
-        out.append(packed[:, col:col + width].contiguous().view(t.dtype).view(rows, *t.shape[1:]))
+        # a fresh copy, not .contiguous(): a one-row slice counts as contiguous but keeps the packed row
+        # stride, which view(dtype) refuses when the widths of mixed dtypes do not divide it
+        part = packed.new_empty((rows, width)).copy_(packed[:, col:col + width])
+        out.append(part.view(t.dtype).view(rows, *t.shape[1:]))
         col += width
     return out
 
