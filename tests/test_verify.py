@@ -80,8 +80,8 @@ def test_torchrun_path_on_two_gloo_ranks():
 
 
 def test_verify_refuses_bad_arguments(capfd):
-    assert cli_main(["verify", "--lengths", "0,0", "--no-progress"]) == 2
-    assert "lengths=[0, 0]: must hold at least one token" in capfd.readouterr().err
+    assert cli_main(["verify", "--lengths", "0,1", "--no-progress"]) == 2
+    assert "lengths=[0, 1]: must hold a sequence of at least 2 tokens" in capfd.readouterr().err
     assert cli_main(["verify", "--layouts", "zigzog", "--no-progress"]) == 2
     assert "is not a known layout" in capfd.readouterr().err
     with pytest.raises(SystemExit):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cpshard.attention import attention_work
 from cpshard.bshd import BshdPlan
 from cpshard.layout import Layout
 from cpshard.plan import ShardPlan
@@ -78,12 +79,9 @@ def _summary(plan: ShardPlan) -> list[str]:
 def _balance(plan: ShardPlan) -> list[str]:
     """Per rank: rows, token rows, and causal-attention work (sum over token rows of keys seen)."""
     lines = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"]
-    work = []
-    for r in range(plan.cp_size):
-        mask = plan.token_mask(r)
-        tokens = int(mask.sum())
-        w = int((plan.position_ids(r)[mask] + 1).sum())
-        work.append(w)
+    work = attention_work(plan)
+    for r, w in enumerate(work):
+        tokens = int(plan.token_mask(r).sum())
         lines.append(f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {w:>14}")
     mean = sum(work) / len(work)
     ratio = max(work) / mean if mean else 1.0

@@ -382,8 +382,9 @@ def configurations(cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str
 def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int],
                 layouts: Sequence[str], dtype: str) -> tuple[tuple[int, ...], list[int], list[int], list[str]]:
     lens = ShardPlan.build(lengths, cp_size=1).seqlens_py
-    if sum(lens) == 0:
-        fail("lengths", list(lens), "must hold at least one token", "pass lengths with a positive sum")
+    if all(n < 2 for n in lens):
+        fail("lengths", list(lens), "must hold a sequence of at least 2 tokens (else no token has a label and the "
+             "loss is 0 / 0)", "add a longer sequence, e.g. --lengths 9,1,4")
     if sum(lens) > MAX_TOKENS:
         fail("lengths", f"{sum(lens)} tokens", f"must sum to at most {MAX_TOKENS} (the reference attention holds "
              "an (L, cp * L) score matrix per head)", "verify a smaller batch with the same shape of lengths")
