@@ -20,7 +20,7 @@ from cpshard.megatron import megatron_version, mtp_loss_impl, plan_for_mtp, proc
 from cpshard.megatron import mtp as megatron_mtp
 from cpshard.megatron._import import import_megatron
 from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
-from cpshard.plan import shift_exchange
+from cpshard.plan import halo_exchange, shift_exchange
 from reference import ref_shard
 from strategies import props
 
@@ -33,7 +33,7 @@ F64 = torch.float64
 def emulate_multi_shift(shards, plan, shifts, pad_value, fill):
     """Apply every rank's MultiShift to its rows, handing rank s's block for rank d to d (the all-to-all)."""
     cp = plan.cp_size
-    mss = [_halo.multi_shift(plan, r, tuple(shifts), torch.device("cpu")) for r in range(cp)]
+    mss = [halo_exchange(plan, r, tuple(shifts), torch.device("cpu")) for r in range(cp)]
     rows = [s.reshape(-1) for s in shards]
     sends = []
     for r, ms in enumerate(mss):

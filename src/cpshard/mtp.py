@@ -45,7 +45,7 @@ from cpshard import _halo
 from cpshard._errors import check_int, fail, parse_choice
 from cpshard.bshd import BshdPlan
 from cpshard.ops import shard
-from cpshard.plan import ShardPlan
+from cpshard.plan import ShardPlan, halo_exchange
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
 
@@ -201,7 +201,7 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         fills = [label_fill if name != "loss_mask" else 0 for name, _ in sharded]
         tensors = [t for _, t in sharded]
         if plan.cp_size == 1:
-            ms = _halo.multi_shift(plan, 0, shifts, tensors[0].device)
+            ms = halo_exchange(plan, 0, shifts, tensors[0].device)
             rows = [t.detach().reshape(-1) for t in tensors]
             shifted = [_halo.apply_multi_shift(ms, r, None, f, f).view(len(shifts), *lead)
                        for r, f in zip(rows, fills)]
@@ -212,7 +212,7 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         out.update({name: s for (name, _), s in zip(sharded, shifted)})
     labels_all = out[source_name]
     if loss_mask is None:  # ones on every token row, shifted: True where the source exists
-        ms = _halo.multi_shift(plan, rank, shifts, labels_all.device)
+        ms = halo_exchange(plan, rank, shifts, labels_all.device)
         valid = ~(ms.pad.unsqueeze(0) | ms.fill)
         out["loss_mask"] = valid.to(labels_all.dtype).view(len(shifts), *lead)
     return labels_all[1:], out["loss_mask"]

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from cpshard import _index
+from cpshard import _halo, _index
 from cpshard._errors import check_int, check_rank, fail
 from cpshard._exchange import Exchange, build_exchange
 from cpshard.layout import Layout, alignment, fp8_alignment, fp8_total_alignment
@@ -582,3 +582,22 @@ def shift_exchange(plan: PlanBase, cp_rank: int, shift: int, device: torch.devic
             return shift_exchange(plan, cp_rank, shift).to(dev)
         return build_exchange([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, shift)
     return plan._cache.get(("exchange", cp_rank, shift, dev), make)
+
+
+def halo_exchange(plan: PlanBase, cp_rank: int, shifts: Sequence[int],
+                  device: torch.device | None = None) -> _halo.MultiShift:
+    """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``.
+
+    One exchange of each segment's halo serves every shift and tensor (Note [Halo exchange for
+    several shifts] in ``_halo.py``; ``cpshard.distributed.shift_sharded_multi`` runs it). Pure index
+    math, the same on every rank: callable for every rank in one process. CPU unless ``device``.
+    """
+    cp_rank = check_rank(cp_rank, plan.cp_size)
+    ks = tuple(check_int("shifts", k, minimum=0) for k in shifts)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+
+    def make() -> _halo.MultiShift:
+        if dev.type != "cpu":
+            return halo_exchange(plan, cp_rank, ks).to(dev)
+        return _halo.build_multi_shift([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, ks)
+    return plan._cache.get(("halo", cp_rank, ks, dev), make)
