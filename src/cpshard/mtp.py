@@ -16,8 +16,9 @@ mask. With ``s = scaling_factor / N`` a rank contributes, per depth,
 
 - ``normalization="per_token"`` (Megatron's ``calculate_per_token_loss``: gradients summed over
   DP x CP, then divided by the global token count): ``s * sum_local(loss * mask_d) * orig / n_d``;
-- ``normalization="mean"`` (gradients averaged over DP x CP, as Megatron's schedules do after
-  multiplying the main loss by ``cp``): ``s * cp * sum_local(loss * mask_d) / n_d``.
+- ``normalization="mean"`` (gradients averaged over DP x CP; Megatron's schedules scale the MoE
+  auxiliary loss, and the main loss of a two-output loss function, by ``cp`` for that, but not the
+  MTP loss): ``s * cp * sum_local(loss * mask_d) / n_d``.
 
 So every hidden row's gradient (under "mean": divided by ``cp``, the average still to come) and
 the weight gradient reduced over CP that way equal those of ``cp = 1``, for any ``cp`` and layout.
@@ -44,6 +45,7 @@ import torch
 from cpshard import _halo
 from cpshard._errors import check_int, fail, parse_choice
 from cpshard.bshd import BshdPlan
+from cpshard.distributed import group_rank, shift_sharded_multi, sum_over_group
 from cpshard.ops import shard
 from cpshard.plan import ShardPlan, halo_exchange
 
@@ -206,7 +208,6 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
             shifted = [_halo.apply_multi_shift(ms, r, None, f, f).view(len(shifts), *lead)
                        for r, f in zip(rows, fills)]
         else:
-            from cpshard.distributed import shift_sharded_multi
             shifted = shift_sharded_multi(tensors, plan, group, shifts=shifts, pad_values=fills, fills=fills,
                                           check=check)
         out.update({name: s for (name, _), s in zip(sharded, shifted)})
@@ -224,7 +225,6 @@ def _rank(plan: Plan, group: Any) -> int:
              kind=TypeError)
     if plan.cp_size == 1 and group is None:
         return 0
-    from cpshard.distributed import group_rank
     return group_rank(plan, group)
 
 
@@ -287,7 +287,6 @@ def mtp_loss(
     local_counts = torch.stack([m.sum() for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
     if global_counts:
-        from cpshard.distributed import sum_over_group
         totals = sum_over_group(local_counts, plan, group)
     else:
         totals = local_counts
