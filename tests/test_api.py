@@ -84,13 +84,24 @@ def test_index_cache_is_per_device_and_reused():
     assert shard_index(ShardPlan.build([5, 3], cp_size=2), 0, 1, torch.device("cpu")) is not a  # not shared
 
 
+def test_device_tensors_are_copied_once():
+    plan = ShardPlan.build([5, 0, 3], cp_size=2)
+    dev = plan.device_tensors("cpu")
+    assert plan.device_tensors(torch.device("cpu")) is dev
+    assert dev.seqlens.tolist() == [5, 0, 3] and dev.cu_seqlens.tolist() == [0, 5, 5, 8]
+    assert dev.cu_seqlens_padded.tolist() == [0, 8, 8, 12]
+    assert all(t.dtype == torch.int32 for t in (dev.seqlens, dev.cu_seqlens, dev.cu_seqlens_padded))
+    bshd = BshdPlan.build([5, 3], cp_size=2).device_tensors("cpu")
+    assert bshd.cu_seqlens_padded.tolist() == [0, 8, 16] and bshd.cu_seqlens.tolist() == [0, 5, 8]
+
+
 def test_plans_are_values():
     a = ShardPlan.build([5, 3], cp_size=2)
     b = ShardPlan.build(torch.tensor([5, 3]), cp_size=2)
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != ShardPlan.build([5, 3], cp_size=2, layout="contiguous")
     assert a != BshdPlan.build([5, 3], cp_size=2)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="cannot assign to field 'cp_size'"):
         a.cp_size = 4  # frozen
 
 

@@ -77,9 +77,10 @@ class CollectiveCounter(CommDebugMode):
         if schema.startswith("c10d::") and "barrier" not in schema:
             name = schema[len("c10d::"):].strip("_")
             self.calls.append(name)
-            sent = args[1] if name.endswith("_base") else args[0]  # (output, input, ...) or (tensors, ...)
-            tensors = sent if isinstance(sent, (list, tuple)) else [sent]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            if not name.startswith("recv"):  # what this rank hands the backend to send
+                sent = args[1] if name.endswith("_base") else args[0]  # (output, input, ...) or (tensors, ...)
+                tensors = sent if isinstance(sent, (list, tuple)) else [sent]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
