@@ -73,6 +73,27 @@ def test_halo_exchange_equals_shifted_shard(lens, cp, tp, layout, shifts):
 
 @props(60)
 @given(
+    lens=st.lists(st.sampled_from([0, 1, 2, 3, 6, 11, 30]), min_size=1, max_size=6),
+    cp=st.integers(2, 5),
+    tp=st.integers(1, 2),
+    balanced=st.booleans(),
+    shifts=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True),
+)
+def test_halo_exchange_minimal_padding_and_reordered_plans(lens, cp, tp, balanced, shifts):
+    """padding="minimal" and reorder="balanced" (contiguous): still shard(shift(x, k)) for every shift."""
+    layout = "contiguous" if balanced else "zigzag"
+    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding="minimal",
+                           reorder="balanced" if balanced else None)
+    seqs = [torch.arange(n) * 10 + i + 1 for i, n in enumerate(lens)]
+    shards = [shard(seqs, plan, r, pad_value=0) for r in range(cp)]
+    outs, _ = emulate_multi_shift(shards, plan, shifts, pad_value=-1, fill=-7)
+    for r in range(cp):
+        for s, k in enumerate(shifts):
+            assert torch.equal(outs[r][s], shard(seqs, plan, r, shift=k, pad_value=-1, fill=-7)), (r, k)
+
+
+@props(60)
+@given(
     lens=st.lists(st.integers(0, 20), min_size=1, max_size=5),
     cp=st.integers(1, 4),
     layout=st.sampled_from(list(Layout)),

@@ -65,7 +65,7 @@ class Normalization(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> Normalization:
-        return parse_choice(cls, value, "normalization", "normalization", "cpshard.mtp.Normalization")
+        return parse_choice(cls, value, "normalization", "known normalization", "cpshard.mtp.Normalization")
 
 
 class Counts(str, enum.Enum):
@@ -76,7 +76,7 @@ class Counts(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> Counts:
-        return parse_choice(cls, value, "counts", "kind of counts", "cpshard.mtp.Counts")
+        return parse_choice(cls, value, "counts", "known kind of counts", "cpshard.mtp.Counts")
 
 
 class MtpLossAutoScaler(torch.autograd.Function):
