@@ -20,7 +20,7 @@ from cpshard.megatron import megatron_version, mtp_loss_impl, plan_for_mtp, proc
 from cpshard.megatron import mtp as megatron_mtp
 from cpshard.megatron._import import import_megatron
 from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
-from cpshard.plan import shift_exchange
+from cpshard.plan import halo_exchange, shift_exchange
 from reference import ref_shard
 from strategies import props
 
@@ -33,7 +33,7 @@ F64 = torch.float64
 def emulate_multi_shift(shards, plan, shifts, pad_value, fill):
     """Apply every rank's MultiShift to its rows, handing rank s's block for rank d to d (the all-to-all)."""
     cp = plan.cp_size
-    mss = [_halo.multi_shift(plan, r, tuple(shifts), torch.device("cpu")) for r in range(cp)]
+    mss = [halo_exchange(plan, r, tuple(shifts), torch.device("cpu")) for r in range(cp)]
     rows = [s.reshape(-1) for s in shards]
     sends = []
     for r, ms in enumerate(mss):
@@ -69,6 +69,27 @@ def test_halo_exchange_equals_shifted_shard(lens, cp, tp, layout, shifts):
             assert torch.equal(outs[r][s], expected), (r, k, outs[r][s], expected)
     # each boundary moves at most max(shifts) rows: never more than one halo per segment
     assert sum(ms.send_rows.numel() for ms in mss) <= 2 * len(lens) * cp * max(shifts)
+
+
+@props(60)
+@given(
+    lens=st.lists(st.sampled_from([0, 1, 2, 3, 6, 11, 30]), min_size=1, max_size=6),
+    cp=st.integers(2, 5),
+    tp=st.integers(1, 2),
+    balanced=st.booleans(),
+    shifts=st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True),
+)
+def test_halo_exchange_minimal_padding_and_reordered_plans(lens, cp, tp, balanced, shifts):
+    """padding="minimal" and reorder="balanced" (contiguous): still shard(shift(x, k)) for every shift."""
+    layout = "contiguous" if balanced else "zigzag"
+    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding="minimal",
+                           reorder="balanced" if balanced else None)
+    seqs = [torch.arange(n) * 10 + i + 1 for i, n in enumerate(lens)]
+    shards = [shard(seqs, plan, r, pad_value=0) for r in range(cp)]
+    outs, _ = emulate_multi_shift(shards, plan, shifts, pad_value=-1, fill=-7)
+    for r in range(cp):
+        for s, k in enumerate(shifts):
+            assert torch.equal(outs[r][s], shard(seqs, plan, r, shift=k, pad_value=-1, fill=-7)), (r, k)
 
 
 @props(60)

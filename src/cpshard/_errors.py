@@ -63,5 +63,5 @@ def parse_choice(cls: Any, value: Any, name: str, what: str, member: str) -> Any
         except ValueError:
             pass
     valid = ", ".join(repr(m.value) for m in cls)
-    fail(name, repr(value), f"is not a known {what} (valid: {valid})",
+    fail(name, repr(value), f"is not a {what} (valid: {valid})",
          f"pass one of {valid} or a {member} member")

@@ -30,7 +30,6 @@ shift.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +38,6 @@ from typing import Any, Union
 import torch
 
 from cpshard import _index
-from cpshard.bshd import BshdPlan
-from cpshard.plan import ShardPlan
 
 _I64 = torch.int64
 Scalar = Union[int, float, bool]
@@ -193,21 +190,3 @@ def apply_multi_shift(ms: MultiShift, local: torch.Tensor, received: torch.Tenso
     out = out.masked_fill(ms.pad.view(1, rows, *extra), pad_value)
     return out.masked_fill(ms.fill.view(s, rows, *extra), fill)
 
-
-@functools.lru_cache(maxsize=64)
-def multi_shift(plan: ShardPlan | BshdPlan, cp_rank: int, shifts: tuple[int, ...], device: torch.device) -> MultiShift:
-    """The cached :class:`MultiShift` of ``cp_rank`` under ``plan`` (THD or BSHD) on ``device``.
-
-    Plans are values (equal plans hash alike), so equal plans of successive steps share it. BSHD
-    rows are the batch rows, each ``M`` columns long, flattened in the local ``(B, M / cp)`` order.
-    """
-    if isinstance(plan, BshdPlan):
-        b, local = plan.local_shape
-        segments = [_index.repeat_segments(_index.rank_segments(
-            torch.tensor([local * plan.cp_size], dtype=_I64), plan.cp_size, plan.layout, r), b)
-            for r in range(plan.cp_size)]
-    else:
-        padded = torch.tensor(plan.padded_seqlens_py, dtype=_I64)
-        segments = [_index.rank_segments(padded, plan.cp_size, plan.layout, r) for r in range(plan.cp_size)]
-    seqlens = torch.tensor(plan.seqlens_py, dtype=_I64)
-    return build_multi_shift(segments, seqlens, cp_rank, shifts).to(device)

@@ -430,6 +430,7 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
     from cpshard import _halo  # here, not at the top: this section stays apart from the rest
     from cpshard._dtypes import check_fill
     from cpshard._errors import check_int
+    from cpshard.plan import halo_exchange
 
     def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
         checked = [_check_local(t, plan) for t in tensors]
@@ -451,7 +452,7 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
     (checked, ks, pads, fils), rank = _checked(plan, group, check, validate)
     lead = len(plan.local_shape)
     rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
-    ms = _halo.multi_shift(plan, rank, ks, rows[0].device)
+    ms = halo_exchange(plan, rank, ks, rows[0].device)
     received: list[torch.Tensor | None] = [None] * len(rows)
     if ms.total_remote:
         packed = _halo.pack_rows(rows)

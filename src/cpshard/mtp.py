@@ -16,8 +16,9 @@ mask. With ``s = scaling_factor / N`` a rank contributes, per depth,
 
 - ``normalization="per_token"`` (Megatron's ``calculate_per_token_loss``: gradients summed over
   DP x CP, then divided by the global token count): ``s * sum_local(loss * mask_d) * orig / n_d``;
-- ``normalization="mean"`` (gradients averaged over DP x CP, as Megatron's schedules do after
-  multiplying the main loss by ``cp``): ``s * cp * sum_local(loss * mask_d) / n_d``.
+- ``normalization="mean"`` (gradients averaged over DP x CP; Megatron's schedules scale the MoE
+  auxiliary loss, and the main loss of a two-output loss function, by ``cp`` for that, but not the
+  MTP loss): ``s * cp * sum_local(loss * mask_d) / n_d``.
 
 So every hidden row's gradient (under "mean": divided by ``cp``, the average still to come) and
 the weight gradient reduced over CP that way equal those of ``cp = 1``, for any ``cp`` and layout.
@@ -44,8 +45,9 @@ import torch
 from cpshard import _halo
 from cpshard._errors import check_int, fail, parse_choice
 from cpshard.bshd import BshdPlan
+from cpshard.distributed import group_rank, shift_sharded_multi, sum_over_group
 from cpshard.ops import shard
-from cpshard.plan import ShardPlan
+from cpshard.plan import ShardPlan, halo_exchange
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
 
@@ -63,7 +65,7 @@ class Normalization(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> Normalization:
-        return parse_choice(cls, value, "normalization", "normalization", "cpshard.mtp.Normalization")
+        return parse_choice(cls, value, "normalization", "known normalization", "cpshard.mtp.Normalization")
 
 
 class Counts(str, enum.Enum):
@@ -74,7 +76,7 @@ class Counts(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: Any) -> Counts:
-        return parse_choice(cls, value, "counts", "kind of counts", "cpshard.mtp.Counts")
+        return parse_choice(cls, value, "counts", "known kind of counts", "cpshard.mtp.Counts")
 
 
 class MtpLossAutoScaler(torch.autograd.Function):
@@ -201,18 +203,17 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         fills = [label_fill if name != "loss_mask" else 0 for name, _ in sharded]
         tensors = [t for _, t in sharded]
         if plan.cp_size == 1:
-            ms = _halo.multi_shift(plan, 0, shifts, tensors[0].device)
+            ms = halo_exchange(plan, 0, shifts, tensors[0].device)
             rows = [t.detach().reshape(-1) for t in tensors]
             shifted = [_halo.apply_multi_shift(ms, r, None, f, f).view(len(shifts), *lead)
                        for r, f in zip(rows, fills)]
         else:
-            from cpshard.distributed import shift_sharded_multi
             shifted = shift_sharded_multi(tensors, plan, group, shifts=shifts, pad_values=fills, fills=fills,
                                           check=check)
         out.update({name: s for (name, _), s in zip(sharded, shifted)})
     labels_all = out[source_name]
     if loss_mask is None:  # ones on every token row, shifted: True where the source exists
-        ms = _halo.multi_shift(plan, rank, shifts, labels_all.device)
+        ms = halo_exchange(plan, rank, shifts, labels_all.device)
         valid = ~(ms.pad.unsqueeze(0) | ms.fill)
         out["loss_mask"] = valid.to(labels_all.dtype).view(len(shifts), *lead)
     return labels_all[1:], out["loss_mask"]
@@ -224,7 +225,6 @@ def _rank(plan: Plan, group: Any) -> int:
              kind=TypeError)
     if plan.cp_size == 1 and group is None:
         return 0
-    from cpshard.distributed import group_rank
     return group_rank(plan, group)
 
 
@@ -287,7 +287,6 @@ def mtp_loss(
     local_counts = torch.stack([m.sum() for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
     if global_counts:
-        from cpshard.distributed import sum_over_group
         totals = sum_over_group(local_counts, plan, group)
     else:
         totals = local_counts
