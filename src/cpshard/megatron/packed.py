@@ -31,7 +31,7 @@ from cpshard.layout import Layout
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.plan import ShardPlan, parse_seqlens
 
-__all__ = ["packed_seq_params", "packed_seq_params_class", "plan_from_packed_seq_params",
+__all__ = ["packed_seq_params", "packed_seq_params_class", "plan_from_packed_seq_params", "plan_from_padded",
            "supports_cp_partition_mode"]
 
 # The first megatron-core line whose PackedSeqParams is expected to carry the CP partition mode. The
@@ -213,15 +213,21 @@ def plan_from_packed_seq_params(
         fail("psp.cu_seqlens_q_padded", list(cu_padded),
              f"every zigzag sequence must be padded to a multiple of 2 * cp_size = {2 * cp_size}",
              "pass the cp_size it was padded for, or layout='contiguous' if it was sharded contiguously")
-    return _plan(lens, padded, cp_size, tp_size, layout)
+    return plan_from_padded(lens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout)
 
 
-def _plan(lens: tuple[int, ...], padded: tuple[int, ...], cp_size: int, tp_size: int, layout: Layout) -> ShardPlan:
-    """The plan with these exact padded lengths: the one ``ShardPlan.build`` gives where it gives them."""
+def plan_from_padded(seqlens: Sequence[int], padded: Sequence[int], *, cp_size: int, tp_size: int = 1,
+                     layout: Layout | str = Layout.ZIGZAG) -> ShardPlan:
+    """The plan whose sequences hold ``seqlens`` tokens padded to exactly ``padded`` rows.
+
+    The plan ``ShardPlan.build`` gives where it gives these lengths (with or without fp8), else
+    the same rows built directly (padding another framework chose, e.g. a longer last sequence).
+    Raises ``ValueError`` when the lengths break a plan invariant (SPEC.md, "Padding").
+    """
+    lens, padded = tuple(seqlens), tuple(padded)
     for fp8 in (False, True):
         built = ShardPlan.build(lens, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8)
         if built.padded_seqlens_py == padded:
             return built
-    # Padding the builder does not produce (an extension, another framework's rule): the same rows,
-    # hand-built; __post_init__ keeps every invariant.
-    return ShardPlan(seqlens_py=lens, padded_seqlens_py=padded, cp_size=cp_size, tp_size=tp_size, layout=layout)
+    return ShardPlan(seqlens_py=lens, padded_seqlens_py=padded, cp_size=cp_size, tp_size=tp_size,
+                     layout=Layout.parse(layout))
