@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -11,9 +12,12 @@ from hypothesis import strategies as st
 
 from cpshard import ShardPlan
 from cpshard.megatron import (
+    ParallelContext,
     megatron_version,
     packed_seq_params,
+    parallel_context,
     plan_from_packed_seq_params,
+    plan_from_parallel_state,
     supports_cp_partition_mode,
 )
 from cpshard.megatron._import import import_megatron
@@ -164,3 +168,53 @@ def test_lengths_and_layout_must_fit(with_mode):
         plan_from_packed_seq_params(psp, cp_size=2, layout="zigzag")
     with pytest.raises(ValueError, match=r"seqlens=\[9, 3\]: must give one length per sequence, each <="):
         plan_from_packed_seq_params(psp, cp_size=2, seqlens=[9, 3])
+
+
+# -- parallel state -------------------------------------------------------------------------------
+
+class _Group:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_parallel_context_prefers_what_is_given(monkeypatch):
+    mpu = import_megatron("parallel_state")
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(mpu, "get_context_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(mpu, "get_context_parallel_rank", lambda: 3)
+    monkeypatch.setattr(mpu, "get_context_parallel_group", lambda: "world-cp")
+    assert parallel_context() == ParallelContext(2, 4, 3, "world-cp")
+    assert parallel_context(tp_size=1, cp_size=2, cp_rank=0, need_group=False) == ParallelContext(1, 2, 0, None)
+    pgs = types.SimpleNamespace(tp=_Group(4, 1), cp=_Group(3, 2))
+    assert parallel_context(pg_collection=pgs) == ParallelContext(4, 3, 2, pgs.cp)
+    group = _Group(5, 4)
+    assert parallel_context(cp_group=group) == ParallelContext(2, 5, 4, group)
+    with pytest.raises(ValueError, match=r"cp_size=3: contradicts local_cp_size=2"):
+        parallel_context(cp_size=3, local_cp_size=2)
+    with pytest.raises(TypeError, match=r"pg_collection.cp=NoneType: must be a process group"):
+        parallel_context(pg_collection=types.SimpleNamespace(tp=_Group(1, 0), cp=None))
+
+
+def test_parallel_context_before_megatron_is_initialized():
+    # Megatron answers cp = 0 before torch.distributed starts, and cannot answer tp at all
+    with pytest.raises(ValueError, match=r"^get_tensor_model_parallel_world_size=.*AssertionError.*Fix: call "
+                                         r"parallel_state.initialize_model_parallel"):
+        parallel_context()
+    assert parallel_context(tp_size=2) == ParallelContext(2, 1, 0, None)
+
+
+def test_plan_from_parallel_state_takes_layout_and_fp8_from_the_config():
+    pgs = types.SimpleNamespace(tp=_Group(2, 0), cp=_Group(2, 1))
+    dsv4 = types.SimpleNamespace(experimental_attention_variant="dsv4_hybrid", fp8="e4m3")
+    plan = plan_from_parallel_state([5, 3], config=dsv4, pg_collection=pgs, min_local_rows=64)
+    assert plan == ShardPlan.build([5, 3], cp_size=2, tp_size=2, layout="contiguous", fp8=True, min_local_rows=64)
+    plain = types.SimpleNamespace(fp8=None)
+    assert plan_from_parallel_state([5, 3], config=plain, pg_collection=pgs) == \
+        ShardPlan.build([5, 3], cp_size=2, tp_size=2)
+    assert plan_from_parallel_state([5, 3], pg_collection=pgs, layout="contiguous").layout.value == "contiguous"

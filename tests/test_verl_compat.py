@@ -316,6 +316,13 @@ def test_one_plan_per_step_is_shared_and_checked():
             cv.preprocess_thd_engine(x, tp_size=2, cp_size=3, cp_rank=0, plan=plan)
         with pytest.raises(ValueError, match=r"is for cp_size=3, not the 2 ranks of this call"):
             cv.preprocess_thd_engine(x, cp_layout="contiguous", tp_size=2, cp_size=2, cp_rank=0, plan=plan)
+        # the drift verl guards with a comment: a value head restored with another layout than the
+        # policy head's plan. The plan travels in the PackedSeqParams, so it is an error here
+        out = a[0].float()
+        with pytest.raises(ValueError, match=r"has layout 'contiguous', not cp_layout='zigzag'"):
+            cv.postprocess_thd_engine(out, a[1], x, 3, cp_layout="zigzag", cp_size=3)
+        with pytest.raises(ValueError, match=r"has layout 'contiguous', not cp_layout='zigzag'"):
+            cv.postprocess_thd_engine(out, a[1], x, 3, cp_size=3, plan=plan)
     with pytest.raises(TypeError, match="plan=BshdPlan: must be a ShardPlan"):
         cv.preprocess_thd_engine(x, tp_size=1, cp_size=1, cp_rank=0, plan=BshdPlan.build([6, 2, 9], cp_size=1))
 
@@ -570,3 +577,17 @@ def test_patch_refuses_a_moved_or_changed_name(monkeypatch):
     with pytest.raises(ValueError, match=r"model_forward\.postprocess_thd_engine is not verl\.models\.mcore\.util"):
         cv.patch()
     assert vutil.preprocess_thd_engine is not cv.preprocess_thd_engine  # nothing was changed
+
+
+def test_short_forced_max_seqlen_drops_tokens_in_verl():
+    """BSHD with forced_max_seqlen below the longest row: verl at cp=2 silently keeps only the first
+    4 of 8 tokens (at cp=1 it fails with a shape error); cpshard refuses with a clear error."""
+    x = torch.nested.nested_tensor([torch.arange(1, 9), torch.arange(11, 14)], layout=torch.jagged)
+    kept = []
+    for r in range(2):
+        with vf.parallel_state(1, 2, r):
+            cols, mask, _ = vutil.preprocess_bshd_engine(x, forced_max_seqlen=4)
+        kept += cols[0][mask[0]].tolist()
+    assert sorted(kept) == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"max_seqlen=4: must be >= the longest sequence \(8\)"):
+        cv.preprocess_bshd_engine(x, forced_max_seqlen=4, tp_size=1, cp_size=2, cp_rank=0)

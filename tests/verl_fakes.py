@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from cpshard.megatron._import import import_megatron
 mpu = import_megatron("parallel_state")
 psp_module = import_megatron("packed_seq_params")
 import verl.models.mcore.util as vutil  # noqa: E402  (after the triton-free Megatron import)
+
+vutil.logger.setLevel(logging.ERROR)  # its "warning_once" about padding repeats on every sequence
 
 
 @dataclasses.dataclass
