@@ -19,46 +19,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import logging
 import os
 import statistics
 import sys
 import time
 
-# This file is named verl.py: keep its folder off the path so that `import verl` finds the package.
+# This file is named verl.py: keep its folder off the path so that `import verl` finds the package;
+# the fakes of Megatron's parallel state are the tests' (tests/verl_fakes.py).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+import verl_fakes as vf  # noqa: E402
 from cpshard.compat import verl as cv
-from cpshard.megatron._import import import_megatron
 
-mpu = import_megatron("parallel_state")
-psp_module = import_megatron("packed_seq_params")
-import verl.models.mcore.util as vutil  # noqa: E402  (after the triton-free Megatron import)
-
-vutil.logger.setLevel(logging.ERROR)  # its "warning_once" about padding repeats on every sequence
-
-
-@dataclasses.dataclass
-class _PackedSeqParamsWithMode(psp_module.PackedSeqParams):
-    cp_partition_mode: str = "zigzag"
-
-
-@contextlib.contextmanager
-def _swap(owner: Any, **values: Any) -> Iterator[None]:
-    saved = {k: getattr(owner, k) for k in values}
-    for k, v in values.items():
-        setattr(owner, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(owner, k, v)
+vutil = vf.vutil
 
 
 @contextlib.contextmanager
@@ -72,13 +51,11 @@ def _megatron(tp: int, cp: int, rank: int, others: list[torch.Tensor] | None = N
     def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
         all_gather(list(out.view(cp, *inp.shape).unbind(0)), inp)
 
-    with _swap(mpu, get_tensor_model_parallel_world_size=lambda: tp, get_context_parallel_world_size=lambda: cp,
-               get_context_parallel_rank=lambda: rank, get_context_parallel_group=lambda: None), \
-            _swap(psp_module, PackedSeqParams=_PackedSeqParamsWithMode), \
-            _swap(vutil, PackedSeqParams=_PackedSeqParamsWithMode, _PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE=True), \
-            _swap(torch.distributed, all_gather=all_gather, all_gather_single=all_gather_single,
-                  all_gather_into_tensor=all_gather_single, is_initialized=lambda: True,
-                  get_world_size=lambda group=None: cp, get_rank=lambda group=None: rank):
+    with vf.parallel_state(tp, cp, rank), vf.partition_mode(), \
+            vf.swap(torch.distributed, {"all_gather": all_gather, "all_gather_single": all_gather_single,
+                                        "all_gather_into_tensor": all_gather_single, "is_initialized": lambda: True,
+                                        "get_world_size": lambda group=None: cp,
+                                        "get_rank": lambda group=None: rank}):
         yield
 
 
@@ -143,7 +120,7 @@ def main() -> None:
         local = others[rank]
         with _megatron(tp, cp, rank):
             psp = cv.preprocess_thd_engine(ids, cp_layout=layout, pre_process=False, plan=plan, **mine)[1]
-        bare = _PackedSeqParamsWithMode(qkv_format="thd", cu_seqlens_q_padded=psp.cu_seqlens_q_padded,
+        bare = vf.PackedSeqParamsWithMode(qkv_format="thd", cu_seqlens_q_padded=psp.cu_seqlens_q_padded,
                                         cp_partition_mode=layout)
         row(f"postprocess_thd_engine {layout}",
             lambda: vutil.postprocess_thd_engine(local, psp, ids, len(lens), cp_layout=layout),

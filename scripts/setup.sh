@@ -24,5 +24,5 @@ if [ "${CPSHARD_NO_VERL:-0}" != 1 ]; then
     certifi==2026.10.19.post1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 attrs==26.1.0 \
     referencing==0.37.0 rpds-py==2026.9.1 pyvers==0.2.3 cloudpickle==3.1.3 regex==2026.11.19 \
     huggingface-hub==1.33.0 tokenizers==0.22.2 safetensors==0.8.0 tqdm==4.70.1 httpx==0.28.1 \
-    httpcore==1.0.9 h11==0.16.0 orjson==3.13.0 filelock==4.3.1 fsspec==2026.9.0
+    httpcore==1.0.9 h11==0.16.0 orjson==3.13.0 filelock==4.3.1 fsspec==2026.9.0 charset-normalizer==3.5.3
 fi

@@ -45,7 +45,7 @@ class FakeGroup:
 
 
 @contextlib.contextmanager
-def _swap(owner: Any, values: dict[str, Any]) -> Iterator[None]:
+def swap(owner: Any, values: dict[str, Any]) -> Iterator[None]:
     missing = object()
     saved = {name: getattr(owner, name, missing) for name in values}
     for name, value in values.items():
@@ -66,7 +66,7 @@ def parallel_state(tp: int, cp: int, rank: int, group: Any = None) -> Iterator[N
     def the_group(*_args: Any, **_kwargs: Any) -> Any:
         return group if group is not None else dist.group.WORLD
 
-    with _swap(mpu, {
+    with swap(mpu, {
         "get_tensor_model_parallel_world_size": lambda: tp,
         "get_context_parallel_world_size": lambda: cp,
         "get_context_parallel_rank": lambda: rank,
@@ -79,15 +79,15 @@ def parallel_state(tp: int, cp: int, rank: int, group: Any = None) -> Iterator[N
 @contextlib.contextmanager
 def fake_group_ranks() -> Iterator[None]:
     """``torch.distributed.get_rank(group=g)`` answers ``g.rank()`` (verl's dynamic-CP rank, one process)."""
-    with _swap(dist, {"get_rank": lambda group=None: group.rank()}):
+    with swap(dist, {"get_rank": lambda group=None: group.rank()}):
         yield
 
 
 @contextlib.contextmanager
 def partition_mode() -> Iterator[None]:
     """Megatron's and verl's PackedSeqParams have ``cp_partition_mode`` (verl's contiguous path needs it)."""
-    with _swap(psp_module, {"PackedSeqParams": PackedSeqParamsWithMode}), \
-            _swap(vutil, {"PackedSeqParams": PackedSeqParamsWithMode,
+    with swap(psp_module, {"PackedSeqParams": PackedSeqParamsWithMode}), \
+            swap(vutil, {"PackedSeqParams": PackedSeqParamsWithMode,
                           "_PACKED_SEQ_PARAMS_HAS_CP_PARTITION_MODE": True}):
         yield
 
