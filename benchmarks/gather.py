@@ -64,15 +64,15 @@ def _rank(rank: int, world: int, batches: list[int], width: int, repeats: int) -
         plan = ShardPlan.build(lens, cp_size=world)
         x = torch.randn(sum(lens), *((width,) if width else ()), generator=g)
         local = shard(x, plan, rank)
-        got = gather(local, plan)
+        got = gather(local, plan, dist.group.WORLD)
         want = per_sequence_restore(local, plan)
         assert torch.equal(got.values(), torch.cat(want)) and torch.equal(got.values(), x)
         for _ in range(2):
-            gather(local, plan)
+            gather(local, plan, dist.group.WORLD)
             per_sequence_restore(local, plan)
         results.append({
             "B": b, "tokens": plan.num_tokens,
-            "cpshard": _timed(lambda: gather(local, plan), repeats),
+            "cpshard": _timed(lambda: gather(local, plan, dist.group.WORLD), repeats),
             "baseline": _timed(lambda: per_sequence_restore(local, plan), repeats),
         })
     return results

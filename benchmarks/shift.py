@@ -36,17 +36,17 @@ Megatron's output is further checked row for row against a model of its semantic
 Timing: per call, every rank does ``barrier(); t0; call; t1``; a call's time is the max over ranks,
 the table shows the median over repeats. "cold" is cpshard's first call on a freshly built plan
 (whose per-plan exchange indices are not yet cached, as for a new micro-batch), after the rank has
-sharded its inputs with that plan. Communication is counted on a separate, untimed call by wrapping
-the ``torch.distributed`` functions inside each rank process; "elements sent" is the number of
-tensor elements a rank hands to the backend for other ranks (all ranks summed).
+sharded its inputs with that plan. Communication is counted on a separate, untimed call with
+``cpshard.spawn.CollectiveCounter`` (PyTorch's ``CommDebugMode``, which sees every c10d call, p2p
+included); "bytes" is what a rank hands the backend to send (all ranks summed). The ranks run under
+``cpshard.spawn.run_ranks``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import collections
 import os
-import socket
 import statistics
 import sys
 import time
@@ -55,103 +55,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 import cpshard
+from cpshard.spawn import CollectiveCounter, run_ranks
 
 WORLD = 4
 PAD = -1  # content of pad rows (labels input) and cpshard's pad_value
 FILL = -100  # cpshard's fill past a sequence's end (the usual ignore index)
 VOCAB = 32000
-
-# -- counting communication --------------------------------------------------------------------
-
-_P2P_SEND = ("send", "isend")
-_P2P_RECV = ("recv", "irecv")
-_COUNTED = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "all_to_all_single", "all_to_all",
-            "all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce", "broadcast",
-            "reduce_scatter_tensor", "reduce_scatter", "gather", "scatter", "reduce", "barrier", "all_gather_object",
-            "broadcast_object_list")
-
-
-def _elements_sent(name: str, args: tuple, kwargs: dict, world: int, rank: int) -> int:
-    """Elements this rank hands the backend for other ranks (logical payload, not wire bytes)."""
-    def arg(i: int, key: str) -> Any:
-        return args[i] if len(args) > i else kwargs.get(key)
-
-    if name in _P2P_SEND:
-        return arg(0, "tensor").numel()
-    if name == "batch_isend_irecv":
-        return sum(op.tensor.numel() for op in arg(0, "p2p_op_list")
-                   if getattr(op.op, "__name__", "") in _P2P_SEND)
-    if name == "all_to_all_single":
-        inp, splits = arg(1, "input"), arg(3, "input_split_sizes")
-        if not splits:
-            return inp.numel() * (world - 1) // world
-        row = inp.numel() // max(inp.shape[0], 1) if inp.dim() else 1
-        return (sum(splits) - splits[rank]) * row
-    if name == "all_to_all":
-        return sum(t.numel() for i, t in enumerate(arg(1, "input_tensor_list")) if i != rank)
-    if name in ("all_gather_single", "all_gather_into_tensor", "all_gather"):
-        return arg(1, "tensor" if name == "all_gather" else "input_tensor").numel() * (world - 1)
-    if name in ("all_reduce", "broadcast", "reduce"):
-        return arg(0, "tensor").numel()
-    if name == "reduce_scatter_tensor":
-        return arg(1, "input").numel() * (world - 1) // world
-    return 0
-
-
-class CommCounter:
-    """Wraps torch.distributed's communication functions (outermost calls only) while active."""
-
-    def __init__(self, world: int, rank: int) -> None:
-        self.world, self.rank = world, rank
-        self.calls: dict[str, int] = {}
-        self.sent = 0
-        self._depth = 0
-        self._patched: list[tuple[Any, str, Any]] = []
-
-    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self._depth == 0:
-                self.calls[name] = self.calls.get(name, 0) + 1
-                self.sent += _elements_sent(name, args, kwargs, self.world, self.rank)
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-        return wrapper
-
-    def __enter__(self) -> CommCounter:
-        from torch.distributed import distributed_c10d as c10d
-        originals = {n: getattr(c10d, n) for n in _COUNTED if hasattr(c10d, n)}
-        wrappers = {n: self._wrap(n, f) for n, f in originals.items()}
-        # Every module that may hold a reference: torch.distributed, c10d, and anything that did
-        # ``from torch.distributed import x`` (cpshard, megatron).
-        for mod in list(sys.modules.values()):
-            mname = getattr(mod, "__name__", "") or ""
-            if not (mname.startswith(("torch.distributed", "cpshard", "megatron"))):
-                continue
-            for n, f in originals.items():
-                if getattr(mod, n, None) is f:
-                    self._patched.append((mod, n, f))
-                    setattr(mod, n, wrappers[n])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for mod, n, f in reversed(self._patched):
-            setattr(mod, n, f)
-        self._patched.clear()
-
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
 
 # -- one rank -----------------------------------------------------------------------------------
 
@@ -240,10 +155,10 @@ def _run_batch(rank: int, group: Any, num_seqs: int, args: argparse.Namespace, r
 
     # ---- communication -----------------------------------------------------------------------
     dist.barrier(group=group)
-    with CommCounter(WORLD, rank) as c_cp:
+    with CollectiveCounter() as c_cp:
         run_cpshard()
     dist.barrier(group=group)
-    with CommCounter(WORLD, rank) as c_mg:
+    with CollectiveCounter() as c_mg:
         run_megatron()
     dist.barrier(group=group)
 
@@ -262,7 +177,8 @@ def _run_batch(rank: int, group: Any, num_seqs: int, args: argparse.Namespace, r
     return {
         "rank": rank, "num_seqs": num_seqs, "tokens": plan.num_tokens, "total_len": plan.total_len,
         "local_len": plan.local_len, "t_cp": t_cp, "t_mg": t_mg, "t_cold": t_cold,
-        "calls_cp": dict(c_cp.calls), "calls_mg": dict(c_mg.calls), "sent_cp": c_cp.sent, "sent_mg": c_mg.sent,
+        "calls_cp": dict(collections.Counter(c_cp.calls)), "calls_mg": dict(collections.Counter(c_mg.calls)),
+        "sent_cp": c_cp.bytes, "sent_mg": c_mg.bytes,
         "agree_rows": int(agree.sum()), "last_rows": int(last.sum()), "pad_rows": int(pads.sum()),
         "diff_last": diff_last, "diff_pad": diff_pad, **contiguous,
     }
@@ -297,24 +213,12 @@ def _contiguous_check(rank: int, group: Any, seqlens: list[int], labels: torch.T
     return {"contig_rows": int(agree.sum()), "contig_wrong": wrong, "contig_error": error}
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        group = dist.new_group(list(range(WORLD)))
-        from cpshard.megatron._import import import_roll_tensor
-        roll_tensor, PackedSeqParams = import_roll_tensor()
-        results = []
-        for b in args.batches:
-            results.append(_run_batch(rank, group, b, args, roll_tensor, PackedSeqParams))
-        every: list[Any] = [None] * WORLD
-        dist.all_gather_object(every, results)
-        if rank == 0:
-            _report(every, args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _ranks(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One gloo rank (cpshard.spawn.run_ranks): every batch, returned to the parent for the report."""
+    group = dist.new_group(list(range(world)))
+    from cpshard.megatron._import import import_roll_tensor
+    roll_tensor, PackedSeqParams = import_roll_tensor()
+    return [_run_batch(rank, group, b, args, roll_tensor, PackedSeqParams) for b in args.batches]
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -334,7 +238,7 @@ def _report(every: list[list[dict[str, Any]]], args: argparse.Namespace) -> None
           f"{WORLD} gloo ranks, int64 labels, seqlens ~ U[{args.min_len}, {args.max_len}] (seed {args.seed}), "
           f"torch {torch.__version__}, {args.repeats} repeats (median of per-call max over ranks)\n")
     head = ("B", "tokens", "T_pad", "cpshard ms", "cold ms", "megatron ms", "mg/cp", "comm/rank cp",
-            "comm/rank mg", "msgs all cp", "msgs all mg", "elems cp", "elems mg")
+            "comm/rank mg", "msgs all cp", "msgs all mg", "bytes cp", "bytes mg")
     for i, b in enumerate(args.batches):
         rs = [every[r][i] for r in range(WORLD)]
         cp = statistics.median(_per_call_max([r["t_cp"] for r in rs])) * 1e3
@@ -352,14 +256,14 @@ def _report(every: list[list[dict[str, Any]]], args: argparse.Namespace) -> None
     for row in rows:
         print(fmt.format(*row))
     print("\ncomm/rank = collectives or p2p calls per call on the busiest rank; msgs all = summed over ranks; "
-          "elems = elements sent to other ranks per call, summed over ranks")
+          "bytes = bytes handed to the backend to send per call, summed over ranks (cpshard.spawn.CollectiveCounter)")
     print("\nper-rank breakdown (calls per shift):")
     for i, b in enumerate(args.batches):
         rs = [every[r][i] for r in range(WORLD)]
         print(f"  B={b}:")
         for r in rs:
-            print(f"    rank {r['rank']}: cpshard {_calls(r['calls_cp'])} ({r['sent_cp']} elems); "
-                  f"megatron {_calls(r['calls_mg'])} ({r['sent_mg']} elems)")
+            print(f"    rank {r['rank']}: cpshard {_calls(r['calls_cp'])} ({r['sent_cp']} bytes); "
+                  f"megatron {_calls(r['calls_mg'])} ({r['sent_mg']} bytes)")
     print("\ncorrectness (all ranks): shift_sharded == shard(x, shift=1); Megatron == cpshard on every token row "
           "with p <= n-2; Megatron == roll of the padded sequences (0 past the padded end); Megatron == cpshard "
           "on every row with fill = pad_value = 0: OK")
@@ -376,12 +280,6 @@ def _report(every: list[list[dict[str, Any]]], args: argparse.Namespace) -> None
         errors = sorted({r["contig_error"] for r in rs if r["contig_error"]})
         print(f"  B={b}: {sum(r['contig_wrong'] for r in rs)}/{sum(r['contig_rows'] for r in rs)} labels wrong"
               + (f" ({'; '.join(errors)})" if errors else ""))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -402,7 +300,7 @@ def main() -> None:
     if args.quick:
         args.warmup = min(args.warmup, 1)
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(_free_port(), args), nprocs=WORLD, join=True)
+    _report(run_ranks(_ranks, WORLD, args, timeout=3600, collective_timeout=600), args)
     print(f"\n(total wall time {time.perf_counter() - t0:.1f} s)")
 
 

@@ -46,12 +46,15 @@ def _megatron(tp: int, cp: int, rank: int, others: list[torch.Tensor] | None = N
     copy ``others`` (every rank's output) into place, for verl's and cpshard's restore alike."""
     def all_gather(out: list[torch.Tensor], inp: torch.Tensor, group: Any = None) -> None:
         for r, t in enumerate(out):
-            t.copy_((inp if r == rank or others is None else others[r]).reshape(t.shape))
+            src = (inp if r == rank or others is None else others[r]).contiguous().reshape(-1)
+            if src.dtype != t.dtype:  # cpshard moves rows as bytes
+                src = src.view(torch.uint8).view(t.dtype)
+            t.copy_(src.view(t.shape))
 
     def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> None:
         all_gather(list(out.view(cp, *inp.shape).unbind(0)), inp)
 
-    with vf.parallel_state(tp, cp, rank), vf.partition_mode(), \
+    with vf.parallel_state(tp, cp, rank, group=vf.FakeGroup(cp, rank)), vf.partition_mode(), \
             vf.swap(torch.distributed, {"all_gather": all_gather, "all_gather_single": all_gather_single,
                                         "all_gather_into_tensor": all_gather_single, "is_initialized": lambda: True,
                                         "get_world_size": lambda group=None: cp,

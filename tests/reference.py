@@ -204,7 +204,15 @@ def _build(rows, n_rows: int, trailing, dtype) -> torch.Tensor:
 
 
 def ref_value(seq_rows, n: int, p: int, shift: int, pad_value, fill, trailing):
-    """The value of position ``p`` of a sequence of ``n`` tokens (SPEC "Shifts")."""
+    """The value of position ``p`` of a sequence of ``n`` tokens (SPEC "Shifts").
+
+    ``pad_value=None`` is SPEC's default: ``fill`` for a shifted tensor, else 0.
+    """
+    if pad_value is None:
+        if shift > 0:
+            pad_value = fill
+        else:
+            pad_value = 0
     if p >= n:
         return _const_row(pad_value, trailing)
     if shift > 0 and p + shift >= n:
@@ -220,7 +228,7 @@ def ref_shard(
     layout,
     rank: int,
     shift: int = 0,
-    pad_value=0,
+    pad_value=None,
     fill=0,
     *,
     trailing=None,
@@ -296,7 +304,7 @@ def ref_bshd_shard(
     layout,
     rank: int,
     shift: int = 0,
-    pad_value=0,
+    pad_value=None,
     fill=0,
     max_seqlen=None,
     fp8: bool = False,

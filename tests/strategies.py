@@ -108,25 +108,36 @@ def plan_cfgs(draw, *, big: bool = True, batch_max: int = 64, max_total: int | N
     return cfg
 
 
-def _quick_total(cfg: PlanCfg) -> int:
-    def lcm(*xs):
-        out = 1
-        for x in xs:
-            out = out * x // math.gcd(out, x)
-        return out
+def lcm(*xs: int) -> int:
+    """Closed-form least common multiple (the reference keeps its own, deliberately naive, one)."""
+    out = 1
+    for x in xs:
+        out = out * x // math.gcd(out, x)
+    return out
 
-    def up(n, a):
-        return -(-n // a) * a
 
+def round_up(n: int, a: int) -> int:
+    """Closed-form smallest multiple of ``a`` that is >= ``n``."""
+    return -(-n // a) * a
+
+
+def closed_form_padding(cfg: PlanCfg) -> list[int]:
+    """SPEC's padded lengths in closed form: prunes strategies, and cross-checks the naive oracle."""
     a = ref_alignment(cfg.cp, cfg.tp, cfg.layout, False)
     u = ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8)
     F = a * 128 if cfg.fp8 else 1
-    T = up(sum(up(n, u) for n in cfg.seqlens), F)
+    P = [round_up(n, u) for n in cfg.seqlens]
+    T = round_up(sum(P), F)
     if cfg.min_local_rows is not None:
-        T = max(T, up(cfg.min_local_rows * cfg.cp, lcm(u, F)))
+        T = max(T, round_up(cfg.min_local_rows * cfg.cp, lcm(u, F)))
     if cfg.length_bucket is not None:
-        T = up(T, lcm(cfg.length_bucket, cfg.cp, u, F))
-    return T
+        T = round_up(T, lcm(cfg.length_bucket, cfg.cp, u, F))
+    P[-1] += T - sum(P)
+    return P
+
+
+def _quick_total(cfg: PlanCfg) -> int:
+    return sum(closed_form_padding(cfg))
 
 
 def seqlens_as(draw, seqlens):
@@ -169,6 +180,8 @@ def data_cfgs(draw, *, with_shift: bool = True):
         pad_value = draw(st.sampled_from([-1.5, 2.25, 0.0, -100.0]))
         fill = draw(st.sampled_from([0.5, -3.0, 0.0]))
     shift = draw(st.integers(0, 3)) if with_shift else 0
+    if draw(st.integers(0, 3)) == 0:
+        pad_value = None  # SPEC's default: fill when shifted, else 0
     return DataCfg(dtype, trailing, seed, pad_value, fill, shift)
 
 

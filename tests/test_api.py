@@ -31,26 +31,30 @@ class _CountToList:
 
 
 def test_one_host_copy_of_lengths_per_batch(monkeypatch):
-    """Building the plan from the batch reads the lengths once; sharding it again reads nothing."""
+    """``from_nested`` reads the lengths once; sharding its values and unsharding read nothing."""
     nt = _jagged([5, 0, 9, 3])
     counter = _CountToList(monkeypatch)
-    plan = ShardPlan.build(nt, cp_size=2, tp_size=2)
+    plan, values = ShardPlan.from_nested(nt, cp_size=2, tp_size=2)
     assert counter.calls == 1
+    assert values is nt.values() or torch.equal(values, nt.values())
     for r in range(2):
         for k in (0, 1, 2):
-            shard(nt, plan, r, shift=k, fill=-1)
-    parts = [shard(nt, plan, r) for r in range(2)]
+            shard(values, plan, r, shift=k, fill=-1)
+    parts = [shard(values, plan, r) for r in range(2)]
     back = unshard(parts, plan)
-    shard(back, plan, 0)  # unshard's output carries offsets the plan already knows
     assert counter.calls == 1
-    assert plan.seqlens_py == (5, 0, 9, 3)
+    assert plan.seqlens_py == (5, 0, 9, 3) and plan == ShardPlan.build([5, 0, 9, 3], cp_size=2, tp_size=2)
+    assert torch.equal(back.values(), nt.values())
 
 
-def test_nested_with_other_offsets_is_checked_once():
+def test_nested_input_is_checked_on_every_call(monkeypatch):
+    """A nested tensor passed to shard is checked against the plan each time: one host copy a call."""
     plan = ShardPlan.build([2, 3], cp_size=2)
     good = _jagged([2, 3])
+    counter = _CountToList(monkeypatch)
     shard(good, plan, 0)
-    assert plan._offsets_known(good.offsets())
+    shard(good, plan, 1)
+    assert counter.calls == 2
     with pytest.raises(ValueError, match="must match the plan's seqlens"):
         shard(_jagged([3, 2]), plan, 0)
 
@@ -71,10 +75,24 @@ def test_gradients_flow_through_shard_and_unshard():
 
 
 def test_index_cache_is_per_device_and_reused():
+    from cpshard.plan import shard_index
+
     plan = ShardPlan.build([5, 3], cp_size=2)
-    a = plan._shard_index(0, 1, torch.device("cpu"))
-    assert plan._shard_index(0, 1, torch.device("cpu")) is a
-    assert plan._shard_index(0, 2, torch.device("cpu")) is not a
+    a = shard_index(plan, 0, 1, torch.device("cpu"))
+    assert shard_index(plan, 0, 1, torch.device("cpu")) is a
+    assert shard_index(plan, 0, 2, torch.device("cpu")) is not a
+    assert shard_index(ShardPlan.build([5, 3], cp_size=2), 0, 1, torch.device("cpu")) is not a  # not shared
+
+
+def test_device_tensors_are_copied_once():
+    plan = ShardPlan.build([5, 0, 3], cp_size=2)
+    dev = plan.device_tensors("cpu")
+    assert plan.device_tensors(torch.device("cpu")) is dev
+    assert dev.seqlens.tolist() == [5, 0, 3] and dev.cu_seqlens.tolist() == [0, 5, 5, 8]
+    assert dev.cu_seqlens_padded.tolist() == [0, 8, 8, 12]
+    assert all(t.dtype == torch.int32 for t in (dev.seqlens, dev.cu_seqlens, dev.cu_seqlens_padded))
+    bshd = BshdPlan.build([5, 3], cp_size=2).device_tensors("cpu")
+    assert bshd.cu_seqlens_padded.tolist() == [0, 8, 16] and bshd.cu_seqlens.tolist() == [0, 5, 8]
 
 
 def test_plans_are_values():
@@ -83,7 +101,7 @@ def test_plans_are_values():
     assert a == b and hash(a) == hash(b) and len({a, b}) == 1
     assert a != ShardPlan.build([5, 3], cp_size=2, layout="contiguous")
     assert a != BshdPlan.build([5, 3], cp_size=2)
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match="cannot assign to field 'cp_size'"):
         a.cp_size = 4  # frozen
 
 
@@ -160,12 +178,14 @@ def test_views_cannot_change_the_plan():
     mask = plan.token_mask(0).clone()
     plan.position_ids(0).clamp_(max=1)
     plan.global_rows(0).zero_()
-    plan.cu_seqlens_padded[1] = 0
+    assert plan.cu_seqlens_padded is plan.cu_seqlens_padded  # built once per plan (shared, read-only by contract)
+    plan.cu_seqlens_padded[1] = 0  # editing the shared offsets anyway cannot change the plan's value or indices
     assert torch.equal(plan.token_mask(0), mask)
-    assert plan.cu_seqlens_padded.tolist() == [0, 8, 12]
+    assert plan.cu_seqlens_padded_py == (0, 8, 12) and plan == ShardPlan.build([5, 3], cp_size=2)
+    assert shard(torch.arange(8), plan, 1).tolist() == [2, 3, 4, 0, 6, 7]
     out = unshard([shard(torch.arange(8), plan, r) for r in range(2)], plan)
     out.offsets()[1] = 1  # the caller's tensor; the plan keeps its own
-    assert cpshard.shift(torch.arange(8), plan, 1).values().tolist() == [1, 2, 3, 4, 0, 6, 7, 0]
+    assert cpshard.shift(torch.arange(8), plan, 1).tolist() == [1, 2, 3, 4, 0, 6, 7, 0]
 
 
 def test_offsets_edited_in_place_are_read_again():

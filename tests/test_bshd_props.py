@@ -91,9 +91,9 @@ def test_bshd_plan_matches_reference(cfg: BCfg, data):
     if cfg.layout == "zigzag" and cfg.cp > 1:
         assert M % (2 * cfg.cp) == 0
 
-    assert plan.seq_len == M
-    assert plan.local_seq_len == M // cfg.cp
-    assert plan.batch_size == B
+    assert plan.max_seqlen == M and plan.total_len == M
+    assert plan.local_len == M // cfg.cp
+    assert plan.num_seqs == B
     assert tuple(plan.seqlens_py) == tuple(cfg.seqlens)
     assert plan.cp_size == cfg.cp
     assert plan.tp_size == cfg.tp
@@ -106,7 +106,7 @@ def test_bshd_plan_matches_reference(cfg: BCfg, data):
         assert cols.dtype == torch.int64 and cols.shape == (M // cfg.cp,)
         assert cols.tolist() == want
         every += want
-        mask = plan.attention_mask(r)
+        mask = plan.token_mask(r)
         assert mask.dtype == torch.bool and mask.shape == (B, M // cfg.cp)
         assert mask.tolist() == [[j < n for j in want] for n in cfg.seqlens]
         pos = plan.position_ids(r)

@@ -6,53 +6,17 @@ ranks report. Collectives are counted by wrapping the ``torch.distributed`` func
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard import BshdPlan, Layout, ShardPlan, shard, unshard
+from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange, unshard
 from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded
-from cpshard.spawn import run_ranks
+from cpshard.spawn import CollectiveCounter, run_ranks
 
-_COMM = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_to_all_single", "all_to_all", "all_reduce",
-         "broadcast", "send", "recv", "isend", "irecv", "batch_isend_irecv", "reduce_scatter_tensor", "gather",
-         "scatter")
-
-
-GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-
-
-class CommCounter:
-    """Counts calls of torch.distributed communication functions and the elements they send."""
-
-    def __init__(self):
-        self.calls: list[str] = []
-        self.elements = 0
-
-    @contextlib.contextmanager
-    def __call__(self):
-        saved = {name: getattr(dist, name) for name in _COMM if hasattr(dist, name)}
-
-        def wrap(name, fn):
-            def counted(*args, **kwargs):
-                self.calls.append(name)
-                sent = args[1] if name in ("all_gather_single", "all_gather_into_tensor", "all_to_all_single") \
-                    else args[0]
-                if isinstance(sent, torch.Tensor):
-                    self.elements += sent.numel()
-                return fn(*args, **kwargs)
-            return counted
-
-        for name, fn in saved.items():
-            setattr(dist, name, wrap(name, fn))
-        try:
-            yield self
-        finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
+GATHER, ALL_TO_ALL = "allgather_base", "alltoall_base"  # the c10d ops behind all_gather_single, all_to_all_single
 
 
 def _data(lens, trailing, dtype, seed):
@@ -79,34 +43,42 @@ def _fill_for(dtype):
     return (True, False) if dtype == torch.bool else (-7, -1)
 
 
-def _gather_and_shift(rank, world):
-    """gather == unshard and shift_sharded == shard(shift) on every rank; one collective each."""
-    checked = 0
+_DTYPES = ((torch.float32, ()), (torch.int64, (3,)), (torch.bool, ()), (torch.bfloat16, (2,)))
+
+
+def _gather_and_shift_cases(world):
+    """Every sub-case of ``_gather_and_shift``, named, so that the parent can check none was skipped."""
     for layout in Layout:
         for tp in (1, 2):
             for i, lens in enumerate(_batches(world)):
-                plan = ShardPlan.build(lens, cp_size=world, tp_size=tp, layout=layout)
-                for dtype, trailing in ((torch.float32, ()), (torch.int64, (3,)), (torch.bool, ()),
-                                        (torch.bfloat16, (2,))):
-                    x = _data(lens, trailing, dtype, seed=100 * i + tp)
-                    parts = [shard(x, plan, r) for r in range(world)]
-                    counter = CommCounter()
-                    with counter():
-                        got = gather(parts[rank], plan)
-                    assert counter.calls == [GATHER], counter.calls
-                    want = unshard(parts, plan)
-                    assert torch.equal(got.values(), want.values()) and torch.equal(got.offsets(), want.offsets())
-                    assert torch.equal(gather_tokens(parts[rank], plan), x)
-                    fill, pad = _fill_for(dtype)
-                    for k in (1, 2, 3):
-                        counter = CommCounter()
-                        with counter():
-                            out = shift_sharded(parts[rank], plan, shift=k, fill=fill, pad_value=pad)
-                        expected = shard(x, plan, rank, shift=k, fill=fill, pad_value=pad)
-                        assert out.dtype == dtype and torch.equal(out, expected), (layout, lens, k, out, expected)
-                        crossing = plan._exchange(rank, k, torch.device("cpu")).total_remote
-                        assert len(counter.calls) == (1 if crossing else 0), counter.calls
-                        checked += 1
+                for dtype, trailing in _DTYPES:
+                    name = f"{layout.value}/tp{tp}/batch{i}/{dtype}{list(trailing)}"
+                    yield name, layout, tp, i, lens, dtype, trailing
+
+
+def _gather_and_shift(rank, world):
+    """gather == unshard and shift_sharded == shard(shift) on every rank; one collective each."""
+    checked = []
+    for name, layout, tp, i, lens, dtype, trailing in _gather_and_shift_cases(world):
+        plan = ShardPlan.build(lens, cp_size=world, tp_size=tp, layout=layout)
+        x = _data(lens, trailing, dtype, seed=100 * i + tp)
+        parts = [shard(x, plan, r) for r in range(world)]
+        with CollectiveCounter() as counter:
+            got = gather(parts[rank], plan, dist.group.WORLD)
+        assert counter.calls == [GATHER], counter.calls
+        want = unshard(parts, plan)
+        assert torch.equal(got.values(), want.values()) and torch.equal(got.offsets(), want.offsets())
+        assert torch.equal(gather_tokens(parts[rank], plan, dist.group.WORLD), x)
+        fill, pad = _fill_for(dtype)
+        for k in (1, 2, 3):
+            for pad_value in (pad, None):  # None: SPEC's default, fill on a shifted tensor's pad rows
+                with CollectiveCounter() as counter:
+                    out = shift_sharded(parts[rank], plan, dist.group.WORLD, shift=k, fill=fill, pad_value=pad_value)
+                expected = shard(x, plan, rank, shift=k, fill=fill, pad_value=pad_value)
+                assert out.dtype == dtype and torch.equal(out, expected), (name, k, out, expected)
+                crossing = shift_exchange(plan, rank, k).total_remote
+                assert counter.calls == ([ALL_TO_ALL] if crossing else []), counter.calls
+            checked.append(f"{name}/shift{k}")
     return checked
 
 
@@ -116,7 +88,7 @@ def _bshd_gather(rank, world):
         plan = BshdPlan.build(lens, cp_size=world, layout=layout)
         x = _data(lens, (2,), torch.float32, seed=7)
         parts = [shard(list(x.split(lens)), plan, r) for r in range(world)]
-        got = gather(parts[rank], plan, check=True)
+        got = gather(parts[rank], plan, dist.group.WORLD, check=True)
         assert torch.equal(got.values(), x)
         assert torch.equal(got.values(), unshard(parts, plan).values())
         # backward through the BSHD gather (view, movedim, reshape) equals the single-process one
@@ -124,23 +96,30 @@ def _bshd_gather(rank, world):
         leaves = [p.double().requires_grad_() for p in parts]
         (unshard(leaves, plan).values() * w).sum().backward()
         local = parts[rank].double().requires_grad_()
-        (gather(local, plan).values() * w).sum().backward()
+        (gather(local, plan, dist.group.WORLD).values() * w).sum().backward()
         assert torch.equal(local.grad, leaves[rank].grad)
+        # shift_sharded takes BSHD plans too: each row of the padded batch is one sequence
+        for k in (1, 2):
+            out = shift_sharded(parts[rank], plan, dist.group.WORLD, shift=k, fill=-7.0, check=True)
+            assert out.shape == parts[rank].shape
+            assert torch.equal(out, shard(list(x.split(lens)), plan, rank, shift=k, fill=-7.0))
     return True
 
 
 def _odd_dtypes(rank, world):
-    """fp8 (no index_fill_ or gloo support: moved as bytes), float16, int8 and complex rows."""
+    """fp8 (no index_fill_ or gloo support: moved as bytes), float16, int8, complex and uintN rows."""
     lens = [7, 0, 2 * world + 3]
     for layout in Layout:
         plan = ShardPlan.build(lens, cp_size=world, layout=layout)
-        for dtype in (torch.float8_e4m3fn, torch.float16, torch.int8, torch.complex64):
+        for dtype in (torch.float8_e4m3fn, torch.float16, torch.int8, torch.complex64, torch.uint16, torch.uint32,
+                      torch.uint64):
             base = torch.arange(sum(lens), dtype=torch.float32) / 4
-            x = base.to(dtype) if dtype != torch.int8 else torch.arange(sum(lens), dtype=torch.int8)
+            x = base.to(dtype) if dtype.is_floating_point or dtype.is_complex else \
+                torch.arange(sum(lens), dtype=torch.int64).to(dtype)
             local = shard(x, plan, rank)
-            got = gather(local, plan, check=True).values()
+            got = gather(local, plan, dist.group.WORLD, check=True).values()
             assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
-            out = shift_sharded(local, plan, shift=2, fill=1, pad_value=0, check=True)
+            out = shift_sharded(local, plan, dist.group.WORLD, shift=2, fill=1, pad_value=0, check=True)
             want = shard(x, plan, rank, shift=2, fill=1, pad_value=0)
             assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     return True
@@ -158,7 +137,7 @@ def _autograd(rank, world):
         leaves = [shard(h, plan, r).requires_grad_() for r in range(world)]
         (unshard(leaves, plan).values() * w).sum().backward()
         local = shard(h, plan, rank).requires_grad_()
-        (gather(local, plan).values() * w).sum().backward()
+        (gather(local, plan, dist.group.WORLD).values() * w).sum().backward()
         assert torch.equal(local.grad, leaves[rank].grad)
 
         # shift: each rank's loss uses its own shifted rows; gradients travel back to the source rank
@@ -168,7 +147,7 @@ def _autograd(rank, world):
             hh = unshard(leaves, plan).values()
             sum((shard(hh, plan, r, shift=k) * weights[r]).sum() for r in range(world)).backward()
             local = shard(h, plan, rank).requires_grad_()
-            (shift_sharded(local, plan, shift=k) * weights[rank]).sum().backward()
+            (shift_sharded(local, plan, dist.group.WORLD, shift=k) * weights[rank]).sum().backward()
             assert torch.equal(local.grad, leaves[rank].grad), (layout, k)
     return True
 
@@ -181,18 +160,16 @@ def _costs(rank, world):
         lens = (torch.randint(1, 40, (b,), generator=g)).tolist()
         plan = ShardPlan.build(lens, cp_size=world)
         local = shard(torch.arange(sum(lens)), plan, rank)
-        counter = CommCounter()
-        with counter():
-            gather(local, plan)
-            shift_sharded(local, plan, shift=1)
+        with CollectiveCounter() as counter:
+            gather(local, plan, dist.group.WORLD)
+            shift_sharded(local, plan, dist.group.WORLD, shift=1)
         calls[b] = list(counter.calls)
     lens = [3000, 2000, 1500]
     plan = ShardPlan.build(lens, cp_size=world)
     local = shard(torch.randn(sum(lens), 16), plan, rank)
-    counter = CommCounter()
-    with counter():
-        shift_sharded(local, plan, shift=1)
-    fractions["long"] = counter.elements / local.numel()
+    with CollectiveCounter() as counter:
+        shift_sharded(local, plan, dist.group.WORLD, shift=1)
+    fractions["long"] = counter.bytes / (local.numel() * local.element_size())
     return calls, fractions
 
 
@@ -202,9 +179,10 @@ def _mismatch(rank, world):
     plan = ShardPlan.build(lens, cp_size=world)
     start = time.monotonic()
     errors = []
-    for call in (lambda: check_plan(plan), lambda: gather(shard(torch.arange(plan.num_tokens), plan, rank),
-                                                          plan, check=True),
-                 lambda: shift_sharded(torch.zeros(plan.local_len), plan, check=True)):
+    world_group = dist.group.WORLD
+    for call in (lambda: check_plan(plan, world_group),
+                 lambda: gather(shard(torch.arange(plan.num_tokens), plan, rank), plan, world_group, check=True),
+                 lambda: shift_sharded(torch.zeros(plan.local_len), plan, dist.group.WORLD, check=True)):
         try:
             call()
         except ValueError as exc:
@@ -213,32 +191,31 @@ def _mismatch(rank, world):
     # rank raise (after the small check collective) instead of leaving the others waiting
     good = ShardPlan.build([5, 3], cp_size=world)
     local = shard(torch.arange(8), good, rank)
-    for call in (lambda: gather(local[:-1] if rank == 2 else local, good, check=True),
+    for call in (lambda: gather(local[:-1] if rank == 2 else local, good, dist.group.WORLD, check=True),
                  lambda: shift_sharded(local, ShardPlan.build([5, 3], cp_size=2) if rank == 1 else good,
-                                       check=True)):
+                                       dist.group.WORLD, check=True)):
         try:
             call()
         except ValueError as exc:
             errors.append(str(exc))
     # ... and so do different arguments for one step (dtype, row shape, shift), or a non-plan
-    for call in (lambda: gather(local.double() if rank == 1 else local.float(), good, check=True),
-                 lambda: shift_sharded(local, good, shift=3 if rank == 1 else 1, check=True),
-                 lambda: gather(local, "not a plan" if rank == 3 else good, check=True)):
+    for call in (lambda: gather(local.double() if rank == 1 else local.float(), good, dist.group.WORLD, check=True),
+                 lambda: shift_sharded(local, good, dist.group.WORLD, shift=3 if rank == 1 else 1, check=True),
+                 lambda: gather(local, "not a plan" if rank == 3 else good, dist.group.WORLD, check=True)):
         try:
             call()
         except (ValueError, TypeError) as exc:
             errors.append(str(exc))
     # check_plan itself: the same plan on every rank, but sized for another group, raises everywhere
     try:
-        check_plan(ShardPlan.build([5, 3], cp_size=world // 2))
+        check_plan(ShardPlan.build([5, 3], cp_size=world // 2), dist.group.WORLD)
     except ValueError as exc:
         errors.append(str(exc))
     # a plan for the wrong group size fails before any communication
-    counter = CommCounter()
-    with counter():
+    with CollectiveCounter() as counter:
         wrong = ShardPlan.build([5, 3], cp_size=world // 2)
         try:
-            gather(torch.zeros(wrong.local_len), wrong)
+            gather(torch.zeros(wrong.local_len), wrong, dist.group.WORLD)
         except ValueError as exc:
             errors.append(str(exc))
     return errors, counter.calls, time.monotonic() - start
@@ -273,11 +250,41 @@ def _subgroups(rank, world):
     return True
 
 
+def _switch_and_groups(rank, world):
+    """The process-wide check switch, fill values compared after conversion, and group errors."""
+    from cpshard.distributed import checks_enabled, set_checks
+
+    plan = ShardPlan.build([5, 3] if rank != 1 else [4, 4], cp_size=world)
+    local = torch.zeros(plan.local_len)
+    previous = set_checks(True)
+    try:
+        assert checks_enabled()
+        with pytest.raises(ValueError, match="built different plans"):
+            gather(local, plan, dist.group.WORLD)  # check=None follows the switch: every rank raises
+    finally:
+        set_checks(previous)
+    good = ShardPlan.build([5, 3], cp_size=world)
+    x = torch.arange(8, dtype=torch.float32)
+    # fill=0 on one rank and fill=0.0 on another are the same value in a float tensor
+    out = shift_sharded(shard(x, good, rank), good, dist.group.WORLD, fill=0 if rank else 0.0, check=True)
+    assert torch.equal(out, shard(x, good, rank, shift=1))
+    with torch.inference_mode():  # log-prob and value passes run there
+        inf = gather(shard(x, good, rank), good, dist.group.WORLD, check=True)
+        assert torch.equal(inf.values(), x)
+    with pytest.raises(TypeError, match="group=None: must be the context-parallel process group"):
+        gather(local, good, None)
+    other = dist.new_group([0])  # every rank creates it; only rank 0 belongs to it
+    if rank != 0:
+        with pytest.raises(ValueError, match=r"group=a group of ranks \[0\]: does not contain this process"):
+            gather(torch.zeros(8), ShardPlan.build([5, 3], cp_size=1), other)
+    return True
+
+
 # One spawned group per world size runs every sub-case planned for it (starting processes is the
 # expensive part on a small machine); each test then asserts on its sub-case's results.
 _PLAN = {
     2: ("_gather_and_shift", "_bshd_gather", "_autograd", "_odd_dtypes"),
-    3: ("_gather_and_shift", "_bshd_gather", "_odd_dtypes"),
+    3: ("_gather_and_shift", "_bshd_gather", "_odd_dtypes", "_switch_and_groups"),
     4: ("_gather_and_shift", "_autograd", "_costs", "_mismatch", "_subgroups"),
     8: ("_gather_and_shift",),
 }
@@ -308,7 +315,8 @@ def _results(suites, world, name):
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_gather_and_shift_sharded(suites, world):
-    assert _results(suites, world, "_gather_and_shift") == [2 * 2 * 4 * 4 * 3] * world
+    cases = [f"{c[0]}/shift{k}" for c in _gather_and_shift_cases(world) for k in (1, 2, 3)]
+    assert _results(suites, world, "_gather_and_shift") == [cases] * world
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -328,7 +336,7 @@ def test_autograd_matches_single_process(suites, world):
 
 def test_collective_counts_and_volume(suites):
     for calls, fractions in _results(suites, 4, "_costs"):
-        assert calls[4] == calls[256] == [GATHER, "all_to_all_single"]
+        assert calls[4] == calls[256] == [GATHER, ALL_TO_ALL]
         assert fractions["long"] < 0.01, fractions
 
 
@@ -352,6 +360,10 @@ def test_mismatched_plans_raise_everywhere(suites):
         assert elapsed < 45  # far below the collective timeout (60 s here, 30 min by default)
 
 
+def test_check_switch_and_group_errors(suites):
+    assert _results(suites, 3, "_switch_and_groups") == [True] * 3
+
+
 def test_sub_groups(suites):
     assert _results(suites, 4, "_subgroups") == [True] * 4
 
@@ -359,6 +371,13 @@ def test_sub_groups(suites):
 def test_harness_reports_rank_failures_and_timeouts():
     with pytest.raises(RuntimeError, match="rank 1 of 2 failed"):
         run_ranks(_fail_on_rank_one, 2, timeout=60)
+    # the root cause, not the peer's "connection closed", and never a timeout for a pickling error
+    with pytest.raises(RuntimeError, match=r"(?s)rank 2 of 3 failed:.*ValueError: boom in a collective"):
+        run_ranks(_fail_in_collective, 3, timeout=60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot leave its process"):
+        run_ranks(_unpicklable, 2, timeout=100)
+    assert time.monotonic() - start < 60
     with pytest.raises(TimeoutError, match="did not finish"):
         run_ranks(_hang_on_rank_one, 2, timeout=8, collective_timeout=60)
 
@@ -367,6 +386,29 @@ def _fail_on_rank_one(rank, world):
     if rank == 1:
         raise ValueError("boom")
     return rank
+
+
+def _fail_in_collective(rank, world):
+    """Rank 2 raises while the others wait in a collective (and then see the connection close)."""
+    if rank == 2:
+        time.sleep(0.5)
+        raise ValueError("boom in a collective")
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _unpicklable(rank, world):
+    return (lambda: rank) if rank == 1 else rank
+
+
+def test_harness_returns_detached_cpu_tensors():
+    out = run_ranks(_grad_tensor, 2, timeout=60)
+    assert all(isinstance(t, torch.Tensor) and not t.requires_grad for t in out)
+    assert [t.tolist() for t in out] == [[0.0, 2.0], [1.0, 3.0]]
+
+
+def _grad_tensor(rank, world):
+    return {"t": (torch.tensor([0.0, 2.0]) + rank).requires_grad_()}["t"] * 1
 
 
 def _hang_on_rank_one(rank, world):
@@ -378,4 +420,4 @@ def _hang_on_rank_one(rank, world):
 def test_no_process_group_is_a_clear_error():
     plan = ShardPlan.build([3], cp_size=1)
     with pytest.raises(ValueError, match="init_process_group"):
-        gather(torch.zeros(plan.local_len), plan)
+        gather(torch.zeros(plan.local_len), plan, dist.group.WORLD)

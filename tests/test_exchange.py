@@ -10,13 +10,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpshard import Layout, ShardPlan, shard
-from reference import ref_shard
+from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange
+from reference import ref_bshd_shard, ref_shard
 
 
 def emulate_shift_sharded(shards, plan, k, fill, pad_value):
     cp = plan.cp_size
-    exs = [plan._exchange(r, k, torch.device("cpu")) for r in range(cp)]
+    exs = [shift_exchange(plan, r, k) for r in range(cp)]
+    shards = [s.reshape(s.shape[0] * s.shape[1]) if isinstance(plan, BshdPlan) else s for s in shards]
     sends = []
     for r, ex in enumerate(exs):
         assert sum(ex.send_splits) == ex.send_rows.numel()
@@ -35,22 +36,27 @@ def emulate_shift_sharded(shards, plan, k, fill, pad_value):
     return outs, exs
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(0, 70), min_size=1, max_size=12),
     cp=st.integers(1, 8),
     tp=st.integers(1, 3),
     layout=st.sampled_from(list(Layout)),
     k=st.integers(0, 5),
+    bshd=st.booleans(),
 )
-def test_emulated_exchange_equals_shifted_shard(lens, cp, tp, layout, k):
-    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+def test_emulated_exchange_equals_shifted_shard(lens, cp, tp, layout, k, bshd):
+    """THD and BSHD plans (each row of a padded batch is one sequence) take the same exchange."""
+    if bshd:
+        lens, cp = lens[:6], min(cp, 5)  # a padded batch of B rows of max(lens): keep it small
+    plan = (BshdPlan if bshd else ShardPlan).build(lens, cp_size=cp, tp_size=tp, layout=layout)
+    reference = ref_bshd_shard if bshd else ref_shard
     seqs = [torch.arange(n) * 10 + i for i, n in enumerate(lens)]
     shards = [shard(seqs, plan, r) for r in range(cp)]
     outs, exs = emulate_shift_sharded(shards, plan, k, fill=-7, pad_value=-1)
     for r in range(cp):
-        expected = ref_shard(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7)
-        assert torch.equal(outs[r], expected), (r, outs[r], expected)
+        expected = reference(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7)
+        assert torch.equal(outs[r].view(expected.shape), expected), (r, outs[r], expected)
     if cp == 1 or k == 0:
         assert all(ex.total_remote == 0 for ex in exs)
 
@@ -60,7 +66,7 @@ def test_zigzag_moves_only_boundary_rows():
     lens = [4000, 3001, 2500, 1200]
     plan = ShardPlan.build(lens, cp_size=4, layout="zigzag")
     for k in (1, 3):
-        exs = [plan._exchange(r, k, torch.device("cpu")) for r in range(4)]
+        exs = [shift_exchange(plan, r, k) for r in range(4)]
         moved = sum(ex.send_rows.numel() for ex in exs)
         # per sequence, 2cp - 1 chunk boundaries, of which the middle one (chunk cp-1 -> cp) stays local
         assert moved == len(lens) * (2 * 4 - 2) * k
@@ -69,5 +75,5 @@ def test_zigzag_moves_only_boundary_rows():
 
 def test_contiguous_moves_one_boundary_per_rank():
     plan = ShardPlan.build([5000, 3000], cp_size=4, layout="contiguous")
-    exs = [plan._exchange(r, 1, torch.device("cpu")) for r in range(4)]
+    exs = [shift_exchange(plan, r, 1) for r in range(4)]
     assert [ex.send_splits for ex in exs] == [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0)]

@@ -72,7 +72,8 @@ def test_zigzag_round_trip_with_the_installed_class(data):
     psp = packed_seq_params(plan)
     assert type(psp) is PackedSeqParams
     _check_fields(psp, plan)
-    back = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size, seqlens=plan.seqlens_py)
+    back = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size, seqlens=plan.seqlens_py,
+                                       fp8=plan.fp8)
     assert back == plan and back.padded_seqlens_py == plan.padded_seqlens_py
     # without the real lengths every padded row counts as a token (verl sets cu_seqlens_q padded)
     blind = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size)
@@ -92,7 +93,7 @@ def test_both_layouts_round_trip_where_the_field_exists(data):
     _check_fields(psp, plan)
     # the layout comes from the field
     assert plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size,
-                                       seqlens=plan.seqlens) == plan
+                                       seqlens=plan.seqlens, fp8=plan.fp8) == plan
 
 
 def test_installed_release_has_no_partition_mode_and_contiguous_is_refused():

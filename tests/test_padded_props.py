@@ -22,11 +22,12 @@ def test_to_padded_matches_reference(seqlens, d: DataCfg, side, extra, give_leng
     seqs = make_seqs(seqlens, d)
     nt = as_jagged(seqs, seqlens, d.trailing, d.dtype)
     length = max(seqlens) + extra if give_length else None
-    kw = dict(padding_side=side, pad_value=d.pad_value)
+    pad_value = 0 if d.pad_value is None else d.pad_value
+    kw = dict(padding_side=side, pad_value=pad_value)
     if length is not None:
         kw["length"] = length
     x, mask = to_padded(nt, **kw)
-    wx, wm = ref_to_padded(seqs, side, length, d.pad_value)
+    wx, wm = ref_to_padded(seqs, side, length, pad_value)
     assert x.dtype == d.dtype and mask.dtype == torch.bool
     assert x.shape == wx.shape and mask.shape == wm.shape, (x.shape, wx.shape)
     assert torch.equal(x, wx)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -17,7 +15,7 @@ from reference import (
     ref_rank_rows,
     ref_row_info,
 )
-from strategies import PlanCfg, plan_cfgs, props, seqlens_as
+from strategies import PlanCfg, closed_form_padding, lcm, plan_cfgs, props, round_up, seqlens_as
 
 # the per-row tests walk every row of every rank through the naive oracle: keep T moderate
 ROW_TESTS_MAX_TOTAL = 30000
@@ -43,34 +41,12 @@ def _int32_cpu(t: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _lcm(*xs):
-    out = 1
-    for x in xs:
-        out = out * x // math.gcd(out, x)
-    return out
-
-
-def _roundup(n, a):
-    return -(-n // a) * a
-
-
 @given(plan_cfgs())
 @props(150)
 def test_reference_padding_matches_closed_form(cfg: PlanCfg):
     """The naive while-loop padding agrees with the closed form used by the implementation brief
     (guards the oracle, not the library)."""
-    a = ref_alignment_before_fp8(cfg.cp, cfg.tp, cfg.layout)
-    u = ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8)
-    F = a * 128 if cfg.fp8 else 1
-    P = [_roundup(n, u) for n in cfg.seqlens]
-    T = sum(P)
-    T2 = _roundup(T, F)
-    if cfg.min_local_rows is not None:
-        T2 = max(T2, _roundup(cfg.min_local_rows * cfg.cp, _lcm(u, F)))
-    if cfg.length_bucket is not None:
-        T2 = _roundup(T2, _lcm(cfg.length_bucket, cfg.cp, u, F))
-    P[-1] += T2 - T
-    assert cfg.padded() == P
+    assert cfg.padded() == closed_form_padding(cfg)
 
 
 def test_reference_worked_example():
@@ -212,13 +188,13 @@ def test_plan_invariants(cfg: PlanCfg):
             assert p_i % (2 * cp) == 0 or cp == 1
         # only the last sequence may carry more than the minimal padding
         if i < len(P) - 1:
-            assert p_i == -(-n_i // a) * a
+            assert p_i == round_up(n_i, a)
     if cfg.fp8:
         assert T % (ref_alignment_before_fp8(cp, tp, cfg.layout) * 128) == 0
     if cfg.min_local_rows is not None:
         assert L >= cfg.min_local_rows
     if cfg.length_bucket is not None:
-        assert T % _lcm(cfg.length_bucket, cp) == 0
+        assert T % lcm(cfg.length_bucket, cp) == 0
 
 
 @given(plan_cfgs(max_total=ROW_TESTS_MAX_TOTAL))

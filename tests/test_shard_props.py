@@ -66,8 +66,26 @@ def test_shard_defaults(cfg: PlanCfg, d: DataCfg):
     plan = _plan(cfg)
     for r in range(cfg.cp):
         got = shard(seqs, plan, r)
-        want = ref_shard(seqs, cfg.seqlens, cfg.cp, cfg.tp, cfg.layout, r, **cfg.ext)
+        want = ref_shard(seqs, cfg.seqlens, cfg.cp, cfg.tp, cfg.layout, r, pad_value=0, fill=0, **cfg.ext)
         assert torch.equal(got, want)
+
+
+@given(plan_cfgs(max_total=MAX_TOTAL, batch_max=16), st.integers(1, 3))
+@props(60)
+def test_shifted_pad_rows_default_to_fill(cfg: PlanCfg, k: int):
+    """SPEC: a shifted tensor's pad rows hold ``fill`` unless ``pad_value`` is given, so labels
+    filled with an ignore index never train on padding; ``label_mask`` marks exactly the rest."""
+    seqs = [torch.arange(n) + 1 for n in cfg.seqlens]  # token ids >= 1: no row holds -100 by accident
+    plan = _plan(cfg)
+    for r in range(cfg.cp):
+        labels = shard(seqs, plan, r, shift=k, fill=-100)
+        want = ref_shard(seqs, cfg.seqlens, cfg.cp, cfg.tp, cfg.layout, r, shift=k, pad_value=-100, fill=-100,
+                         **cfg.ext)
+        assert torch.equal(labels, want)
+        assert torch.equal(plan.label_mask(r, k), labels != -100)
+        assert torch.equal(plan.token_mask(r), plan.label_mask(r, 0))
+        bools = shard([torch.ones(n, dtype=torch.bool) for n in cfg.seqlens], plan, r, shift=k, fill=False)
+        assert torch.equal(bools, plan.label_mask(r, k))  # a sharded loss mask is the label mask
 
 
 @given(plan_cfgs(max_total=MAX_TOTAL), data_cfgs(), st.sampled_from(FORMS))
@@ -157,4 +175,11 @@ def test_unsharded_shift_matches_reference(seqlens, cp, d, form):
     seqs = make_seqs(seqlens, d)
     k = max(d.shift, 1)
     got = cpshard.shift(as_form(form, seqs, seqlens, d.trailing, d.dtype), plan, k, fill=d.fill)
-    assert_jagged_equals(got, ref_shift_seqs(seqs, k, d.fill), seqlens, d.trailing, d.dtype)
+    want = ref_shift_seqs(seqs, k, d.fill)
+    if form == "jagged":
+        assert_jagged_equals(got, want, seqlens, d.trailing, d.dtype)
+    elif form == "list":  # the form it was given
+        assert isinstance(got, list) and len(got) == len(want)
+        assert all(g.dtype == d.dtype and torch.equal(g, w) for g, w in zip(got, want))
+    else:
+        assert not got.is_nested and torch.equal(got, torch.cat(want).reshape(-1, *d.trailing))

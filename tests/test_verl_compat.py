@@ -23,7 +23,7 @@ except ImportError as exc:  # scripts/setup.sh installs both; CI always runs the
     pytest.skip(f"verl 0.9.1 / megatron-core cannot be imported ({exc}); run scripts/setup.sh",
                 allow_module_level=True)
 
-from cpshard import BshdPlan, alignment, shard, to_padded
+from cpshard import BshdPlan, ShardPlan, alignment, shard, to_padded
 from cpshard.compat import verl as cv
 from cpshard.spawn import run_ranks
 
@@ -591,3 +591,15 @@ def test_short_forced_max_seqlen_drops_tokens_in_verl():
     assert sorted(kept) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"max_seqlen=4: must be >= the longest sequence \(8\)"):
         cv.preprocess_bshd_engine(x, forced_max_seqlen=4, tp_size=1, cp_size=2, cp_rank=0)
+
+
+def test_valid_verl_extension_is_kept_exactly():
+    """verl extends [3] at tp=2 cp=2 with min_local_rows=6 to 12 rows: a multiple of 2 * cp but not
+    of 2 * cp * tp. Every token survives, so cpshard keeps verl's 12 rows (not its own 16)."""
+    x = torch.nested.nested_tensor([torch.tensor([7, 8, 9])], layout=torch.jagged)
+    for r in range(2):
+        got, psp, _ = _ours_thd(x, 2, 2, r, min_local_rows=6)
+        want, verl_psp, _ = _verl_thd(x, 2, 2, r, min_local_rows=6)
+        _same_params(verl_psp, psp)
+        assert psp.cu_seqlens_q_padded.tolist() == [0, 12] and torch.equal(got, want)
+    assert ShardPlan.build([3], cp_size=2, tp_size=2, min_local_rows=6).total_len == 16

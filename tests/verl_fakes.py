@@ -94,13 +94,11 @@ def partition_mode() -> Iterator[None]:
 
 def label_rows(plan: Any, rank: int) -> torch.Tensor:
     """``(L,)`` bool: token rows whose next token exists (what a rolled label is compared on)."""
-    lens = torch.tensor(plan.seqlens_py)
-    return plan.position_ids(rank) + 1 < lens[plan.sequence_ids(rank)]
+    return plan.label_mask(rank)
 
 
 def token_rows(plan: Any, rank: int) -> torch.Tensor:
-    lens = torch.tensor(plan.seqlens_py)
-    return plan.position_ids(rank) < lens[plan.sequence_ids(rank)]
+    return plan.token_mask(rank)
 
 
 def nested(lens: list[int], trailing: tuple[int, ...] = (), dtype: torch.dtype = torch.int64,

@@ -2,27 +2,33 @@
 
 Public API (documented in the README):
 
-- :class:`ShardPlan` / :class:`BshdPlan`: immutable plans for packed (THD) and padded (BSHD) batches.
+- :class:`ShardPlan` / :class:`BshdPlan`: immutable plans for packed (THD) and padded (BSHD) batches,
+  with the same names for the same things (``local_len``, ``total_len``, ``max_seqlen``,
+  ``token_mask``, ``label_mask``, ``padding_overhead``).
 - :func:`shard` / :func:`unshard`: a rank's rows (optionally shifted) and the exact inverse.
 - :func:`shift`: SPEC's ``shift(x, k)`` on unsharded sequences.
+- :func:`shift_exchange`: the pure index math behind ``cpshard.distributed.shift_sharded``.
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`Layout`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
 
-The package keeps pure index math (``plan``, ``bshd``, ``layout``, ``_index``) apart from data
-movement (``ops``, ``padded``) and from communication (``distributed``, the only module that uses
-``torch.distributed``).
+The package keeps pure index math (``plan``, ``bshd``, ``layout``, ``_index``, ``_exchange``) apart
+from data movement (``ops``, ``padded``) and from communication (``distributed``, the only module
+that uses ``torch.distributed``); framework adapters live in ``cpshard.megatron``.
 """
 
+from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
 from cpshard.layout import Layout, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
 from cpshard.padded import from_padded, to_padded
-from cpshard.plan import ShardPlan
+from cpshard.plan import DeviceTensors, ShardPlan, shift_exchange
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "BshdPlan",
+    "DeviceTensors",
+    "Exchange",
     "Layout",
     "ShardPlan",
     "alignment",
@@ -31,6 +37,7 @@ __all__ = [
     "register_layout_rule",
     "shard",
     "shift",
+    "shift_exchange",
     "to_padded",
     "unshard",
 ]

@@ -1,8 +1,8 @@
-"""Dtype rules shared by data movement and communication: fill values that fit, opaque dtypes.
+"""Dtype rules shared by data movement and communication: fill values that fit, carried dtypes.
 
 Moving rows never looks at their values, so dtypes that some kernels or backends lack (the fp8
-formats: no ``index_fill_`` on CPU, no gloo support) travel as same-width unsigned bytes, and a fill
-value becomes its bit pattern in that dtype.
+formats: no ``index_fill_`` on CPU, no gloo support; ``uint16/32/64``: no ``index_select``) travel
+as a same-width carrier dtype, and a fill value becomes its bit pattern in that carrier.
 """
 
 from __future__ import annotations
@@ -37,12 +37,16 @@ def check_fill(name: str, value: Any, dtype: torch.dtype) -> Any:
             fail(name, repr(value), f"does not fit rows of dtype {dtype} (True/False only)",
                  f"pass {name}=False or {name}=True")
         return bool(value)
-    if dtype.is_complex:
-        return value
-    if isinstance(value, complex):
+    if isinstance(value, complex) and not dtype.is_complex:
         fail(name, repr(value), f"does not fit rows of dtype {dtype}", f"pass a real {name}")
-    if dtype.is_floating_point:
-        return value
+    if dtype.is_floating_point or dtype.is_complex:
+        # one representation per value (0 and 0.0 agree across ranks); rounded as the dtype rounds
+        try:
+            return complex(value) if dtype.is_complex else float(value)  # type: ignore[arg-type]
+        except OverflowError:
+            fail(name, repr(value), f"is too large for any floating dtype ({dtype})",
+                 f"pass a {name} within the float range")
+    assert not isinstance(value, complex)  # refused above
     if isinstance(value, float) and not value.is_integer():
         fail(name, repr(value), f"does not fit rows of integer dtype {dtype}", f"pass a whole number as {name}")
     info = torch.iinfo(dtype)
@@ -52,11 +56,34 @@ def check_fill(name: str, value: Any, dtype: torch.dtype) -> Any:
     return int(value)
 
 
+_CARRIERS = {**{d: torch.uint8 for d in OPAQUE}, **{getattr(torch, u): getattr(torch, i) for u, i in (
+    ("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64")) if hasattr(torch, u)}}
+
+
+def carrier(dtype: torch.dtype) -> torch.dtype | None:
+    """The same-width dtype rows of ``dtype`` move as (fp8 as uint8, uintN as intN), or None."""
+    return _CARRIERS.get(dtype)
+
+
 def bit_pattern(value: Any, dtype: torch.dtype) -> int:
-    """The unsigned byte value of ``value`` stored as ``dtype`` (a one-byte opaque dtype)."""
-    return int(torch.tensor([value], dtype=torch.float32).to(dtype).view(torch.uint8)[0])
+    """``value`` stored as ``dtype``, read back as an integer of ``carrier(dtype)`` (a fill value)."""
+    source = torch.float32 if dtype in OPAQUE else dtype
+    return int(torch.tensor([value], dtype=source).to(dtype).view(_CARRIERS[dtype])[0])
 
 
 def wire(t: torch.Tensor) -> torch.Tensor:
-    """A same-width view every backend and kernel can move: bool and fp8 rows travel as uint8."""
-    return t.view(torch.uint8) if (t.dtype == torch.bool or t.dtype in OPAQUE) else t
+    """``t``'s bytes, ``(rows, ..., itemsize)`` uint8, a view: what collectives that only move data send.
+
+    Every backend moves uint8 (gloo has no int16, uintN, bool or fp8), and an all-gather or
+    all-to-all never looks at values, so every dtype travels as its bytes; the leading row
+    dimension, and with it the splits counted in rows, is unchanged. ``t`` must be contiguous.
+    """
+    return t.unsqueeze(-1).view(torch.uint8)
+
+
+def movable(t: torch.Tensor, pad_value: Any, fill: Any) -> tuple[torch.Tensor, int, int] | None:
+    """``(t viewed as its carrier, pad_value's and fill's bit patterns)`` for a carried dtype, else None."""
+    over = _CARRIERS.get(t.dtype)
+    if over is None:
+        return None
+    return t.view(over), bit_pattern(pad_value, t.dtype), bit_pattern(fill, t.dtype)

@@ -27,22 +27,24 @@ def _short(value: Any) -> str:
     return text if len(text) <= 120 else text[:100] + " ... " + text[-15:]
 
 
-def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """Return ``value`` as a Python int; reject bools, floats and anything without ``__index__``."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         fail(name, repr(value), "must be an integer", f"pass an int, e.g. {name}=2", kind=TypeError)
     value = operator.index(value)
     if minimum is not None and value < minimum:
         fail(name, value, f"must be >= {minimum}", f"pass {name} >= {minimum}")
+    if maximum is not None and value > maximum:
+        fail(name, value, f"must be <= {maximum}", f"pass {name} <= {maximum}")
     return value
 
 
-def check_rank(rank: Any, cp_size: int) -> int:
-    rank = check_int("rank", rank)
-    if not 0 <= rank < cp_size:
-        fail("rank", rank, f"must lie in [0, cp_size) = [0, {cp_size})",
+def check_rank(cp_rank: Any, cp_size: int) -> int:
+    cp_rank = check_int("cp_rank", cp_rank)
+    if not 0 <= cp_rank < cp_size:
+        fail("cp_rank", cp_rank, f"must lie in [0, cp_size) = [0, {cp_size})",
              f"pass the rank's index inside its context-parallel group (0 .. {cp_size - 1})")
-    return rank
+    return cp_rank
 
 
 def check_tensor(name: str, value: Any) -> torch.Tensor:

@@ -72,35 +72,43 @@ def _balance(plan: ShardPlan) -> list[str]:
     return lines
 
 
+def _cap(values: Sequence[object], head: int = 8, tail: int = 2) -> str:
+    """A list as Python prints it, or its ends and a count when it is long (output stays small)."""
+    items = list(values)
+    if len(items) <= head + tail + 1:
+        return str(items)
+    shown = ", ".join(map(str, items[:head])) + ", ..., " + ", ".join(map(str, items[-tail:]))
+    return f"[{shown}] ({len(items)} values)"
+
+
 def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
     """The text ``cpshard plan`` prints for ``plan``."""
     out = [
         repr(plan),
-        f"alignment a = {plan.alignment}; padded_seqlens = {list(plan.padded_seqlens_py)}",
-        f"cu_seqlens_padded = {list(plan.cu_seqlens_padded_py)}; max_seqlen = {plan.max_seqlen}",
+        f"alignment a = {plan.alignment}; padded_seqlens = {_cap(plan.padded_seqlens_py)}",
+        f"cu_seqlens_padded = {_cap(plan.cu_seqlens_padded_py)}; max_seqlen = {plan.max_seqlen}",
         f"tokens = {plan.num_tokens}, padded rows T = {plan.total_len}, rows per rank L = {plan.local_len} "
         f"(L / tp = {plan.local_len // plan.tp_size}); padding overhead = {100 * plan.padding_overhead:.1f}%",
         "",
     ]
-    if picture is None:
-        picture = plan.total_len <= _PICTURE_MAX_ROWS
-    if picture:
-        out += _picture(plan) + [""]
-    else:
+    if picture is None and plan.total_len > _PICTURE_MAX_ROWS:
         out += [f"(picture omitted: {plan.total_len} rows > {_PICTURE_MAX_ROWS}; pass --picture to force it)", ""]
+    elif picture is False:
+        out += ["(picture omitted: --no-picture)", ""]
+    else:
+        out += _picture(plan) + [""]
     out += _balance(plan)
     return "\n".join(out)
 
 
 def describe_bshd(plan: BshdPlan) -> str:
     """The text ``cpshard plan --bshd`` prints: each rank's columns of every row."""
-    out = [repr(plan), f"alignment = {plan.alignment}; every row padded to M = {plan.seq_len}, "
-           f"{plan.local_seq_len} columns per rank; padding overhead = "
-           f"{100 * (plan.batch_size * plan.seq_len - plan.num_tokens) / max(plan.num_tokens, 1):.1f}%", ""]
+    out = [repr(plan), f"alignment = {plan.alignment}; every row padded to M = {plan.max_seqlen}, "
+           f"{plan.local_len} columns per rank; padding overhead = {100 * plan.padding_overhead:.1f}%", ""]
     head = max(len(f"rank {plan.cp_size - 1}"), len("row 0"))
     for r in range(plan.cp_size):
-        out.append(f"{f'rank {r}':<{head}} : columns {plan.columns(r).tolist()}")
-    if plan.batch_size * plan.seq_len <= 4 * _PICTURE_MAX_ROWS:
+        out.append(f"{f'rank {r}':<{head}} : columns {_cap(plan.columns(r).tolist())}")
+    if plan.num_seqs * plan.max_seqlen <= 4 * _PICTURE_MAX_ROWS:
         out.append("")
         for b, n in enumerate(plan.seqlens_py):
             cells = [[f"t{c}" if c < n else "." for c in plan.columns(r).tolist()] for r in range(plan.cp_size)]
@@ -133,6 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--picture", action=argparse.BooleanOptionalAction, default=None,
                    help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows)")
     args = parser.parse_args(argv)
+    not_for = ([("--min-local-rows", args.min_local_rows), ("--length-bucket", args.length_bucket),
+                ("--picture/--no-picture", args.picture)] if args.bshd else [("--max-seqlen", args.max_seqlen)])
+    ignored = [flag for flag, value in not_for if value is not None]
+    if ignored:
+        mode = "with --bshd (a padded batch)" if args.bshd else "without --bshd (a packed batch)"
+        p.error(f"{', '.join(ignored)} does not apply {mode}; drop it"
+                     + ("" if args.bshd else " or add --bshd"))
     # torch logs a deprecation notice from torch.fx when nested tensors are first used; not ours to show
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.set_num_threads(1)

@@ -1,64 +1,113 @@
 """Across context-parallel ranks: gather outputs, shift sharded tensors, check that plans agree.
 
-The only module of cpshard that uses ``torch.distributed``. Every function takes its process group
-as an argument (``None`` is the default group) and reads no global state, so a Megatron CP
-sub-group or a per-micro-batch dynamic group of ``local_cp_size`` ranks works the same way. The
-caller's rank is the group rank. Every check (group size, row counts, argument values) runs before
-the first collective. Without ``check``, a check that fails on one rank only raises there while the
-others wait in their collective; ``check=True`` costs one small extra collective that shares every
-rank's verdict and plan fingerprint first, so that bad input on any rank, or ranks that built
-different plans, raise on every rank and nothing hangs.
+The only module of cpshard that uses ``torch.distributed``. Every function takes the CP process
+group as its third argument, with no default: in a real job the world is DP x CP x TP, and a
+same-size wrong group would mix replicas' data without an error (pass
+``torch.distributed.group.WORLD`` where the whole job is one CP group). A Megatron CP sub-group or a
+per-micro-batch dynamic group of ``local_cp_size`` ranks works the same way. The caller's CP rank is
+its rank in the group. Every check (group membership and size, row counts, argument values) runs
+before the first collective. Without checks, a check that fails on one rank only raises there while
+the others wait in their collective; ``check=True`` costs one small extra collective that shares
+every rank's verdict and plan fingerprint first, so that bad input on any rank, or ranks that built
+different plans, raise on every rank and nothing hangs. ``check=None`` (the default) follows the
+process-wide switch: :func:`set_checks`, or the environment variable ``CPSHARD_CHECK=1``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
-from cpshard._dtypes import OPAQUE, bit_pattern, check_fill, wire
-from cpshard._errors import check_int, check_tensor, fail
+from cpshard._dtypes import movable, wire
+from cpshard._errors import check_tensor, fail
 from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
-from cpshard.ops import rows_to_nested
-from cpshard.plan import ShardPlan
+from cpshard.ops import as_nested, check_plan_type, check_shift, pad_and_fill, token_rows
+from cpshard.plan import ShardPlan, shift_exchange
 
-__all__ = ["check_plan", "gather", "gather_tokens", "plan_fingerprint", "shift_sharded"]
+__all__ = ["check_plan", "checks_enabled", "gather", "gather_tokens", "plan_fingerprint", "set_checks",
+           "shift_sharded"]
 
 Plan = Union[ShardPlan, BshdPlan]
 Scalar = Union[int, float, bool]
 _T = TypeVar("_T")
 
 
+# -- the process-wide check switch -----------------------------------------------------------
+
+_CHECKS = [os.environ.get("CPSHARD_CHECK", "").strip().lower() in ("1", "true", "yes", "on")]
+
+
+def set_checks(enabled: bool) -> bool:
+    """Turn the agreement checks of ``check=True`` on or off for every call that passes ``check=None``.
+
+    For debugging runs (the environment variable ``CPSHARD_CHECK=1`` does the same at import).
+    Returns the previous setting, so that a test or a debugging block can restore it.
+    """
+    if not isinstance(enabled, bool):
+        fail("enabled", repr(enabled), "must be a bool", "pass True or False", kind=TypeError)
+    previous, _CHECKS[0] = _CHECKS[0], enabled
+    return previous
+
+
+def checks_enabled() -> bool:
+    """Whether calls with ``check=None`` run the agreement checks (see :func:`set_checks`)."""
+    return _CHECKS[0]
+
+
+def _resolve_check(check: Any) -> bool:
+    if check is None:
+        return _CHECKS[0]
+    if not isinstance(check, bool):
+        fail("check", repr(check), "must be True, False or None (the process-wide default)",
+             "pass check=True", kind=TypeError)
+    return check
+
+
 # -- checks ----------------------------------------------------------------------------------
+
+
+def _require_group(group: Any) -> None:
+    """The group is initialized and holds this process. No communication."""
+    if not (dist.is_available() and dist.is_initialized()):
+        fail("group", repr(group), "needs an initialized torch.distributed process group",
+             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+    if group is None:
+        fail("group", "None", "must be the context-parallel process group (there is no default: in a "
+             "DP x CP x TP job the world group would mix replicas' rows)",
+             "pass your CP group, or torch.distributed.group.WORLD if the whole job is one CP group", kind=TypeError)
+    if dist.get_rank(group) < 0:
+        fail("group", f"a group of ranks {_group_ranks(group)}", f"does not contain this process (global rank "
+             f"{dist.get_rank()})", "pass the context-parallel group this rank belongs to")
+
+
+def _group_ranks(group: Any) -> Any:
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - only for the message
+        return "(unknown)"
 
 
 def _group_rank(plan: Plan, group: Any) -> int:
     """This process's rank in ``group``, after checking the group matches ``plan``. No communication."""
-    if not isinstance(plan, (ShardPlan, BshdPlan)):
-        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
-             kind=TypeError)
-    if not (dist.is_available() and dist.is_initialized()):
-        fail("group", repr(group), "needs an initialized torch.distributed process group",
-             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+    check_plan_type(plan)
+    _require_group(group)
     size = dist.get_world_size(group)
     if size != plan.cp_size:
         fail("group", f"a group of {size} ranks", f"must have plan.cp_size = {plan.cp_size} ranks",
              "pass the context-parallel group the plan was built for (or build the plan with "
              f"cp_size={size})")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        fail("group", repr(group), "does not contain this process", "pass a group this rank belongs to")
-    return rank
+    return dist.get_rank(group)
 
 
 def _check_local(local: Any, plan: Plan) -> torch.Tensor:
-    if not isinstance(plan, (ShardPlan, BshdPlan)):
-        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
-             kind=TypeError)
+    check_plan_type(plan)
     local = check_tensor("local", local)
     lead = plan.local_shape
     if local.dim() < len(lead) or tuple(local.shape[:len(lead)]) != lead:
@@ -78,20 +127,17 @@ def plan_fingerprint(plan: Plan) -> torch.Tensor:
     key = repr(plan._key()).encode()
     digest = hashlib.blake2b(key, digest_size=16).digest()
     h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
-    bshd = isinstance(plan, BshdPlan)
-    size = plan.seq_len if isinstance(plan, BshdPlan) else plan.total_len
     layout = 0 if plan.layout.value == "zigzag" else 1
-    return torch.tensor([int(bshd), plan.cp_size, plan.tp_size, layout, plan.num_seqs, size, h1, h2],
-                        dtype=torch.int64)
+    return torch.tensor([int(isinstance(plan, BshdPlan)), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
+                         plan.total_len, h1, h2], dtype=torch.int64)
 
 
 def _describe(fp: Sequence[int]) -> str:
     if fp[1] == 0:  # the zero fingerprint of a rank that passed no plan at all
         return "no plan (see that rank's TypeError)"
     kind = "BshdPlan" if fp[0] else "ShardPlan"
-    size = "seq_len" if fp[0] else "total_len"
     layout = "zigzag" if fp[3] == 0 else "contiguous"
-    return (f"{kind}(cp_size={fp[1]}, tp_size={fp[2]}, layout={layout!r}, num_seqs={fp[4]}, {size}={fp[5]}, "
+    return (f"{kind}(cp_size={fp[1]}, tp_size={fp[2]}, layout={layout!r}, num_seqs={fp[4]}, total_len={fp[5]}, "
             f"digest={fp[6]:x})")
 
 
@@ -101,7 +147,7 @@ def _collective_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def check_plan(plan: Plan, group: Any = None) -> None:
+def check_plan(plan: Plan, group: Any) -> None:
     """Raise on every rank of ``group`` unless all of them built the same plan, sized for the group.
 
     One all-gather (``all_gather_single``) of a small int64 fingerprint (:func:`plan_fingerprint`). It
@@ -113,7 +159,7 @@ def check_plan(plan: Plan, group: Any = None) -> None:
     _agree(plan, group, None, {})
 
 
-def _checked(plan: Any, group: Any, check: bool,
+def _checked(plan: Any, group: Any, check: bool | None,
              validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int]:
     """Run ``validate()`` (local checks) and return its result with this rank's group rank.
 
@@ -124,7 +170,7 @@ def _checked(plan: Any, group: Any, check: bool,
     or different arguments raise on every rank instead of one rank raising while the others wait
     (or the collective mixing data of different dtypes).
     """
-    if not check:
+    if not _resolve_check(check):
         result, _ = validate()
         return result, _group_rank(plan, group)
     try:
@@ -142,9 +188,7 @@ def _digest(value: Any) -> int:
 
 def _agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
     """The small collective behind ``check_plan`` and ``check=True``; raises on every rank or none."""
-    if not (dist.is_available() and dist.is_initialized()):
-        fail("group", repr(group), "needs an initialized torch.distributed process group",
-             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+    _require_group(group)
     if isinstance(plan, (ShardPlan, BshdPlan)):
         fingerprint = plan_fingerprint(plan)
     else:  # still take part in the exchange, so that the other ranks raise too
@@ -204,9 +248,6 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-_wire = wire
-
-
 class _AllGatherOwnGrad(torch.autograd.Function):
     """All-gather along dim 0; the gradient is the slice of the caller's own rows, not reduced."""
 
@@ -215,7 +256,7 @@ class _AllGatherOwnGrad(torch.autograd.Function):
         local = local.contiguous()
         ctx.rows, ctx.rank = local.shape[0], rank
         out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        _all_gather_flat(_wire(out), _wire(local), group)
+        _all_gather_flat(wire(out), wire(local), group)
         return out
 
     @staticmethod
@@ -224,32 +265,30 @@ class _AllGatherOwnGrad(torch.autograd.Function):
         return own, None, None, None
 
 
-def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool) -> torch.Tensor:
+def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool | None) -> torch.Tensor:
+    """Every rank's flattened local rows, concatenated in rank order (what ``token_rows`` reads)."""
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
         checked = _check_local(local, plan)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
     local, rank = _checked(plan, group, check, validate)
-    if isinstance(plan, BshdPlan):
-        b, mc = plan.batch_size, plan.local_seq_len
-        trailing = local.shape[2:]
-        flat = _AllGatherOwnGrad.apply(local.reshape(b * mc, *trailing), group, rank, plan.cp_size)
-        # (cp, B, M/cp, ...) -> (B, cp, M/cp, ...): each row's columns in rank order, as unshard cats them
-        return flat.view(plan.cp_size, b, mc, *trailing).movedim(0, 1).reshape(b * plan.seq_len, *trailing)
-    return _AllGatherOwnGrad.apply(local, group, rank, plan.cp_size)
+    flat = local.reshape(math.prod(plan.local_shape), *local.shape[len(plan.local_shape):])
+    return _AllGatherOwnGrad.apply(flat, group, rank, plan.cp_size)
 
 
-def gather(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = False) -> torch.Tensor:
+def gather(local: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
     """Every rank's local outputs, restored per sequence, on every rank: ``unshard`` across processes.
 
     Args:
-        local: this rank's output, ``(plan.local_len, ...)`` (THD) or ``(B, plan.local_seq_len,
-            ...)`` (BSHD): log-probs ``(L,)``, entropy, values, hidden rows ``(L, h)``, any dtype.
+        local: this rank's output, ``plan.local_shape + trailing``: ``(L, ...)`` (THD) or
+            ``(B, M / cp, ...)`` (BSHD): log-probs ``(L,)``, entropy, values, hidden rows ``(L, h)``,
+            any dtype.
         plan: the plan every rank of ``group`` sharded this micro-batch with.
-        group: the context-parallel process group (``None``: the default group); its size must
-            be ``plan.cp_size`` and this process's rank in it is its CP rank.
+        group: the context-parallel process group (required); its size must be ``plan.cp_size``
+            and this process's rank in it is its CP rank.
         check: first share every rank's input verdict and plan fingerprint (one small extra
-            collective, as :func:`check_plan`), so that bad input on any rank raises on all.
+            collective, as :func:`check_plan`), so that bad input on any rank raises on all;
+            ``None`` follows :func:`set_checks`.
 
     Returns:
         A jagged nested tensor ``(B, j, ...)``, equal on every rank to ``unshard`` of all ranks'
@@ -262,17 +301,15 @@ def gather(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = 
         result, each rank's local gradient equals that of the single-process computation; sum
         ``local``-gradients across ranks yourself only if each rank computed a different part.
     """
-    buf = _gathered_buffer(local, plan, group, check)
-    return rows_to_nested(buf, plan)
+    return as_nested(token_rows(_gathered_buffer(local, plan, group, check), plan), plan)
 
 
-def gather_tokens(local: torch.Tensor, plan: Plan, group: Any = None, *, check: bool = False) -> torch.Tensor:
+def gather_tokens(local: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
     """Like :func:`gather`, as one flat ``(num_tokens, ...)`` tensor (the nested result's ``values()``).
 
     For callers that reduce over tokens and need no per-sequence view. Same autograd contract.
     """
-    buf = _gathered_buffer(local, plan, group, check)
-    return buf.index_select(0, plan._unshard_index(buf.device))
+    return token_rows(_gathered_buffer(local, plan, group, check), plan)
 
 
 # -- sharded shift ---------------------------------------------------------------------------
@@ -280,7 +317,7 @@ def gather_tokens(local: torch.Tensor, plan: Plan, group: Any = None, *, check: 
 
 def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
                 group: Any) -> None:
-    dist.all_to_all_single(_wire(out), _wire(inp.contiguous()), list(out_splits), list(in_splits), group=group)
+    dist.all_to_all_single(wire(out), wire(inp.contiguous()), list(out_splits), list(in_splits), group=group)
 
 
 class _ShiftSharded(torch.autograd.Function):
@@ -316,42 +353,44 @@ class _ShiftSharded(torch.autograd.Function):
         return grad_local, None, None, None, None
 
 
-def shift_sharded(local: torch.Tensor, plan: ShardPlan, group: Any = None, *, shift: int = 1,
-                  fill: Scalar = 0, pad_value: Scalar = 0, check: bool = False) -> torch.Tensor:
-    """Shift a tensor that exists only sharded: exactly ``shard(shift(x, k), plan, rank)``.
+def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1, pad_value: Scalar | None = None,
+                  fill: Scalar = 0, check: bool | None = None) -> torch.Tensor:
+    """Shift a tensor that exists only sharded: exactly ``shard(shift(x, k), plan, cp_rank)``.
 
     For labels and loss masks that Megatron's multi-token prediction rolls after sharding. Works for
-    every layout and every ``k >= 1``, with one ``all_to_all_single`` per call whatever the batch
-    size, moving only rows whose shifted source lives on another rank (under zigzag, about ``k``
-    rows per sequence and chunk boundary; see Note [Sharded shift exchange] in ``_exchange.py``).
-    With ``cp_size == 1``, or when no row crosses ranks, there is no collective at all.
+    every layout, THD and BSHD plans, and every ``k >= 0``, with one ``all_to_all_single`` per call
+    whatever the batch size, moving only rows whose shifted source lives on another rank (under
+    zigzag, about ``k`` rows per sequence and chunk boundary; see Note [Sharded shift exchange] in
+    ``_exchange.py``). With ``cp_size == 1``, or when no row crosses ranks, there is no collective.
 
     Args:
-        local: this rank's rows ``(plan.local_len, ...)``, any dtype (bool travels as uint8).
-        plan: a THD :class:`ShardPlan` shared by every rank of ``group``.
-        group: the context-parallel group (``None``: default); its size must be ``plan.cp_size``.
+        local: this rank's rows, ``plan.local_shape + trailing``, any dtype (bool travels as uint8).
+        plan: the plan shared by every rank of ``group``.
+        group: the context-parallel group (required); its size must be ``plan.cp_size``.
         shift: ``k >= 0``.
+        pad_value: value of pad rows; default ``fill`` when ``k >= 1`` (as :func:`cpshard.shard`).
         fill: value of token rows whose source ``p + k`` lies past the sequence's end.
-        pad_value: value of pad rows.
         check: as in :func:`gather`.
 
     Autograd: differentiable; the gradient of a row flows back to the rank and row it was read
     from (a second all-to-all in backward). Pad and fill rows pass no gradient.
     """
     def validate() -> tuple[tuple[torch.Tensor, int, Any, Any], dict[str, Any]]:
-        if isinstance(plan, BshdPlan):
-            fail("plan", "BshdPlan", "shift_sharded takes a THD ShardPlan",
-                 "shard BSHD labels already shifted with shard(x, plan, rank, shift=k)", kind=TypeError)
         checked = _check_local(local, plan)
-        k = check_int("shift", shift, minimum=0)
-        pad, fil = check_fill("pad_value", pad_value, checked.dtype), check_fill("fill", fill, checked.dtype)
-        call = {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]), "shift": k, "pad_value": pad,
-                "fill": fil}
+        k = check_shift(shift)
+        pad, fil = pad_and_fill(pad_value, fill, k, checked.dtype)
+        call = {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):]), "shift": k,
+                "pad_value": pad, "fill": fil}
         return (checked, k, pad, fil), call
 
     (local, k, pad, fil), rank = _checked(plan, group, check, validate)
-    ex = plan._exchange(rank, k, local.device)
-    if local.dtype in OPAQUE:  # fp8 rows move as bytes; nothing to differentiate
-        return _ShiftSharded.apply(local.view(torch.uint8), ex, group, bit_pattern(pad, local.dtype),
-                                   bit_pattern(fil, local.dtype)).view(local.dtype)
-    return _ShiftSharded.apply(local, ex, group, pad, fil)
+    ex = shift_exchange(plan, rank, k, local.device)
+    lead = len(plan.local_shape)
+    flat = local.reshape(math.prod(plan.local_shape), *local.shape[lead:])
+    moved = movable(flat, pad, fil)
+    if moved is not None:  # fp8 / uintN rows move as their carrier; nothing to differentiate
+        carried, pad_bits, fill_bits = moved
+        out = _ShiftSharded.apply(carried, ex, group, pad_bits, fill_bits).view(local.dtype)
+    else:
+        out = _ShiftSharded.apply(flat, ex, group, pad, fil)
+    return out.view(local.shape)

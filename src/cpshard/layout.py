@@ -12,13 +12,7 @@ from typing import Any
 
 from cpshard._errors import check_int, fail
 
-__all__ = [
-    "Layout",
-    "alignment",
-    "fp8_total_alignment",
-    "layout_for",
-    "register_layout_rule",
-]
+__all__ = ["Layout", "alignment", "layout_for", "register_layout_rule"]
 
 
 class Layout(str, enum.Enum):

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from cpshard._dtypes import check_fill, movable
 from cpshard._errors import check_int, check_tensor, fail
 
 __all__ = ["from_padded", "to_padded"]
@@ -41,6 +42,9 @@ def from_padded(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         fail("attention_mask", f"dtype {mask.dtype}", "must be bool or integer 0/1", "pass mask.bool()", kind=TypeError)
     mask = mask.bool()
     b, s = mask.shape
+    if b == 0:
+        fail("attention_mask", f"shape {tuple(mask.shape)}", "must hold at least one row (B >= 1)",
+             "pass a non-empty batch")
     lengths = mask.sum(1)
     # A row's tokens form one run iff it has at most one rising edge (counting a start at column 0).
     rises = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0] if s else torch.zeros_like(lengths)
@@ -79,7 +83,12 @@ def to_padded(nt: torch.Tensor, *, padding_side: str = "right", length: int | No
     values, offsets = nt.values(), nt.offsets()  # type: ignore[attr-defined]
     lengths = offsets[1:] - offsets[:-1]
     b, n = lengths.numel(), values.shape[0]
-    longest = int(lengths.max()) if b else 0  # the one sync
+    first, last, longest = torch.stack([offsets[0], offsets[-1], lengths.max() if b else offsets[0] * 0]).tolist()
+    if first != 0 or last != n:  # the one sync, above
+        fail("nt", f"nested tensor with offsets [{first}, ..., {last}] over {n} value rows",
+             "its offsets must start at 0 and end at the number of value rows",
+             "build it with torch.nested.nested_tensor_from_jagged(values, offsets) with compact offsets")
+    pad_value = check_fill("pad_value", pad_value, values.dtype)
     if length is None:
         length = longest
     length = check_int("length", length, minimum=0)
@@ -90,8 +99,11 @@ def to_padded(nt: torch.Tensor, *, padding_side: str = "right", length: int | No
     if padding_side == "left":
         pos = pos + (length - lengths)[seq]
     index = seq * length + pos
-    out = values.new_full((b * length, *values.shape[1:]), pad_value)
-    out.index_copy_(0, index, values)
+    moved = movable(values, pad_value, pad_value)  # fp8, uintN: copy the bits
+    carried, fill = (values, pad_value) if moved is None else moved[:2]
+    out = carried.new_full((b * length, *values.shape[1:]), fill)
+    out.index_copy_(0, index, carried)
+    out = out.view(values.dtype)
     mask = torch.zeros(b * length, dtype=torch.bool, device=values.device)
     mask[index] = True
     return out.view(b, length, *values.shape[1:]), mask.view(b, length)

@@ -8,11 +8,11 @@ of one step can never disagree about which rank holds which row.
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -21,9 +21,10 @@ from cpshard._errors import check_int, check_rank, fail
 from cpshard._exchange import Exchange, build_exchange
 from cpshard.layout import Layout, alignment, fp8_alignment, fp8_total_alignment
 
-__all__ = ["PlanCache", "ShardPlan", "parse_plan_args", "parse_seqlens"]
+__all__ = ["DeviceTensors", "ShardPlan", "shift_exchange"]
 
 _I32 = torch.int32
+_T = TypeVar("_T")
 
 
 def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
@@ -55,6 +56,11 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
         fail(name, seqlens, "must hold at least one sequence (B >= 1)", "pass the lengths of a non-empty batch")
     out = []
     for i, n in enumerate(values):
+        if isinstance(n, torch.Tensor) and (n.dim() != 0 or n.dtype.is_floating_point or n.dtype.is_complex
+                                            or n.dtype == torch.bool):
+            fail(f"{name}[{i}]", f"tensor of shape {tuple(n.shape)} and dtype {n.dtype}",
+                 "must be a whole number (an int, or a 0-d integer tensor)", "pass whole token counts",
+                 kind=TypeError)
         if isinstance(n, bool) or not hasattr(type(n), "__index__"):
             fail(f"{name}[{i}]", repr(n), "must be an integer", "pass whole token counts", kind=TypeError)
         n = int(n)
@@ -85,6 +91,11 @@ def jagged_lengths(nt: torch.Tensor, name: str) -> tuple[int, ...]:
     if offsets[0] != 0:
         fail(name, f"nested tensor with offsets starting at {offsets[0]}", "offsets must start at 0",
              "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
+    rows = nt.values().shape[0]
+    if offsets[-1] != rows:
+        fail(name, f"nested tensor with {rows} value rows and offsets ending at {offsets[-1]}",
+             "its offsets must end at the number of value rows", "build it with "
+             "nested_tensor_from_jagged(values, offsets) where offsets[-1] == values.shape[0]")
     return tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
 
 
@@ -100,56 +111,187 @@ def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,
     return lens, cp_size, tp_size, layout, fp8
 
 
-class PlanCache:
-    """Per-plan memo of derived index tensors (keyed by rank, shift, device), and value semantics.
+class _Cache:
+    """Index tensors derived from one plan, keyed by what they are for (rank, shift, device).
 
-    Subclasses are frozen dataclasses with a ``_cache`` dict field and a ``_key()`` of Python values.
+    Not part of the plan's value: equality, hashing and pickling ignore it. Safe to share between
+    threads: a value is computed outside the lock (it may use the cache itself) and the first one
+    stored wins, so every caller sees one object per key.
     """
 
-    _cache: dict[Any, Any]
+    __slots__ = ("_data", "_lock")
 
-    def _remember_offsets(self, nt: Any) -> None:
-        """Record that a jagged tensor's offsets match this plan, so ``shard`` need not re-read them.
+    def __init__(self) -> None:
+        self._data: dict[Any, Any] = {}
+        self._lock = threading.Lock()
 
-        Keyed by identity and checked against the tensor's version counter, so offsets rewritten in
-        place are read again. Only the few most recent are kept.
-        """
-        if not (isinstance(nt, torch.Tensor) and nt.is_nested):
-            return
-        offsets = nt.offsets()  # type: ignore[attr-defined]
-        known = self._memo("known-offsets", dict)
-        known[id(offsets)] = (weakref.ref(offsets), offsets._version)
-        while len(known) > 16:
-            del known[next(iter(known))]
+    def get(self, key: Any, make: Callable[[], _T]) -> _T:
+        with self._lock:
+            if key in self._data:
+                return self._data[key]
+        value = make()
+        with self._lock:
+            return self._data.setdefault(key, value)
 
-    def _offsets_known(self, offsets: torch.Tensor) -> bool:
-        entry = self._cache.get("known-offsets", {}).get(id(offsets))
-        return entry is not None and entry[0]() is offsets and entry[1] == offsets._version
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickle the plan, not its caches (device tensors, weak references): they are rebuilt on demand.
-        state = dict(self.__dict__)
-        state["_cache"] = {}
-        return state
+@dataclass(frozen=True)
+class DeviceTensors:
+    """A plan's offsets on one device (int32, what attention kernels and ``PackedSeqParams`` take)."""
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+    seqlens: torch.Tensor  # (B,)
+    cu_seqlens: torch.Tensor  # (B + 1,), starting at 0
+    cu_seqlens_padded: torch.Tensor  # (B + 1,); for a BshdPlan i * max_seqlen
 
-    def _memo(self, key: Any, make: Any) -> Any:
-        try:
-            return self._cache[key]
-        except KeyError:
-            value = self._cache[key] = make()
-            return value
+
+class PlanBase:
+    """What :class:`ShardPlan` and :class:`~cpshard.BshdPlan` share: one name for one thing.
+
+    A plan is a pure value: equality, hashing and pickling use its fields alone (``_key``), and the
+    index tensors derived from it live in a private cache that every copy builds afresh. Both plan
+    kinds describe a rank's local rows, flattened in local order (``prod(local_shape)`` of them), as
+    segments of consecutive positions of one sequence (Note [Which rows a rank holds] in
+    ``_index.py``); every per-rank view and every index is one expansion of those segments, so THD
+    and BSHD share one index path.
+    """
+
+    seqlens_py: tuple[int, ...]
+    cp_size: int
+    tp_size: int
+    layout: Layout
+    fp8: bool
+    alignment: int
+    max_seqlen: int  # longest padded sequence (what attention kernels take as ``max_seqlen``)
+    _cache: _Cache
+
+    # -- what a plan kind defines -------------------------------------------------------------
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Leading shape of a rank's local tensor."""
+        raise NotImplementedError
+
+    @property
+    def total_len(self) -> int:
+        """Length of the global padded sequence dimension (``cp_size * local_len``)."""
+        raise NotImplementedError
+
+    def _build_segments(self, cp_rank: int) -> _index.Segments:
+        raise NotImplementedError
 
     def _key(self) -> tuple[Any, ...]:
         raise NotImplementedError
 
+    # -- shared sizes and offsets -------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch, ``B``."""
+        return len(self.seqlens_py)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token rows in the batch, ``sum(seqlens)``."""
+        return self.cu_seqlens_py[-1]
+
+    @property
+    def local_len(self) -> int:
+        """Length of a rank's share of the sequence dimension, ``total_len / cp_size``."""
+        return self.total_len // self.cp_size
+
+    @property
+    def padding_overhead(self) -> float:
+        """Pad rows over token rows, across all ranks (0.0 when nothing is padded)."""
+        padded = self.cp_size * math.prod(self.local_shape)
+        return (padded - self.num_tokens) / max(self.num_tokens, 1)
+
+    @cached_property
+    def cu_seqlens_py(self) -> tuple[int, ...]:
+        return _cumsum(self.seqlens_py)
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """``(B,)`` int32 on the CPU, built once per plan (shared: do not edit it in place)."""
+        return self._cache.get("seqlens", lambda: torch.tensor(self.seqlens_py, dtype=_I32))
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
+        return self._cache.get("cu_seqlens", lambda: torch.tensor(self.cu_seqlens_py, dtype=_I32))
+
+    def _cu_padded_py(self) -> tuple[int, ...]:
+        return tuple(i * self.max_seqlen for i in range(self.num_seqs + 1))
+
+    def device_tensors(self, device: torch.device | str) -> DeviceTensors:
+        """The int32 offsets on ``device``, copied once per plan and device (pinned, non-blocking).
+
+        What a training step hands its attention kernel, as xformers' attention biases keep device
+        copies: ``plan.device_tensors("cuda").cu_seqlens_padded``. Shared: do not edit in place.
+        """
+        device = torch.device(device)
+
+        def make() -> DeviceTensors:
+            host = torch.tensor([self.seqlens_py, self.cu_seqlens_py[:-1], self.cu_seqlens_py[1:],
+                                 self._cu_padded_py()[1:]], dtype=_I32)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            on = host.to(device, non_blocking=True)
+            zero = on.new_zeros(1)
+            return DeviceTensors(on[0], torch.cat([zero, on[2]]), torch.cat([zero, on[3]]))
+        return self._cache.get(("device", device), make)
+
+    # -- per-rank views (CPU; each a new tensor, so editing one cannot change the plan) ------------
+
+    def _segments(self, cp_rank: Any) -> _index.Segments:
+        cp_rank = check_rank(cp_rank, self.cp_size)
+        return self._cache.get(("segs", cp_rank), lambda: self._build_segments(cp_rank))
+
+    def _view(self, what: str, cp_rank: Any, make: Callable[[_index.Segments], torch.Tensor]) -> torch.Tensor:
+        cp_rank = check_rank(cp_rank, self.cp_size)
+        flat = self._cache.get((what, cp_rank), lambda: make(self._segments(cp_rank)))
+        return flat.view(self.local_shape).clone()
+
+    def _lens64(self) -> torch.Tensor:
+        return self._cache.get("lens64", lambda: torch.tensor(self.seqlens_py, dtype=torch.int64))
+
+    def sequence_ids(self, cp_rank: int) -> torch.Tensor:
+        """``local_shape`` int64: the sequence each local row belongs to (pad rows included)."""
+        return self._view("seq", cp_rank, lambda segs: segs.seq_ids())
+
+    def position_ids(self, cp_rank: int) -> torch.Tensor:
+        """``local_shape`` int64: each local row's position inside its padded sequence."""
+        return self._view("pos", cp_rank, lambda segs: segs.positions())
+
+    def token_mask(self, cp_rank: int) -> torch.Tensor:
+        """``local_shape`` bool: True on rows that hold a token, False on pad rows."""
+        return self.label_mask(cp_rank, shift=0)
+
+    def label_mask(self, cp_rank: int, shift: int = 1) -> torch.Tensor:
+        """``local_shape`` bool: True on token rows whose ``shift``-th successor exists.
+
+        The loss mask of labels sharded with ``shift``: False on pad rows and on the last ``shift``
+        tokens of every sequence (the rows that hold ``fill``). ``shift=0`` is :meth:`token_mask`.
+        """
+        shift = check_int("shift", shift, minimum=0)
+        return self._view(f"label{shift}", cp_rank,
+                          lambda segs: segs.positions() + shift < self._lens64()[segs.seq_ids()])
+
+    # -- value semantics ----------------------------------------------------------------------
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, PlanCache) and type(other) is type(self) and self._key() == other._key()
+        return type(other) is type(self) and self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickle the value, not its cache (device tensors, a lock): a copy rebuilds what it needs.
+        state = dict(self.__dict__)
+        del state["_cache"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_cache", _Cache())
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -164,8 +306,8 @@ def _padded_lengths(
     fp8: bool,
     min_local_rows: int | None,
     length_bucket: int | None,
-) -> tuple[int, tuple[int, ...]]:
-    """``(per-sequence alignment, padded lengths)`` per SPEC.md, "Padding".
+) -> tuple[int, ...]:
+    """Padded lengths per SPEC.md, "Padding".
 
     The extensions (fp8 total, ``min_local_rows``, ``length_bucket``) only lengthen the last
     sequence, each by a multiple of the per-sequence alignment, so every invariant still holds; a
@@ -184,16 +326,35 @@ def _padded_lengths(
     if length_bucket is not None:
         total = _round_up(total, math.lcm(length_bucket, cp_size, keep))
     padded[-1] += total - sum(padded)
-    return unit, tuple(padded)
+    return tuple(padded)
+
+
+def check_value_fields(plan: PlanBase, derive: Callable[[int, int, Layout, bool], int]) -> None:
+    """Normalise and check the fields every plan kind shares (runs for hand-built plans too)."""
+    object.__setattr__(plan, "_cache", _Cache())
+    object.__setattr__(plan, "layout", Layout.parse(plan.layout))
+    object.__setattr__(plan, "cp_size", check_int("cp_size", plan.cp_size, minimum=1))
+    object.__setattr__(plan, "tp_size", check_int("tp_size", plan.tp_size, minimum=1))
+    if not isinstance(plan.fp8, bool):
+        fail("fp8", repr(plan.fp8), "must be a bool", "pass fp8=True or fp8=False", kind=TypeError)
+    lens = tuple(check_int(f"seqlens_py[{i}]", n, minimum=0) for i, n in enumerate(plan.seqlens_py))
+    if not lens:
+        fail("seqlens_py", lens, "must hold at least one sequence (B >= 1)", "pass the lengths of a non-empty batch")
+    object.__setattr__(plan, "seqlens_py", lens)
+    if plan.alignment is None:
+        object.__setattr__(plan, "alignment", derive(plan.cp_size, plan.tp_size, plan.layout, plan.fp8))
+    else:
+        object.__setattr__(plan, "alignment", check_int("alignment", plan.alignment, minimum=1))
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class ShardPlan(PlanCache):
+class ShardPlan(PlanBase):
     """Which rows of a packed (THD) micro-batch each context-parallel rank holds.
 
     Build it with :meth:`ShardPlan.build`. Every offset is kept as Python ints (``*_py``; host
     code never syncs) and as int32 CPU tensors (what Megatron's ``PackedSeqParams`` and
-    TransformerEngine take). Index tensors derived from it are cached per rank and device.
+    TransformerEngine take), built once per plan; :meth:`device_tensors` copies them to a device
+    once. Index tensors derived from it are cached per rank and device, outside its value.
 
     Example, SPEC.md's ``ShardPlan.build([5, 3], cp_size=2)`` (zigzag, ``a = 2 * cp * tp = 4``)::
 
@@ -206,7 +367,9 @@ class ShardPlan(PlanCache):
 
         global_rows(0) = [0, 1, 6, 7, 8, 11]    global_rows(1) = [2, 3, 4, 5, 9, 10]
 
-    ``cpshard plan --lengths 5,3 --cp 2`` prints the same picture.
+    ``cpshard plan --lengths 5,3 --cp 2`` prints the same picture. A hand-built plan is checked
+    like a built one; its ``alignment`` defaults to the one SPEC derives from the sizes, layout and
+    ``fp8``, and is part of its value.
     """
 
     seqlens_py: tuple[int, ...]
@@ -214,8 +377,9 @@ class ShardPlan(PlanCache):
     cp_size: int
     tp_size: int = 1
     layout: Layout = Layout.ZIGZAG
-    alignment: int = 1
-    _cache: dict[Any, Any] = field(init=False, repr=False, compare=False)
+    fp8: bool = False
+    alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
+    _cache: _Cache = field(init=False, repr=False, compare=False)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -231,39 +395,54 @@ class ShardPlan(PlanCache):
         min_local_rows: int | None = None,
         length_bucket: int | None = None,
     ) -> ShardPlan:
-        """Plan a micro-batch of sequences with lengths ``seqlens`` (ints or a ``(B,)`` int tensor).
+        """Plan a micro-batch of sequences with lengths ``seqlens``.
 
-        ``fp8`` pads each sequence to ``lcm(16, a)`` and the total to ``a * 128``;
-        ``min_local_rows`` makes every rank hold at least that many rows; ``length_bucket`` makes
-        the total a multiple of ``lcm(length_bucket, cp_size)``. Extensions lengthen only the last
-        sequence and are rounded up until every invariant holds.
+        ``seqlens``: ints, a ``(B,)`` integer tensor or NumPy array, or the batch itself as a jagged
+        nested tensor (one host copy of its offsets; see also :meth:`from_nested`). ``fp8`` pads
+        each sequence to ``lcm(16, a)`` and the total to ``a * 128``; ``min_local_rows`` makes
+        every rank hold at least that many rows; ``length_bucket`` makes the total a multiple of
+        ``lcm(length_bucket, cp_size)``. Extensions lengthen only the last sequence and are rounded
+        up until every invariant holds.
         """
         lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
         if min_local_rows is not None:
             min_local_rows = check_int("min_local_rows", min_local_rows, minimum=0)
         if length_bucket is not None:
             length_bucket = check_int("length_bucket", length_bucket, minimum=1)
-        unit, padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket)
-        plan = cls(lens, padded, cp_size, tp_size, layout, unit)
-        plan._remember_offsets(seqlens)
-        return plan
+        padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket)
+        return cls(lens, padded, cp_size, tp_size, layout, fp8)
+
+    @classmethod
+    def from_nested(cls, nt: torch.Tensor, **kwargs: Any) -> tuple[ShardPlan, torch.Tensor]:
+        """``(plan, values)`` for a jagged nested tensor batch: one host copy of its offsets.
+
+        ``values`` is ``nt.values()``, the flat ``(num_tokens, ...)`` rows; shard those with the
+        plan and nothing reads the lengths back again (a nested tensor passed to ``shard`` is
+        checked against the plan, which costs one host copy per call). ``kwargs`` are
+        :meth:`build`'s.
+        """
+        if not (isinstance(nt, torch.Tensor) and nt.is_nested):
+            fail("nt", type(nt).__name__, "must be a jagged nested tensor", "pass the batch as "
+                 "torch.nested.nested_tensor(..., layout=torch.jagged), or use ShardPlan.build", kind=TypeError)
+        return cls.build(jagged_lengths(nt, "nt"), **kwargs), nt.values()
 
     def __post_init__(self) -> None:
         # Runs for hand-built plans too (and dataclasses.replace): an invalid plan cannot exist, and
         # every plan starts with its own empty cache.
-        object.__setattr__(self, "_cache", {})
-        object.__setattr__(self, "layout", Layout.parse(self.layout))
-        cp, tp = check_int("cp_size", self.cp_size, minimum=1), check_int("tp_size", self.tp_size, minimum=1)
-        lens, padded = tuple(self.seqlens_py), tuple(self.padded_seqlens_py)
-        object.__setattr__(self, "seqlens_py", lens)
+        check_value_fields(self, lambda cp, tp, layout, fp8: (fp8_alignment if fp8 else int)(
+            alignment(cp, tp, layout)))
+        base = alignment(self.cp_size, self.tp_size, self.layout)
+        cp, tp, lens = self.cp_size, self.tp_size, self.seqlens_py
+        padded = tuple(check_int(f"padded_seqlens_py[{i}]", p, minimum=0)
+                       for i, p in enumerate(self.padded_seqlens_py))
         object.__setattr__(self, "padded_seqlens_py", padded)
-        if len(lens) != len(padded) or not lens:
+        if len(lens) != len(padded):
             fail("padded_seqlens_py", padded, f"must hold one length per sequence ({len(lens)})",
                  "build plans with ShardPlan.build")
         for i, (n, p) in enumerate(zip(lens, padded)):
-            if n < 0 or p < n:
-                fail(f"padded_seqlens_py[{i}]", p, f"must be >= the sequence length {n} >= 0",
-                     "build plans with ShardPlan.build")
+            if p < n or p % self.alignment:
+                fail(f"padded_seqlens_py[{i}]", p, f"must be >= the sequence length {n} and a multiple of "
+                     f"alignment={self.alignment}", "build plans with ShardPlan.build")
         total = sum(padded)
         if total >= 2**31:
             fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
@@ -274,17 +453,11 @@ class ShardPlan(PlanCache):
         if self.layout is Layout.ZIGZAG and cp > 1 and any(p % (2 * cp) for p in padded):
             fail("padded_seqlens_py", padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}",
                  "build plans with ShardPlan.build")
+        if self.fp8 and total % fp8_total_alignment(base):
+            fail("padded_seqlens_py", padded, f"with fp8 the total {total} must divide by "
+                 f"{fp8_total_alignment(base)}", "build plans with ShardPlan.build(..., fp8=True)")
 
     # -- sizes and offsets -----------------------------------------------------------------
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqlens_py)
-
-    @property
-    def num_tokens(self) -> int:
-        """Token rows in the batch, ``sum(seqlens)``."""
-        return self.cu_seqlens_py[-1]
 
     @property
     def total_len(self) -> int:
@@ -292,124 +465,53 @@ class ShardPlan(PlanCache):
         return self.cu_seqlens_padded_py[-1]
 
     @property
-    def local_len(self) -> int:
-        """Rows each rank holds, ``L = T / cp_size`` (divisible by ``tp_size``)."""
-        return self.total_len // self.cp_size
-
-    @property
     def local_shape(self) -> tuple[int, ...]:
         """Leading shape of a rank's local tensor: ``(local_len,)``."""
         return (self.local_len,)
 
     @property
-    def max_seqlen(self) -> int:
+    def max_seqlen(self) -> int:  # type: ignore[override]
         """Longest padded sequence (what attention kernels take as ``max_seqlen``)."""
         return max(self.padded_seqlens_py)
-
-    @cached_property
-    def cu_seqlens_py(self) -> tuple[int, ...]:
-        return _cumsum(self.seqlens_py)
 
     @cached_property
     def cu_seqlens_padded_py(self) -> tuple[int, ...]:
         return _cumsum(self.padded_seqlens_py)
 
-    @property
-    def seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32, a new CPU tensor on every access (the plan's own values cannot be edited)."""
-        return torch.tensor(self.seqlens_py, dtype=_I32)
+    def _cu_padded_py(self) -> tuple[int, ...]:
+        return self.cu_seqlens_padded_py
 
     @property
     def padded_seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32."""
-        return torch.tensor(self.padded_seqlens_py, dtype=_I32)
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """``(B + 1,)`` int32, starting at 0."""
-        return torch.tensor(self.cu_seqlens_py, dtype=_I32)
+        """``(B,)`` int32 on the CPU, built once per plan (do not edit it in place)."""
+        return self._cache.get("padded_seqlens", lambda: torch.tensor(self.padded_seqlens_py, dtype=_I32))
 
     @property
     def cu_seqlens_padded(self) -> torch.Tensor:
-        """``(B + 1,)`` int32, starting at 0."""
-        return torch.tensor(self.cu_seqlens_padded_py, dtype=_I32)
+        """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
+        return self._cache.get("cu_seqlens_padded", lambda: torch.tensor(self.cu_seqlens_padded_py, dtype=_I32))
 
-    @property
-    def padding_overhead(self) -> float:
-        """Pad rows over token rows (0.0 when nothing is padded)."""
-        return (self.total_len - self.num_tokens) / max(self.num_tokens, 1)
+    def global_rows(self, cp_rank: int) -> torch.Tensor:
+        """``(L,)`` int64: the global padded row each of ``cp_rank``'s local rows holds."""
+        cu = self._cache.get("cu_padded64", lambda: torch.tensor(self.cu_seqlens_padded_py, dtype=torch.int64))
+        return self._view("rows", cp_rank, lambda segs: segs.rows(cu))
 
-    # -- per-rank views (CPU, int64) -------------------------------------------------------
-
-    # Each per-rank view is a new CPU tensor (a copy of the cached one): editing it cannot change
-    # the plan. Move it to the device once per step, like any other input.
-
-    def global_rows(self, rank: int) -> torch.Tensor:
-        """``(L,)`` int64: the global padded row each of ``rank``'s local rows holds."""
-        return self._per_rank("rows", rank, lambda segs: segs.rows(self._i64("cu_padded"))).clone()
-
-    def sequence_ids(self, rank: int) -> torch.Tensor:
-        """``(L,)`` int64: the sequence each local row belongs to (pad rows included)."""
-        return self._per_rank("seq", rank, lambda segs: segs.seq_ids()).clone()
-
-    def position_ids(self, rank: int) -> torch.Tensor:
-        """``(L,)`` int64: each local row's position inside its padded sequence."""
-        return self._per_rank("pos", rank, lambda segs: segs.positions()).clone()
-
-    def token_mask(self, rank: int) -> torch.Tensor:
-        """``(L,)`` bool: True on token rows, False on pad rows."""
-        return self.position_ids(rank) < self._i64("lens")[self.sequence_ids(rank)]
-
-    # -- internals ---------------------------------------------------------------------------
-
-    def _i64(self, what: str) -> torch.Tensor:
-        source = {"lens": self.seqlens_py, "padded": self.padded_seqlens_py,
-                  "cu": self.cu_seqlens_py, "cu_padded": self.cu_seqlens_padded_py}[what]
-        return self._memo(("i64", what), lambda: torch.tensor(source, dtype=torch.int64))
-
-    def _segments(self, rank: int) -> _index.Segments:
-        """``rank``'s rows as segments (Note [Which rows a rank holds] in ``_index.py``)."""
-        return self._memo(("segs", rank), lambda: _index.rank_segments(
-            self._i64("padded"), self.cp_size, self.layout, rank))
-
-    def _per_rank(self, what: str, rank: int, make: Any) -> torch.Tensor:
-        rank = check_rank(rank, self.cp_size)
-        return self._memo((what, rank), lambda: make(self._segments(rank)))
-
-    def _shard_index(self, rank: int, shift: int, device: torch.device) -> _index.ShardIndex:
-        """Cached gather and fill rows on ``device`` for ``shard`` of packed token input."""
-        return self._memo(("shard", rank, shift, device), lambda: _index.shard_index(
-            self._segments(rank), self._i64("lens"), self._i64("cu"), shift, self.num_tokens).to(device))
-
-    def _exchange(self, rank: int, shift: int, device: torch.device) -> Exchange:
-        """Cached rows ``rank`` sends and receives for a sharded shift (Note [Sharded shift exchange])."""
-        return self._memo(("exchange", rank, shift, device), lambda: build_exchange(
-            [self._segments(r) for r in range(self.cp_size)], self._i64("lens"), rank, shift).to(device))
-
-    def _unshard_index(self, device: torch.device) -> torch.Tensor:
-        """Cached ``(N,)``: row of the rank-concatenated buffer holding each token, in token order."""
-        def make() -> torch.Tensor:
-            segs = [self._segments(r) for r in range(self.cp_size)]
-            start = torch.cat([r * self.local_len + s.local_start for r, s in enumerate(segs)])
-            return _index.token_gather_index(
-                torch.cat([s.seq for s in segs]), torch.cat([s.pos for s in segs]),
-                torch.cat([s.length for s in segs]), start, self._i64("lens"), self.num_tokens).to(device)
-        return self._memo(("unshard", device), make)
-
-    def _offsets(self, device: torch.device) -> torch.Tensor:
-        """``cu_seqlens`` as int64 on ``device`` (the offsets of jagged nested tensors)."""
-        return self._memo(("offsets", device), lambda: self._i64("cu").to(device))
+    def _build_segments(self, cp_rank: int) -> _index.Segments:
+        padded = torch.tensor(self.padded_seqlens_py, dtype=torch.int64)
+        return _index.rank_segments(padded, self.cp_size, self.layout, cp_rank)
 
     # -- value semantics ---------------------------------------------------------------------
 
     def _key(self) -> tuple[Any, ...]:
-        return (self.seqlens_py, self.padded_seqlens_py, self.cp_size, self.tp_size, self.layout.value)
+        return (self.seqlens_py, self.padded_seqlens_py, self.cp_size, self.tp_size, self.layout.value,
+                self.fp8, self.alignment)
 
     def __repr__(self) -> str:
         lens: list[object] = list(self.seqlens_py)
         shown = lens if len(lens) <= 8 else lens[:6] + ["..."] + lens[-1:]
+        fp8 = ", fp8=True" if self.fp8 else ""
         return (f"ShardPlan(seqlens={shown}, cp_size={self.cp_size}, tp_size={self.tp_size}, "
-                f"layout={self.layout.value!r}, alignment={self.alignment}, total_len={self.total_len}, "
+                f"layout={self.layout.value!r}{fp8}, alignment={self.alignment}, total_len={self.total_len}, "
                 f"local_len={self.local_len})")
 
 
@@ -418,3 +520,65 @@ def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
     for v in values:
         out.append(out[-1] + v)
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The internal API between plans and the modules that move data (``ops``, ``distributed``): index
+# tensors derived from a plan, cached per plan outside its value. Both plan kinds take one path.
+
+
+def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
+                row_stride: int | None = None) -> _index.ShardIndex:
+    """Gather and fill rows of ``cp_rank``'s flattened local rows, on ``device``.
+
+    ``row_stride`` is ``S`` for a padded ``(B, S, ...)`` input (sequence ``b`` starts at row
+    ``b * S``), or None for packed token rows (sequence ``b`` starts at ``cu_seqlens[b]``).
+    """
+    def make() -> _index.ShardIndex:
+        segs = plan._segments(cp_rank)
+        if row_stride is None:
+            starts, rows = torch.tensor(plan.cu_seqlens_py[:-1], dtype=torch.int64), plan.num_tokens
+        else:
+            starts, rows = torch.arange(plan.num_seqs, dtype=torch.int64) * row_stride, plan.num_seqs * row_stride
+        return _index.shard_index(segs, plan._lens64(), starts, shift, rows).to(device)
+    return plan._cache.get(("shard", cp_rank, shift, row_stride, device), make)
+
+
+def unpadded(plan: PlanBase) -> ShardPlan:
+    """The plan of ``plan``'s tokens, unpadded, on one rank: what ``shift`` on whole sequences uses."""
+    return plan._cache.get("unpadded", lambda: ShardPlan(plan.seqlens_py, plan.seqlens_py, 1, alignment=1))
+
+
+def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
+    """``(N,)``: the row of the rank-concatenated flat buffer (``cat`` of every rank's flattened local
+    rows) that holds each token, tokens in order."""
+    def make() -> torch.Tensor:
+        segs = [plan._segments(r) for r in range(plan.cp_size)]
+        rows = math.prod(plan.local_shape)
+        start = torch.cat([r * rows + s.local_start for r, s in enumerate(segs)])
+        return _index.token_gather_index(
+            torch.cat([s.seq for s in segs]), torch.cat([s.pos for s in segs]),
+            torch.cat([s.length for s in segs]), start, plan._lens64(), plan.num_tokens).to(device)
+    return plan._cache.get(("unshard", device), make)
+
+
+def jagged_offsets(plan: PlanBase, device: torch.device) -> torch.Tensor:
+    """``cu_seqlens`` as int64 on ``device``: the offsets of the jagged tensors cpshard returns."""
+    return plan._cache.get(("offsets", device), lambda: torch.tensor(plan.cu_seqlens_py, device=device))
+
+
+def shift_exchange(plan: PlanBase, cp_rank: int, shift: int, device: torch.device | None = None) -> Exchange:
+    """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``.
+
+    Pure index math, the same on every rank (Note [Sharded shift exchange] in ``_exchange.py``):
+    call it for every rank in one process to see or test a whole exchange. CPU unless ``device``.
+    """
+    cp_rank = check_rank(cp_rank, plan.cp_size)
+    shift = check_int("shift", shift, minimum=0)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+
+    def make() -> Exchange:
+        if dev.type != "cpu":
+            return shift_exchange(plan, cp_rank, shift).to(dev)
+        return build_exchange([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, shift)
+    return plan._cache.get(("exchange", cp_rank, shift, dev), make)

@@ -27,29 +27,76 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import queue
+import re
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor.debug import CommDebugMode
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["CollectiveCounter", "free_port", "run_ranks"]
 
 _CTX = mp.get_context("spawn")
 
+# What a rank reports when a peer died first: not the root cause, so reported only if nothing else is.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|"
+                        r"gloo/transport|Socket Timeout|DistNetworkError", re.IGNORECASE)
+
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``init_method="tcp://..."``)."""
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+class CollectiveCounter(CommDebugMode):
+    """PyTorch's ``CommDebugMode`` (it sees gloo's and NCCL's c10d calls), plus each collective's name
+    in call order and the bytes it sends.
+
+    Example (inside a rank)::
+
+        with CollectiveCounter() as comm:
+            gather(local, plan, group)
+        assert comm.calls == ["allgather_base"]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        schema = func._schema.name
+        if schema.startswith("c10d::") and "barrier" not in schema:
+            name = schema[len("c10d::"):].strip("_")
+            self.calls.append(name)
+            if not name.startswith("recv"):  # what this rank hands the backend to send
+                sent = args[1] if name.endswith("_base") else args[0]  # (output, input, ...) or (tensors, ...)
+                tensors = sent if isinstance(sent, (list, tuple)) else [sent]
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _portable(value: Any) -> Any:
+    """``value`` with every tensor detached and on the CPU (what can leave a process)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_portable(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _portable(v) for k, v in value.items()}
+    return value
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
             results: Any, collective_timeout: float) -> None:
-    import torch
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -58,16 +105,35 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            value = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
+        try:  # pickle here, so that an unpicklable result is reported, not lost in the queue's thread
+            payload = pickle.dumps(_portable(value))
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is reported the same way
+            results.put((rank, False, time.time(), f"rank {rank} returned a value that cannot leave its process "
+                         f"({type(value).__name__}): {exc!r}. Fix: return tensors, numbers, strings or "
+                         "containers of them."))
+            return
+        results.put((rank, True, time.time(), payload))
     except BaseException:  # report everything, KeyboardInterrupt included
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, time.time(), traceback.format_exc()))
+
+
+def _root_cause(failures: dict[int, tuple[float, str]]) -> int:
+    """The failing rank to report: the first whose error is its own, not a peer's disappearance."""
+    own = [r for r, (_, text) in failures.items() if not _PEER_GONE.search(text)]
+    return min(own or failures, key=lambda r: failures[r][0])
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
               collective_timeout: float = 60.0) -> list[Any]:
-    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each in its own process."""
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each in its own process.
+
+    Tensors in the results come back detached and on the CPU. When ranks fail, the error raised
+    here is the root cause: the failing rank's own exception, not the "connection closed" its peers
+    report once it is gone (those ranks are listed after it).
+    """
     results = _CTX.Queue()
     port = free_port()
     procs = [_CTX.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout),
@@ -75,27 +141,44 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str]] = {}
     deadline = time.monotonic() + timeout
+    settle: float | None = None  # after a failure, a short wait for the other ranks' reports
     try:
-        while len(out) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while len(out) + len(failures) < world_size:
+            now = time.monotonic()
+            if settle is not None and now >= settle:
+                break
+            if now >= deadline:
+                if failures:
+                    break
                 missing = sorted(set(range(world_size)) - set(out))
                 raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s")
             try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                rank, ok, when, value = results.get(timeout=min(deadline - now, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
-                                       "without reporting") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in out and r not in failures]
+                for r in dead:
+                    failures[r] = (time.time(), f"rank {r} exited with code {procs[r].exitcode} without reporting")
+                if dead and settle is None:
+                    settle = time.monotonic() + 3.0
                 continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            out[rank] = value
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                failures[rank] = (when, value)
+                if settle is None:
+                    settle = time.monotonic() + 3.0
+        if failures:
+            first = _root_cause(failures)
+            others = sorted(set(failures) - {first})
+            also = f"\n(ranks {others} failed after it)" if others else ""
+            raise RuntimeError(f"rank {first} of {world_size} failed:\n{failures[first][1]}{also}")
     finally:
+        grace = time.monotonic() + 5.0  # in all: ranks blocked on a failed peer are killed, not awaited
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=max(grace - time.monotonic(), 0.0))
             if p.is_alive():
                 p.kill()
                 p.join()

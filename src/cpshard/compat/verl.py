@@ -46,7 +46,7 @@ from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_para
 from cpshard.megatron.state import ParallelContext, parallel_context
 from cpshard.ops import as_flat, shard, unshard
 from cpshard.padded import to_padded
-from cpshard.plan import ShardPlan, parse_seqlens
+from cpshard.plan import ShardPlan, jagged_lengths
 
 __all__ = [
     "VerlPatch",
@@ -68,17 +68,6 @@ logger = logging.getLogger(__name__)
 # The attribute under which a plan travels with the PackedSeqParams / BSHD mask that preprocess
 # returns, so that the matching postprocess restores by the very same plan (no re-derivation).
 _PLAN_ATTR = "_cpshard_plan"
-
-
-# -- BshdPlan attributes (isolated: renamed by the public API change of issue 6) -----------------
-
-def _bshd_max_seqlen(plan: BshdPlan) -> int:
-    return int(getattr(plan, "max_seqlen", None) or plan.seq_len)
-
-
-def _bshd_token_mask(plan: BshdPlan, cp_rank: int) -> torch.Tensor:
-    token_mask = getattr(plan, "token_mask", None)
-    return token_mask(cp_rank) if token_mask is not None else plan.attention_mask(cp_rank)
 
 
 # -- plans ---------------------------------------------------------------------------------------
@@ -134,7 +123,7 @@ def thd_plan(
         return ours
     padded = (*base.padded_seqlens_py[:-1], base.padded_seqlens_py[-1] + total - base.total_len)
     try:
-        return plan_from_padded(base.seqlens_py, padded, cp_size=cp, tp_size=tp, layout=layout)
+        return plan_from_padded(base.seqlens_py, padded, cp_size=cp, tp_size=tp, layout=layout, fp8=use_fp8_padding)
     except ValueError:  # verl's padding would drop tokens here: keep cpshard's
         return ours
 
@@ -195,7 +184,7 @@ def _restore(local: torch.Tensor, plan: Any, group: Any, flat: bool) -> torch.Te
 
     if group is None:
         group = _ctx(1, plan.cp_size, 0, None, need_group=True).cp_group  # sizes known: read only the group
-    return (gather_tokens if flat else gather)(local, plan, group, check=False)
+    return (gather_tokens if flat else gather)(local, plan, group, check=None)
 
 
 # -- THD ------------------------------------------------------------------------------------------
@@ -235,18 +224,19 @@ def preprocess_thd_engine(
     """
     layout = Layout.parse(cp_layout, "cp_layout")
     ctx = _ctx(tp_size, cp_size, cp_rank, cp_group, local_cp_size, need_group=local_cp_size is not None)
-    if plan is None:
-        plan = thd_plan(input_ids, use_fp8_padding, min_local_rows, pad_to_length_bucket, layout,
+    if plan is None:  # one host copy of the lengths; the rows are then the batch's values as they are
+        plan = thd_plan(_seqlens(input_ids), use_fp8_padding, min_local_rows, pad_to_length_bucket, layout,
                         tp_size=ctx.tp_size, cp_size=ctx.cp_size)
-    else:
-        plan = _given_plan(plan, ShardPlan, ctx.cp_size, layout)
+        source = input_ids.values()
+    else:  # checked against the plan (one host copy)
+        plan, source = _given_plan(plan, ShardPlan, ctx.cp_size, layout), input_ids
     dynamic = local_cp_size is not None
     psp = packed_seq_params(plan, device=input_ids.device, cp_group=ctx.cp_group if dynamic else None,
                             local_cp_size=local_cp_size)
     _attach(psp, plan)
     if not pre_process:
         return input_ids, psp, None
-    rows = shard(input_ids, plan, ctx.cp_rank, shift=int(bool(need_roll)), pad_value=0, fill=0)
+    rows = shard(source, plan, ctx.cp_rank, shift=int(bool(need_roll)), pad_value=0, fill=0)
     positions = plan.position_ids(ctx.cp_rank).to(input_ids.device)
     return rows.unsqueeze(0), psp, positions.unsqueeze(0)
 
@@ -313,7 +303,7 @@ def _seqlens(input_ids: Any) -> tuple[int, ...]:
     if not (isinstance(input_ids, torch.Tensor) and input_ids.is_nested):
         fail("input_ids", type(input_ids).__name__, "must be the micro-batch as a jagged nested tensor",
              "pass the same input_ids as to preprocess", kind=TypeError)
-    return parse_seqlens(input_ids, "input_ids")
+    return jagged_lengths(input_ids, "input_ids")
 
 
 def _check_batch(batch_size: Any, num_seqs: int) -> None:
@@ -433,7 +423,7 @@ def preprocess_bshd_engine(
     else:
         plan = _given_plan(plan, BshdPlan, ctx.cp_size, Layout.ZIGZAG)
     x = shard(input_ids, plan, ctx.cp_rank, shift=int(bool(need_roll)), pad_value=0, fill=0)
-    mask = _bshd_token_mask(plan, ctx.cp_rank).to(x.device)
+    mask = plan.token_mask(ctx.cp_rank).to(x.device)
     positions = plan.position_ids(ctx.cp_rank).to(x.device)
     _attach(mask, plan)
     return x, mask, positions
@@ -522,7 +512,7 @@ def _padded(input_ids: torch.Tensor, plan: BshdPlan, pad_token_id: Any) -> tuple
     if pad_token_id is None:
         fail("pad_token_id", None, "is needed to fill the padding", "pass the tokenizer's pad token id",
              kind=TypeError)
-    return to_padded(input_ids, length=_bshd_max_seqlen(plan), pad_value=pad_token_id)
+    return to_padded(input_ids, length=plan.max_seqlen, pad_value=pad_token_id)
 
 
 # -- patch() -------------------------------------------------------------------------------------------

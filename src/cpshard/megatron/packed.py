@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,7 +119,8 @@ def packed_seq_params(
         extra["local_cp_size"] = local_cp_size
     if cp_group is not None:
         extra["cp_group"] = cp_group
-    cu = plan.cu_seqlens_padded if device is None else plan.cu_seqlens_padded.to(device)
+    # a copy: the plan's own offsets are built once and must not be edited by whoever holds the params
+    cu = (plan.cu_seqlens_padded if device is None else plan.device_tensors(device).cu_seqlens_padded).clone()
     return cls(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -155,6 +157,7 @@ def plan_from_packed_seq_params(
     tp_size: int = 1,
     layout: Layout | str | None = None,
     seqlens: Sequence[int] | torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> ShardPlan:
     """The :class:`~cpshard.ShardPlan` a THD ``PackedSeqParams`` describes (the inverse of :func:`packed_seq_params`).
 
@@ -168,6 +171,8 @@ def plan_from_packed_seq_params(
             it differs from the padded offsets (Megatron's convention), else the padded lengths
             themselves (verl fills both fields with the padded offsets, so every row counts as a
             token: pass ``seqlens`` where pad rows matter, e.g. for label shifts).
+        fp8: whether the micro-batch was padded for fp8 (a PackedSeqParams does not say; part of
+            the plan's value, not of its rows).
 
     Returns:
         A plan with ``plan.cu_seqlens_padded`` equal to the padded offsets, whose rows are
@@ -213,21 +218,22 @@ def plan_from_packed_seq_params(
         fail("psp.cu_seqlens_q_padded", list(cu_padded),
              f"every zigzag sequence must be padded to a multiple of 2 * cp_size = {2 * cp_size}",
              "pass the cp_size it was padded for, or layout='contiguous' if it was sharded contiguously")
-    return plan_from_padded(lens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout)
+    return plan_from_padded(lens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8)
 
 
 def plan_from_padded(seqlens: Sequence[int], padded: Sequence[int], *, cp_size: int, tp_size: int = 1,
-                     layout: Layout | str = Layout.ZIGZAG) -> ShardPlan:
+                     layout: Layout | str = Layout.ZIGZAG, fp8: bool = False) -> ShardPlan:
     """The plan whose sequences hold ``seqlens`` tokens padded to exactly ``padded`` rows.
 
-    The plan ``ShardPlan.build`` gives where it gives these lengths (with or without fp8), else
-    the same rows built directly (padding another framework chose, e.g. a longer last sequence).
-    Raises ``ValueError`` when the lengths break a plan invariant (SPEC.md, "Padding").
+    Where every padded length is a multiple of SPEC's alignment this is the plan ``ShardPlan.build``
+    gives for them (equal to it, extensions included); padding another framework chose (a last
+    sequence extended to a multiple of ``2 * cp`` only, say) keeps the same rows with the alignment
+    those lengths share. Raises ``ValueError`` when the lengths break a plan invariant (SPEC.md,
+    "Padding").
     """
-    lens, padded = tuple(seqlens), tuple(padded)
-    for fp8 in (False, True):
-        built = ShardPlan.build(lens, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8)
-        if built.padded_seqlens_py == padded:
-            return built
-    return ShardPlan(seqlens_py=lens, padded_seqlens_py=padded, cp_size=cp_size, tp_size=tp_size,
-                     layout=Layout.parse(layout))
+    fields: dict[str, Any] = dict(seqlens_py=tuple(seqlens), padded_seqlens_py=tuple(padded), cp_size=cp_size,
+                                  tp_size=tp_size, layout=Layout.parse(layout), fp8=fp8)
+    try:
+        return ShardPlan(**fields)
+    except ValueError:
+        return ShardPlan(**fields, alignment=max(math.gcd(*fields["padded_seqlens_py"]), 1))
