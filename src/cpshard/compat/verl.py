@@ -94,8 +94,10 @@ def thd_plan(
     ``input_ids`` is the jagged nested batch (or its lengths). Padding follows verl 0.9.1: every
     sequence to the layout's alignment (fp8: ``lcm(16, a)`` and the total to ``a * 128``), then the
     total to at least ``cp * min_local_rows``, then to a multiple of ``lcm(pad_to_length_bucket,
-    cp)`` (and of the fp8 total), all on the last sequence. Where verl's target breaks a plan
-    invariant (it would drop tokens or mis-split ranks), ``ShardPlan.build``'s rounding is used.
+    cp)`` (and of the fp8 total), all on the last sequence. Where verl's target keeps every token
+    and split (``T % cp``, ``L % tp``, zigzag ``P % 2cp``, the fp8 total) its rows are kept, with the
+    alignment the lengths share (SPEC's per-sequence multiple may not divide verl's last length);
+    where it breaks one (verl drops tokens there), ``ShardPlan.build``'s rounding is used.
     """
     if local_cp_size is not None:
         cp_size = check_int("local_cp_size", local_cp_size, minimum=1)
