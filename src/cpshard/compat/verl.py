@@ -41,6 +41,7 @@ import torch
 
 from cpshard._errors import check_int, check_tensor, fail
 from cpshard.bshd import BshdPlan
+from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params, plan_from_padded
 from cpshard.megatron.state import ParallelContext, parallel_context
@@ -182,8 +183,6 @@ def _restore(local: torch.Tensor, plan: Any, group: Any, flat: bool) -> torch.Te
     if plan.cp_size == 1:
         nt = unshard([local], plan)
         return nt.values() if flat else nt
-    from cpshard.distributed import gather, gather_tokens
-
     if group is None:
         group = _ctx(1, plan.cp_size, 0, None, need_group=True).cp_group  # sizes known: read only the group
     return (gather_tokens if flat else gather)(local, plan, group, check=None)
