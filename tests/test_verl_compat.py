@@ -603,3 +603,77 @@ def test_valid_verl_extension_is_kept_exactly():
         _same_params(verl_psp, psp)
         assert psp.cu_seqlens_q_padded.tolist() == [0, 12] and torch.equal(got, want)
     assert ShardPlan.build([3], cp_size=2, tp_size=2, min_local_rows=6).total_len == 16
+
+
+# -- patch() routes verl's MTP loss through cpshard ---------------------------------------------------
+
+class _OutputLayer(torch.nn.Module):
+    """Megatron's ColumnParallelLinear at tp=1, as verl's postprocess calls it."""
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(vocab, hidden, dtype=torch.float64,
+                                                     generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x, weight=None, runtime_gather_output=None):
+        return x @ (self.weight if weight is None else weight).t(), None
+
+
+def _mtp_postprocess(depths: int, per_token: bool):
+    """verl 0.9.1's GPTModel postprocess (``mtp_patch._megatron_gptmodel_postprocess``) on a stub model
+    at cp=1: the returned logits and the gradients of the hidden states and the output weight."""
+    import types
+
+    import torch.nn.functional as F
+    import verl.models.mcore.mtp_patch as mp
+
+    b, s, h, v = 2, 11, 4, 13
+    g = torch.Generator().manual_seed(depths)
+    out = _OutputLayer(h, v)
+
+    def lm_loss(labels, logits):  # [b, s], [s, b, v] -> [b, s], as Megatron's compute_language_model_loss
+        return F.cross_entropy(logits.transpose(0, 1).reshape(-1, v), labels.reshape(-1), reduction="none").view(b, s)
+
+    model = types.SimpleNamespace(
+        share_embeddings_and_output_weights=False, post_process=True, training=False, output_layer=out,
+        compute_language_model_loss=lm_loss,
+        config=types.SimpleNamespace(mtp_num_layers=depths, mtp_loss_scaling_factor=0.3,
+                                     calculate_per_token_loss=per_token, use_mup=False, mtp_detach_heads=False))
+    hidden = torch.randn((1 + depths) * s, b, h, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (b, s), generator=g)
+    mask = (torch.rand(b, s, generator=g) > 0.2).double()
+    logits = mp._megatron_gptmodel_postprocess(model, hidden, labels, None, labels, None, None, None,
+                                               mtp_in_postprocess=False, loss_mask=mask)
+    (logits * torch.linspace(-1, 1, logits.numel(), dtype=torch.float64).view_as(logits)).sum().backward()
+    return logits.detach(), hidden.grad, out.weight.grad
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize(("depths", "per_token"), [(1, False), (2, True), (3, False)])
+def test_patch_routes_verls_mtp_loss_through_cpshard(monkeypatch, legacy, depths, per_token):
+    """Both of verl's MTP paths (megatron-core's process_mtp_loss, and the legacy roll_tensor loop with
+    a detached output layer) give the same tensors at cp=1 once routed through cpshard's drop-in."""
+    import verl.models.mcore.mtp_patch as mp
+
+    from cpshard.megatron import process_mtp_loss
+
+    if legacy:
+        monkeypatch.setattr(mp, "_HAS_PROCESS_MTP_LOSS", False)
+    theirs = _mtp_postprocess(depths, per_token)
+    with cv.patch() as p:
+        assert mp._HAS_PROCESS_MTP_LOSS is True and mp._process_mtp_loss.__wrapped__ is process_mtp_loss
+        assert f"{mp.__name__}._process_mtp_loss" in p.replaced
+        ours = _mtp_postprocess(depths, per_token)
+    assert mp._HAS_PROCESS_MTP_LOSS is (not legacy)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_patch_undo_removes_a_name_verl_did_not_have(monkeypatch):
+    import verl.models.mcore.mtp_patch as mp
+
+    monkeypatch.setattr(mp, "_HAS_PROCESS_MTP_LOSS", False)
+    monkeypatch.delattr(mp, "_process_mtp_loss", raising=False)
+    with cv.patch():
+        assert callable(mp._process_mtp_loss)
+    assert not hasattr(mp, "_process_mtp_loss") and mp._HAS_PROCESS_MTP_LOSS is False

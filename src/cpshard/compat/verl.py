@@ -27,6 +27,7 @@ Sources read (not copied): verl 0.9.1 ``verl/models/mcore/util.py``, ``model_for
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 import inspect
@@ -570,7 +571,7 @@ class VerlPatch:
         self.active = False
 
     def _replace(self, module: ModuleType, name: str, new: Any) -> None:
-        self._saved.append((module, name, getattr(module, name), new))
+        self._saved.append((module, name, getattr(module, name, _MISSING), new))
         setattr(module, name, new)
         self.replaced.append(f"{module.__name__}.{name}")
 
@@ -580,7 +581,10 @@ class VerlPatch:
             return
         for module, name, old, new in reversed(self._saved):
             if getattr(module, name, None) is new:  # leave alone what someone patched over us
-                setattr(module, name, old)
+                if old is _MISSING:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, old)
         for module_name, names in _BINDERS.items():  # imported while the patch was on
             module = sys.modules.get(module_name)
             for name in names if module is not None else ():
@@ -647,12 +651,14 @@ def patch() -> VerlPatch:
             if getattr(module, name, None) is not originals[name]:
                 fail("verl", version, f"{module_name}.{name} is not {_UTIL}.{name} (verl moved or wrapped it)",
                      f"install verl=={_WRITTEN_FOR}, or patch that module yourself")
+    mtp_patch = _mtp_patch_module(version)
     for module_name, module in modules.items():
         for name in _BINDERS[module_name]:
             result._replace(module, name, _DROP_INS[name])
     result._originals = originals
     result.active = True
-    _route_mtp_loss(result)
+    if mtp_patch is not None:
+        _route_mtp_loss(result, mtp_patch)
     (logger.debug if _logged else logger.info)(
         "cpshard.compat.verl: verl %s now packs with cpshard (%d names in %s)", version, len(result.replaced),
         ", ".join(modules))
@@ -660,9 +666,45 @@ def patch() -> VerlPatch:
     return result
 
 
-def _route_mtp_loss(result: VerlPatch) -> None:
-    """HOOK (issue 7, wired by the lead after merging the MTP branch): route the MTP loss of
-    ``verl.models.mcore.mtp_patch`` (its new-API ``_process_mtp_loss`` path and the legacy
-    ``roll_tensor`` path alike) through ``cpshard.megatron.process_mtp_loss``, recording each
-    replacement with ``result._replace(module, name, new)`` so that ``undo()`` restores it."""
-    return None
+_MISSING = object()
+_MTP_PATCH = "verl.models.mcore.mtp_patch"
+
+
+def _mtp_patch_module(version: str) -> ModuleType | None:
+    """verl's MTP module, checked before anything is patched (None where Megatron cannot import)."""
+    try:
+        module = importlib.import_module(_MTP_PATCH)
+    except ImportError as exc:
+        logger.debug("cpshard.compat.verl: %s not importable (%s); its MTP loss is not routed", _MTP_PATCH, exc)
+        return None
+    if not isinstance(getattr(module, "_HAS_PROCESS_MTP_LOSS", None), bool):
+        fail("verl", version, f"{_MTP_PATCH} has no _HAS_PROCESS_MTP_LOSS switch (cpshard routes its MTP loss as "
+             f"verl {_WRITTEN_FOR} has it)", f"install verl=={_WRITTEN_FOR}")
+    return module
+
+
+def _route_mtp_loss(result: VerlPatch, mtp_patch: ModuleType) -> None:
+    """Route verl's MTP loss through ``cpshard.megatron.process_mtp_loss`` on every Megatron-core version.
+
+    verl 0.9.1's ``_megatron_gptmodel_postprocess`` calls ``_process_mtp_loss`` (megatron-core's,
+    where it imports) when ``_HAS_PROCESS_MTP_LOSS``, else rolls labels itself with ``roll_tensor``
+    (per-rank counts, zigzag only). Both module globals are read at call time, so pointing the
+    first at cpshard's drop-in and setting the switch sends both paths through cpshard, exact at
+    every ``cp`` and layout. The legacy path trained no output-layer weight from the MTP loss; where
+    verl would have taken it, the drop-in gets ``mtp_detach_heads=True`` to keep that.
+    """
+    from cpshard.megatron import process_mtp_loss
+
+    legacy = not mtp_patch._HAS_PROCESS_MTP_LOSS
+
+    def routed(**kwargs: Any) -> Any:
+        if legacy and "config" in kwargs:
+            config = copy.copy(kwargs["config"])
+            config.mtp_detach_heads = True
+            kwargs["config"] = config
+        return process_mtp_loss(**kwargs)
+
+    routed.__wrapped__ = process_mtp_loss  # type: ignore[attr-defined]
+    result._replace(mtp_patch, "_process_mtp_loss", routed)
+    result._replace(mtp_patch, "_HAS_PROCESS_MTP_LOSS", True)
+    result._replace(mtp_patch, "_PROCESS_MTP_LOSS_PARAMS", set(inspect.signature(process_mtp_loss).parameters))
