@@ -677,3 +677,20 @@ def test_patch_undo_removes_a_name_verl_did_not_have(monkeypatch):
     with cv.patch():
         assert callable(mp._process_mtp_loss)
     assert not hasattr(mp, "_process_mtp_loss") and mp._HAS_PROCESS_MTP_LOSS is False
+
+
+def test_drop_in_with_a_reordered_plan():
+    """A balanced (reordered) plan passed as plan=: the rows are shard's (taken in the caller's order),
+    and PackedSeqParams' padded offsets follow the buffer's order, as the attention kernel needs."""
+    lens = [900, 3, 0, 400, 17, 1200]
+    x = torch.nested.nested_tensor([torch.arange(n) + 10_000 * i for i, n in enumerate(lens)], layout=torch.jagged)
+    plan = ShardPlan.build(lens, cp_size=3, layout="contiguous", reorder="balanced")
+    assert plan.order is not None
+    for r in range(3):
+        with vf.partition_mode():
+            rows, psp, pos = cv.preprocess_thd_engine(x, cp_layout="contiguous", tp_size=1, cp_size=3, cp_rank=r,
+                                                      plan=plan)
+        assert psp.cp_partition_mode == "contiguous"
+        assert torch.equal(rows[0], shard(x.values(), plan, r))
+        assert torch.equal(pos[0], plan.position_ids(r))
+        assert psp.cu_seqlens_q_padded.tolist() == list(plan.cu_seqlens_padded_py)
