@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 import verl_fakes as vf  # noqa: E402
+from cpshard import ShardPlan, shard
 from cpshard.compat import verl as cv
 
 vutil = vf.vutil
@@ -105,6 +106,32 @@ def main() -> None:
             t_shared = _median_ms(shared_fn, args.repeats)
             ok = same(verl_fn(), ours_fn())
         print(f"{name:42} {t_verl:10.2f} {t_ours:10.2f} {t_shared:10.2f} {t_verl / t_ours:12.1f}x {str(ok):>5}")
+
+    # issue 10's step: tokens, next-token labels and the loss mask for one rank, a fresh plan per step
+    values = ids.values()
+    mask = torch.nested.nested_tensor_from_jagged(torch.ones(values.shape[0], dtype=torch.bool), ids.offsets())
+    for layout in ("zigzag", "contiguous"):
+        plan = cv.thd_plan(ids, cp_layout=layout, tp_size=tp, cp_size=cp)
+        index = plan.global_rows(rank).clamp(max=values.shape[0] - 1)
+
+        def floor() -> None:
+            values.index_select(0, index), values.index_select(0, index), mask.values().index_select(0, index)
+
+        def verl_step(layout: str = layout) -> None:
+            for x, roll in ((ids, False), (ids, True), (mask, True)):
+                vutil.preprocess_thd_engine(x, need_roll=roll, cp_layout=layout)
+
+        def ours_step(layout: str = layout) -> None:
+            p = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+            shard(values, p, rank), shard(values, p, rank, shift=1, fill=-100)
+            shard(mask.values(), p, rank, shift=1, fill=False)
+
+        with _megatron(tp, cp, rank):
+            t_floor = _median_ms(floor, args.repeats)
+            t_verl = _median_ms(verl_step, args.repeats)
+            t_ours = _median_ms(ours_step, args.repeats)
+        print(f"{'step (3 tensors, fresh plan) ' + layout:42} {t_verl:10.2f} {t_ours:10.2f} {'':>10} "
+              f"{t_verl / t_ours:12.1f}x  floor {t_floor:.2f} ms: cpshard {t_ours / t_floor:.2f}x the floor")
 
     for layout in ("zigzag", "contiguous"):
         plan = cv.thd_plan(ids, cp_layout=layout, tp_size=tp, cp_size=cp)
