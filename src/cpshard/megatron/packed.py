@@ -1,0 +1,239 @@
+"""Megatron-core ``PackedSeqParams`` <-> :class:`~cpshard.ShardPlan`.
+
+A THD micro-batch reaches Megatron-core's attention (TransformerEngine) as a ``PackedSeqParams``:
+``qkv_format="thd"``, cumulative sequence offsets and the longest sequence. cpshard's plan holds
+the same numbers, so the conversion is exact both ways:
+
+``packed_seq_params(plan)`` fills every ``cu_seqlens`` field with the plan's ``cu_seqlens_padded``
+(as verl 0.9.1's ``preprocess_thd_engine`` does: the kernels see padded sequences, and the pad rows
+of a sequence attend only inside it) and both ``max_seqlen`` fields with ``plan.max_seqlen``.
+Megatron-core releases whose ``PackedSeqParams`` has a ``cp_partition_mode`` field are told the
+layout; on a release without the field only zigzag can be expressed (it is what those releases
+assume), so a contiguous plan at ``cp > 1`` is an error there rather than silently wrong attention.
+
+``plan_from_packed_seq_params(psp, cp_size=...)`` reads the padded offsets back (and the real
+lengths from ``cu_seqlens_q`` where it differs from the padded offsets, or from ``seqlens=``).
+
+Megatron is imported lazily (``cpshard.megatron._import``), only when these functions run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from cpshard._errors import check_int, fail
+from cpshard.layout import Layout
+from cpshard.megatron._import import import_megatron, megatron_version
+from cpshard.plan import ShardPlan, parse_seqlens
+
+__all__ = ["packed_seq_params", "packed_seq_params_class", "plan_from_packed_seq_params", "plan_from_padded",
+           "supports_cp_partition_mode"]
+
+# The first megatron-core line whose PackedSeqParams is expected to carry the CP partition mode. The
+# field exists today only in NVIDIA's development branch and verl's Megatron fork; no release has it
+# (0.19.2 does not). The check below looks at the installed class, never at this string.
+_NEEDS = ("a megatron-core whose PackedSeqParams has the cp_partition_mode field (Megatron-LM's development "
+          "branch or verl's Megatron fork; no release up to 0.19.2 has it)")
+
+
+def packed_seq_params_class() -> type:
+    """The installed megatron-core's ``PackedSeqParams`` (looked up on every call, imports lazily)."""
+    cls: type = import_megatron("packed_seq_params").PackedSeqParams
+    return cls
+
+
+def supports_cp_partition_mode(cls: type | None = None) -> bool:
+    """Whether ``cls`` (default: the installed ``PackedSeqParams``) takes ``cp_partition_mode``.
+
+    A dataclass field or an ``__init__`` parameter of that name counts, and so does an ``__init__``
+    taking ``**kwargs`` (a stand-in that accepts any field), as verl 0.9.1 decides.
+    """
+    cls = packed_seq_params_class() if cls is None else cls
+    if dataclasses.is_dataclass(cls) and "cp_partition_mode" in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    params = inspect.signature(getattr(cls, "__init__")).parameters  # noqa: B009 (mypy: __init__ on a type)
+    return "cp_partition_mode" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _installed() -> str:
+    version = megatron_version()
+    return f"megatron-core {version}" if version else "this megatron-core (version unknown)"
+
+
+def packed_seq_params(
+    plan: ShardPlan,
+    *,
+    device: torch.device | str | None = None,
+    cp_group: Any = None,
+    local_cp_size: int | None = None,
+) -> Any:
+    """Megatron-core's own ``PackedSeqParams`` for a THD plan.
+
+    Args:
+        plan: the micro-batch's :class:`~cpshard.ShardPlan`.
+        device: where the ``cu_seqlens`` tensors go (default CPU; TransformerEngine wants them on
+            the GPU, where verl puts them: the input's device).
+        cp_group, local_cp_size: for verl's dynamic CP (a per-micro-batch group of
+            ``local_cp_size`` ranks): set on the result as verl sets them; ``local_cp_size`` must
+            equal ``plan.cp_size``.
+
+    Returns:
+        ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, max_seqlen_q=m, max_seqlen_kv=m)`` with
+        ``cu = plan.cu_seqlens_padded`` (``(B + 1,)`` int32) and ``m = plan.max_seqlen``, plus
+        ``cp_partition_mode=plan.layout`` where the installed class has that field.
+
+    Raises:
+        ValueError: a contiguous plan with ``cp_size > 1`` on a megatron-core whose
+            ``PackedSeqParams`` cannot say so (every release up to 0.19.2): its attention would
+            assume zigzag and silently attend to the wrong rows.
+
+    Example::
+
+        plan = ShardPlan.build([5, 3], cp_size=2)       # zigzag: padded to [8, 4]
+        psp = packed_seq_params(plan)                   # cu_seqlens_q_padded = [0, 8, 12], max 8
+    """
+    if not isinstance(plan, ShardPlan):
+        fail("plan", type(plan).__name__, "must be a THD ShardPlan (PackedSeqParams describes packed sequences)",
+             "build one with ShardPlan.build", kind=TypeError)
+    cls = packed_seq_params_class()
+    extra: dict[str, Any] = {}
+    if supports_cp_partition_mode(cls):
+        extra["cp_partition_mode"] = plan.layout.value
+    elif plan.layout is Layout.CONTIGUOUS and plan.cp_size > 1:
+        fail("plan", f"a contiguous plan at cp_size={plan.cp_size}",
+             f"needs PackedSeqParams.cp_partition_mode to tell attention the layout, and {_installed()}'s "
+             "PackedSeqParams has no such field (its attention assumes zigzag)",
+             f"install {_NEEDS}, or use layout='zigzag'")
+    if local_cp_size is not None:
+        local_cp_size = check_int("local_cp_size", local_cp_size, minimum=1)
+        if local_cp_size != plan.cp_size:
+            fail("local_cp_size", local_cp_size, f"must equal the plan's cp_size ({plan.cp_size})",
+                 "build the plan for the dynamic CP group's size")
+        extra["local_cp_size"] = local_cp_size
+    if cp_group is not None:
+        extra["cp_group"] = cp_group
+    # a copy: the plan's own offsets are built once and must not be edited by whoever holds the params
+    cu = (plan.cu_seqlens_padded if device is None else plan.device_tensors(device).cu_seqlens_padded).clone()
+    return cls(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu,
+        cu_seqlens_kv_padded=cu,
+        max_seqlen_q=plan.max_seqlen,
+        max_seqlen_kv=plan.max_seqlen,
+        **extra,
+    )
+
+
+def _offsets(psp: Any, name: str) -> tuple[int, ...] | None:
+    value = getattr(psp, name, None)
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            fail(f"psp.{name}", f"tensor of shape {tuple(value.shape)} and dtype {value.dtype}",
+                 "must be a 1-D integer tensor of cumulative offsets", "pass a PackedSeqParams built for THD")
+        values = value.tolist()
+    else:
+        values = list(value)
+    if not values or values[0] != 0 or any(b < a for a, b in zip(values[:-1], values[1:])):
+        fail(f"psp.{name}", values, "must start at 0 and never decrease (cumulative sequence offsets)",
+             "pass the PackedSeqParams of a THD micro-batch")
+    return tuple(int(v) for v in values)
+
+
+def plan_from_packed_seq_params(
+    psp: Any,
+    *,
+    cp_size: int,
+    tp_size: int = 1,
+    layout: Layout | str | None = None,
+    seqlens: Sequence[int] | torch.Tensor | None = None,
+    fp8: bool = False,
+) -> ShardPlan:
+    """The :class:`~cpshard.ShardPlan` a THD ``PackedSeqParams`` describes (the inverse of :func:`packed_seq_params`).
+
+    Args:
+        psp: a ``PackedSeqParams`` (any object with its fields): the padded lengths come from
+            ``cu_seqlens_q_padded`` (or ``cu_seqlens_q`` when that is None).
+        cp_size, tp_size: the parallel sizes the micro-batch was padded for.
+        layout: the layout; default ``psp.cp_partition_mode`` where the field exists, else zigzag.
+            Passing one that contradicts ``psp.cp_partition_mode`` is an error.
+        seqlens: the real token counts ``(B,)``. Default: the differences of ``cu_seqlens_q`` when
+            it differs from the padded offsets (Megatron's convention), else the padded lengths
+            themselves (verl fills both fields with the padded offsets, so every row counts as a
+            token: pass ``seqlens`` where pad rows matter, e.g. for label shifts).
+        fp8: whether the micro-batch was padded for fp8 (a PackedSeqParams does not say; part of
+            the plan's value, not of its rows).
+
+    Returns:
+        A plan with ``plan.cu_seqlens_padded`` equal to the padded offsets, whose rows are
+        exactly the rows Megatron-core's attention sees on each rank. One host copy per offsets
+        tensor.
+
+    Example::
+
+        plan = ShardPlan.build([5, 3], cp_size=2)
+        assert plan_from_packed_seq_params(packed_seq_params(plan), cp_size=2,
+                                           seqlens=[5, 3]) == plan
+    """
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
+    q, q_padded = _offsets(psp, "cu_seqlens_q"), _offsets(psp, "cu_seqlens_q_padded")
+    cu_padded = q_padded if q_padded is not None else q
+    if cu_padded is None or len(cu_padded) < 2:
+        fail("psp", type(psp).__name__, "must carry cu_seqlens_q_padded or cu_seqlens_q with at least one sequence",
+             "pass the PackedSeqParams of a THD micro-batch")
+    padded = tuple(b - a for a, b in zip(cu_padded[:-1], cu_padded[1:]))
+    if seqlens is not None:
+        lens = parse_seqlens(seqlens)
+    elif q is not None and q != cu_padded:
+        lens = tuple(b - a for a, b in zip(q[:-1], q[1:]))
+    else:
+        lens = padded
+    if len(lens) != len(padded) or any(n > p for n, p in zip(lens, padded)):
+        fail("seqlens", list(lens), f"must give one length per sequence, each <= its padded length {list(padded)}",
+             "pass the micro-batch's real token counts")
+    mode = getattr(psp, "cp_partition_mode", None)
+    if layout is None:
+        layout = Layout.ZIGZAG if mode is None else Layout.parse(mode, "psp.cp_partition_mode")
+    else:
+        layout = Layout.parse(layout)
+        if mode is not None and Layout.parse(mode, "psp.cp_partition_mode") is not layout:
+            fail("layout", repr(layout.value), f"contradicts psp.cp_partition_mode={mode!r}",
+                 "leave layout=None to read it from the PackedSeqParams")
+    total = sum(padded)
+    if total % cp_size or (total // cp_size) % tp_size:
+        fail("psp.cu_seqlens_q_padded", list(cu_padded), f"a total of {total} rows must split into cp_size={cp_size} "
+             f"equal parts each divisible by tp_size={tp_size}", "pass the cp_size and tp_size it was padded for")
+    if layout is Layout.ZIGZAG and cp_size > 1 and any(p % (2 * cp_size) for p in padded):
+        fail("psp.cu_seqlens_q_padded", list(cu_padded),
+             f"every zigzag sequence must be padded to a multiple of 2 * cp_size = {2 * cp_size}",
+             "pass the cp_size it was padded for, or layout='contiguous' if it was sharded contiguously")
+    return plan_from_padded(lens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8)
+
+
+def plan_from_padded(seqlens: Sequence[int], padded: Sequence[int], *, cp_size: int, tp_size: int = 1,
+                     layout: Layout | str = Layout.ZIGZAG, fp8: bool = False) -> ShardPlan:
+    """The plan whose sequences hold ``seqlens`` tokens padded to exactly ``padded`` rows.
+
+    Where every padded length is a multiple of SPEC's alignment this is the plan ``ShardPlan.build``
+    gives for them (equal to it, extensions included); padding another framework chose (a last
+    sequence extended to a multiple of ``2 * cp`` only, say) keeps the same rows with the alignment
+    those lengths share. Raises ``ValueError`` when the lengths break a plan invariant (SPEC.md,
+    "Padding").
+    """
+    fields: dict[str, Any] = dict(seqlens_py=tuple(seqlens), padded_seqlens_py=tuple(padded), cp_size=cp_size,
+                                  tp_size=tp_size, layout=Layout.parse(layout), fp8=fp8)
+    try:
+        return ShardPlan(**fields)
+    except ValueError:
+        return ShardPlan(**fields, alignment=max(math.gcd(*fields["padded_seqlens_py"]), 1))

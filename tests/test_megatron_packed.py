@@ -1,0 +1,221 @@
+"""cpshard.megatron.packed against megatron-core's real PackedSeqParams (installed by scripts/setup.sh)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpshard import ShardPlan
+from cpshard.megatron import (
+    ParallelContext,
+    megatron_version,
+    packed_seq_params,
+    parallel_context,
+    plan_from_packed_seq_params,
+    plan_from_parallel_state,
+    supports_cp_partition_mode,
+)
+from cpshard.megatron._import import import_megatron
+from strategies import props
+
+try:
+    _PSP_MODULE = import_megatron("packed_seq_params")
+except ImportError as exc:  # scripts/setup.sh installs it; CI always runs these tests
+    pytest.skip(f"megatron-core cannot be imported ({exc}); run scripts/setup.sh", allow_module_level=True)
+
+PackedSeqParams = _PSP_MODULE.PackedSeqParams
+
+
+@dataclasses.dataclass
+class PackedSeqParamsWithMode(PackedSeqParams):
+    """What a megatron-core with the CP partition mode looks like (Megatron-LM dev, verl's fork)."""
+
+    cp_partition_mode: str = "zigzag"
+
+
+@pytest.fixture
+def with_mode(monkeypatch):
+    monkeypatch.setattr(_PSP_MODULE, "PackedSeqParams", PackedSeqParamsWithMode)
+    return PackedSeqParamsWithMode
+
+
+def _build(data, layouts):
+    cp = data.draw(st.integers(1, 5), "cp")
+    tp = data.draw(st.integers(1, 4), "tp")
+    layout = data.draw(st.sampled_from(layouts), "layout")
+    lens = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=6), "lens")
+    fp8 = data.draw(st.booleans(), "fp8")
+    mlr = data.draw(st.none() | st.integers(0, 30), "min_local_rows")
+    bucket = data.draw(st.none() | st.integers(1, 50), "length_bucket")
+    return ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, fp8=fp8, min_local_rows=mlr,
+                           length_bucket=bucket)
+
+
+def _check_fields(psp, plan):
+    cu = plan.cu_seqlens_padded
+    assert psp.qkv_format == "thd"
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        value = getattr(psp, name)
+        assert value.dtype == torch.int32 and torch.equal(value, cu), name
+    assert psp.max_seqlen_q == psp.max_seqlen_kv == plan.max_seqlen
+
+
+@props(60)
+@given(st.data())
+def test_zigzag_round_trip_with_the_installed_class(data):
+    plan = _build(data, ["zigzag"])
+    psp = packed_seq_params(plan)
+    assert type(psp) is PackedSeqParams
+    _check_fields(psp, plan)
+    back = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size, seqlens=plan.seqlens_py,
+                                       fp8=plan.fp8)
+    assert back == plan and back.padded_seqlens_py == plan.padded_seqlens_py
+    # without the real lengths every padded row counts as a token (verl sets cu_seqlens_q padded)
+    blind = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size)
+    assert blind.seqlens_py == blind.padded_seqlens_py == plan.padded_seqlens_py
+    assert [blind.global_rows(r).tolist() for r in range(plan.cp_size)] == \
+        [plan.global_rows(r).tolist() for r in range(plan.cp_size)]
+
+
+@props(60)
+@given(st.data())
+def test_both_layouts_round_trip_where_the_field_exists(data):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_PSP_MODULE, "PackedSeqParams", PackedSeqParamsWithMode)
+        plan = _build(data, ["zigzag", "contiguous"])
+        psp = packed_seq_params(plan)
+    assert isinstance(psp, PackedSeqParamsWithMode) and psp.cp_partition_mode == plan.layout.value
+    _check_fields(psp, plan)
+    # the layout comes from the field
+    assert plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size,
+                                       seqlens=plan.seqlens, fp8=plan.fp8) == plan
+
+
+def test_installed_release_has_no_partition_mode_and_contiguous_is_refused():
+    assert megatron_version() == "0.19.2"
+    assert not supports_cp_partition_mode()
+    plan = ShardPlan.build([5, 3], cp_size=2, layout="contiguous")
+    with pytest.raises(ValueError, match=r"plan=a contiguous plan at cp_size=2: .*megatron-core 0\.19\.2's "
+                                         r"PackedSeqParams has no such field.*Fix: install .*cp_partition_mode"):
+        packed_seq_params(plan)
+    # cp = 1: every layout is the identity, nothing to tell the kernels
+    one = ShardPlan.build([5, 3], cp_size=1, layout="contiguous")
+    _check_fields(packed_seq_params(one), one)
+
+
+def test_partition_mode_detection(with_mode):
+    assert supports_cp_partition_mode()
+    assert supports_cp_partition_mode(PackedSeqParamsWithMode)
+    assert not supports_cp_partition_mode(PackedSeqParams)
+
+    class Duck:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    assert supports_cp_partition_mode(Duck)
+
+
+def test_megatron_convention_real_and_padded_offsets():
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 8], dtype=torch.int32),
+                          cu_seqlens_q_padded=torch.tensor([0, 8, 12], dtype=torch.int32))
+    plan = plan_from_packed_seq_params(psp, cp_size=2)
+    assert plan == ShardPlan.build([5, 3], cp_size=2)
+    # no padded field: cu_seqlens_q is both
+    only_q = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 8, 12], dtype=torch.int32))
+    assert plan_from_packed_seq_params(only_q, cp_size=2).seqlens_py == (8, 4)
+
+
+def test_padding_the_builder_does_not_produce_is_kept():
+    # another framework padded the first sequence further; the rows stay exactly those
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 16, 20], dtype=torch.int32))
+    plan = plan_from_packed_seq_params(psp, cp_size=2, seqlens=[5, 3])
+    assert plan.padded_seqlens_py == (16, 4) and plan.seqlens_py == (5, 3)
+    assert plan.global_rows(0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 16, 19]
+
+
+def test_device_and_dynamic_cp_fields():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    sentinel = object()
+    psp = packed_seq_params(plan, device="cpu", cp_group=sentinel, local_cp_size=2)
+    assert psp.cp_group is sentinel and psp.local_cp_size == 2
+    with pytest.raises(ValueError, match=r"local_cp_size=3: must equal the plan's cp_size \(2\)"):
+        packed_seq_params(plan, local_cp_size=3)
+    with pytest.raises(TypeError, match="must be a THD ShardPlan"):
+        packed_seq_params("plan")
+
+
+@pytest.mark.parametrize("kwargs, field, message", [
+    (dict(cu_seqlens_q_padded=torch.tensor([0, 8, 7])), "psp.cu_seqlens_q_padded", "never decrease"),
+    (dict(cu_seqlens_q_padded=torch.tensor([1, 8])), "psp.cu_seqlens_q_padded", "start at 0"),
+    (dict(cu_seqlens_q_padded=torch.tensor([0.0, 8.0])), "psp.cu_seqlens_q_padded", "1-D integer"),
+    (dict(cu_seqlens_q_padded=torch.tensor([0, 9])), "psp.cu_seqlens_q_padded", "split into cp_size=2"),
+    (dict(cu_seqlens_q_padded=torch.tensor([0, 6, 12])), "psp.cu_seqlens_q_padded", "2 \\* cp_size = 4"),
+    (dict(), "psp", "must carry cu_seqlens_q_padded"),
+])
+def test_bad_packed_seq_params_are_clear_errors(kwargs, field, message):
+    psp = PackedSeqParams(qkv_format="thd", **kwargs)
+    with pytest.raises(ValueError, match=f"^{field}=.*{message}.*Fix: "):
+        plan_from_packed_seq_params(psp, cp_size=2)
+
+
+def test_lengths_and_layout_must_fit(with_mode):
+    psp = packed_seq_params(ShardPlan.build([5, 3], cp_size=2, layout="contiguous"))
+    with pytest.raises(ValueError, match=r"layout='zigzag': contradicts psp.cp_partition_mode='contiguous'"):
+        plan_from_packed_seq_params(psp, cp_size=2, layout="zigzag")
+    with pytest.raises(ValueError, match=r"seqlens=\[9, 3\]: must give one length per sequence, each <="):
+        plan_from_packed_seq_params(psp, cp_size=2, seqlens=[9, 3])
+
+
+# -- parallel state -------------------------------------------------------------------------------
+
+class _Group:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_parallel_context_prefers_what_is_given(monkeypatch):
+    mpu = import_megatron("parallel_state")
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(mpu, "get_context_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(mpu, "get_context_parallel_rank", lambda: 3)
+    monkeypatch.setattr(mpu, "get_context_parallel_group", lambda: "world-cp")
+    assert parallel_context() == ParallelContext(2, 4, 3, "world-cp")
+    assert parallel_context(tp_size=1, cp_size=2, cp_rank=0, need_group=False) == ParallelContext(1, 2, 0, None)
+    pgs = types.SimpleNamespace(tp=_Group(4, 1), cp=_Group(3, 2))
+    assert parallel_context(pg_collection=pgs) == ParallelContext(4, 3, 2, pgs.cp)
+    group = _Group(5, 4)
+    assert parallel_context(cp_group=group) == ParallelContext(2, 5, 4, group)
+    with pytest.raises(ValueError, match=r"cp_size=3: contradicts local_cp_size=2"):
+        parallel_context(cp_size=3, local_cp_size=2)
+    with pytest.raises(TypeError, match=r"pg_collection.cp=NoneType: must be a process group"):
+        parallel_context(pg_collection=types.SimpleNamespace(tp=_Group(1, 0), cp=None))
+
+
+def test_parallel_context_before_megatron_is_initialized():
+    # Megatron answers cp = 0 before torch.distributed starts, and cannot answer tp at all
+    with pytest.raises(ValueError, match=r"^get_tensor_model_parallel_world_size=.*AssertionError.*Fix: call "
+                                         r"parallel_state.initialize_model_parallel"):
+        parallel_context()
+    assert parallel_context(tp_size=2) == ParallelContext(2, 1, 0, None)
+
+
+def test_plan_from_parallel_state_takes_layout_and_fp8_from_the_config():
+    pgs = types.SimpleNamespace(tp=_Group(2, 0), cp=_Group(2, 1))
+    dsv4 = types.SimpleNamespace(experimental_attention_variant="dsv4_hybrid", fp8="e4m3")
+    plan = plan_from_parallel_state([5, 3], config=dsv4, pg_collection=pgs, min_local_rows=64)
+    assert plan == ShardPlan.build([5, 3], cp_size=2, tp_size=2, layout="contiguous", fp8=True, min_local_rows=64)
+    plain = types.SimpleNamespace(fp8=None)
+    assert plan_from_parallel_state([5, 3], config=plain, pg_collection=pgs) == \
+        ShardPlan.build([5, 3], cp_size=2, tp_size=2)
+    assert plan_from_parallel_state([5, 3], pg_collection=pgs, layout="contiguous").layout.value == "contiguous"
