@@ -68,13 +68,15 @@ def test_matches_per_token_oracle_with_gradients(lens, layout):
     want = oracle(q, k, v)
     weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     want_grads = _grads(want, [q, k, v], weight)
+    variants = [{}, {"padding": "minimal"}] + ([{"reorder": "balanced"}] if layout is Layout.CONTIGUOUS else [])
     for cp in (1, 2, 3, 4):
         for tp in (1, 2):
-            plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
-            got = _emulated(q, k, v, plan)
-            assert torch.allclose(got, want, rtol=1e-13, atol=1e-14), (cp, tp)
-            for g, w in zip(_grads(got, [q, k, v], weight), want_grads):
-                assert torch.allclose(g, w, rtol=1e-12, atol=1e-13), (cp, tp)
+            for extra in variants:
+                plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, **extra)
+                got = _emulated(q, k, v, plan)
+                assert torch.allclose(got, want, rtol=1e-13, atol=1e-14), (cp, tp, extra)
+                for g, w in zip(_grads(got, [q, k, v], weight), want_grads):
+                    assert torch.allclose(g, w, rtol=1e-12, atol=1e-13), (cp, tp, extra)
 
 
 def test_naive_kernel_is_right_under_contiguous_and_wrong_under_zigzag():
@@ -88,6 +90,8 @@ def test_naive_kernel_is_right_under_contiguous_and_wrong_under_zigzag():
     assert contiguous_twin(zigzag).layout is Layout.CONTIGUOUS
     assert contiguous_twin(zigzag).padded_seqlens_py == zigzag.padded_seqlens_py
     assert contiguous_twin(contiguous) is contiguous
+    minimal = ShardPlan.build(lens, cp_size=2, layout="zigzag", padding="minimal")
+    assert (_emulated(q, k, v, minimal, naive=True) - want).abs().max() > 0.1
 
 
 def test_mask_of_spec_example_and_work():
