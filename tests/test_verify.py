@@ -187,3 +187,21 @@ def test_plan_png_refused_with_bshd(capsys, tmp_path):
 def test_scripts_run_sh_runs_verify():
     text = (pathlib.Path(__file__).resolve().parents[1] / "scripts" / "run.sh").read_text()
     assert "cpshard verify" in text
+
+
+def test_readme_shows_the_default_run():
+    """The README's `cpshard verify` block lists the default configurations with their true padding and balance."""
+    from cpshard.attention import attention_work
+    from cpshard.verify import DEFAULT_LENGTHS, configurations
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("$ cpshard verify\n", 1)[1].split("```", 1)[0]
+    rows = [line for line in block.splitlines() if line.startswith("cp=")]
+    configs = configurations((2, 4), (1, 2), ("zigzag", "contiguous")) + [Config(2, 1, "zigzag", "naive")]
+    assert [row.split("  ")[0] for row in rows] == [c.name for c in configs]
+    for row, c in zip(rows, configs):
+        plan = ShardPlan.build(DEFAULT_LENGTHS, cp_size=c.cp, tp_size=c.tp, layout=c.layout)
+        work = attention_work(plan)
+        assert f"{100 * plan.padding_overhead:.1f}%" in row and f"{max(work) * len(work) / sum(work):.3f}" in row
+    assert block.rstrip().endswith("OK: every configuration equals cp=1, and the layout-naive attention under "
+                                   "zigzag was caught")
