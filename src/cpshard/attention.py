@@ -37,9 +37,11 @@ import math
 from typing import Any, Union
 
 import torch
+import torch.distributed as dist
 
 from cpshard._errors import check_tensor, fail
 from cpshard.bshd import BshdPlan
+from cpshard.distributed import group_rank
 from cpshard.layout import Layout
 from cpshard.ops import check_plan_type
 from cpshard.plan import ShardPlan
@@ -120,8 +122,6 @@ class _GatherRowsSumGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
-        import torch.distributed as dist
-
         local = local.contiguous()
         ctx.rows, ctx.rank, ctx.group = local.shape[0], rank, group
         out = local.new_empty((size * local.shape[0], *local.shape[1:]))
@@ -131,8 +131,6 @@ class _GatherRowsSumGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        import torch.distributed as dist
-
         # summed in at least float32: gloo reduces half precision poorly or not at all
         wide = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous()
         dist.all_reduce(wide, group=ctx.group)
@@ -166,7 +164,6 @@ def _check_qkv(q: Any, k: Any, v: Any, plan: Plan) -> tuple[torch.Tensor, torch.
 def _rank(plan: Plan, group: Any) -> int:
     if plan.cp_size == 1 and group is None:
         return 0
-    from cpshard.distributed import group_rank
     return group_rank(plan, group)
 
 

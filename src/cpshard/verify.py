@@ -30,6 +30,8 @@ and runs every configuration of that ``cp`` in it; :func:`verify_launched` runs 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import logging
 import math
 import os
 import sys
@@ -39,14 +41,18 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from cpshard._errors import check_int, fail
 from cpshard.attention import attention, attention_work, naive_attention
+from cpshard.distributed import gather, shift_sharded_multi
 from cpshard.layout import Layout
+from cpshard.mtp import mtp_loss
 from cpshard.ops import shard, unshard
 from cpshard.plan import ShardPlan
+from cpshard.spawn import run_ranks
 
 __all__ = ["DEFAULT_LENGTHS", "Config", "Report", "Result", "TinyDecoder", "format_table", "verify",
            "verify_launched"]
@@ -233,8 +239,6 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum over the CP group (one ``all_reduce``); ``t`` itself at ``cp = 1``."""
     if group is None:
         return t
-    import torch.distributed as dist
-
     out = t.detach().clone()
     dist.all_reduce(out, group=group)
     return out
@@ -245,8 +249,6 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
     """Forward and backward of ``model`` on this rank's rows of ``batch`` (Note [How verify's ranks add
     up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``. Returns the batch's values
     (the same on every rank); the model's ``.grad`` are left as this rank's own."""
-    from cpshard.mtp import mtp_loss
-
     start = time.perf_counter()
     dev = device if device is not None else torch.device("cpu")
     dtype = next(model.parameters()).dtype
@@ -258,7 +260,6 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
     if group is None:
         shifted = torch.stack([shard(batch, plan, cp_rank, shift=d) for d in depths]).to(dev)
     else:  # what a trainer does when the ids exist only sharded: one exchange for every depth
-        from cpshard.distributed import shift_sharded_multi
         shifted = shift_sharded_multi([ids], plan, group, shifts=depths)[0]
     attend_fn = naive_attention if naive else attention
 
@@ -284,7 +285,6 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
     if group is None:
         restored = unshard([token_logp.detach()], plan).values()
     else:
-        from cpshard.distributed import gather
         restored = gather(token_logp.detach(), plan, group).values()
     return Outcome(loss=parts[-2][0], logprobs=restored.double().cpu(), mtp_loss=parts[-1],
                    grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-2], model.parameters())},
@@ -350,10 +350,6 @@ class Progress:
 def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
                progress: Progress) -> list[Outcome] | None:
     """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
-    import logging
-
-    import torch.distributed as dist
-
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     group = dist.group.WORLD
     batch = _batch(lengths)
@@ -407,8 +403,6 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     configurations must then fail). The naive attention under zigzag is always run once more, at the
     smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
     """
-    from cpshard.spawn import run_ranks
-
     start = time.perf_counter()
     lens, cps, tps, layouts = _check_args(lengths, cps, tps, layouts, dtype)
     if attention not in ("reference", "naive"):
@@ -456,10 +450,6 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
     is available. Rank 0 computes the ``cp = 1`` reference itself and returns the report; the other
     ranks return None. The process group is created and destroyed here.
     """
-    import datetime
-
-    import torch.distributed as dist
-
     world = int(os.environ["WORLD_SIZE"])
     lens, _, tps, layouts = _check_args(lengths, [world], tps, layouts, dtype)
     if world < 2:
