@@ -167,7 +167,7 @@ def _rank(plan: Plan, group: Any) -> int:
     return group_rank(plan, group)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=4)  # a few plans: each mask is (R, cp * R) bytes
 def _device_mask(plan: Plan, rank: int, device: torch.device) -> torch.Tensor:
     """:func:`attention_mask` on ``device``, built once per plan value, rank and device (shared: read only)."""
     return attention_mask(plan, rank).to(device)
