@@ -603,3 +603,15 @@ def test_valid_verl_extension_is_kept_exactly():
         _same_params(verl_psp, psp)
         assert psp.cu_seqlens_q_padded.tolist() == [0, 12] and torch.equal(got, want)
     assert ShardPlan.build([3], cp_size=2, tp_size=2, min_local_rows=6).total_len == 16
+
+
+def test_one_host_copy_per_call(monkeypatch):
+    """The lengths are read once by preprocess and once by postprocess (verl reads them too)."""
+    x = vf.nested([5, 0, 9, 3], dtype=torch.float32)
+    calls = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or original(t))
+    rows, psp, _ = cv.preprocess_thd_engine(x, need_roll=True, tp_size=2, cp_size=1, cp_rank=0)
+    assert len(calls) == 1
+    cv.postprocess_thd_engine(rows, psp, x, 4, cp_size=1)
+    assert len(calls) == 2
