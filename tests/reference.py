@@ -59,9 +59,20 @@ def ref_alignment_before_fp8(cp: int, tp: int, layout) -> int:
     return cp * tp
 
 
-def ref_alignment(cp: int, tp: int, layout, fp8: bool = False) -> int:
-    """The per-sequence alignment ``a`` (with fp8: ``lcm(16, a)``)."""
-    a = ref_alignment_before_fp8(cp, tp, layout)
+def ref_alignment(cp: int, tp: int, layout, fp8: bool = False, padding: str = "aligned") -> int:
+    """The per-sequence alignment ``a`` (with fp8: ``lcm(16, a)``).
+
+    ``padding="minimal"`` (issue 10): only what the layout needs, ``2 * cp`` chunks for zigzag with
+    ``cp > 1``, nothing (1) otherwise; ``tp`` is then met through the total alone.
+    """
+    if padding == "minimal":
+        if _layout_str(layout) == ZIGZAG and cp > 1:
+            a = 2 * cp
+        else:
+            a = 1
+    else:
+        assert padding == "aligned", padding
+        a = ref_alignment_before_fp8(cp, tp, layout)
     if fp8:
         return _lcm(16, a)
     return a
@@ -75,6 +86,7 @@ def ref_padded_lengths(
     fp8: bool = False,
     min_local_rows=None,
     length_bucket=None,
+    padding: str = "aligned",
 ) -> list:
     """Padded length ``P_i`` of every sequence (SPEC "Padding").
 
@@ -85,7 +97,7 @@ def ref_padded_lengths(
     """
     seqlens = [int(n) for n in seqlens]
     a0 = ref_alignment_before_fp8(cp, tp, layout)
-    u = ref_alignment(cp, tp, layout, fp8)
+    u = ref_alignment(cp, tp, layout, fp8, padding)
     padded = [_roundup(n, u) for n in seqlens]
 
     def total() -> int:
@@ -233,14 +245,20 @@ def ref_shard(
     *,
     trailing=None,
     dtype=None,
+    order=None,
     **ext,
 ) -> torch.Tensor:
     """Rank ``rank``'s local rows (L, *trailing) of ``shift(x, shift)``.
 
     ``seqs`` is a list of per-sequence tensors (n_i, *trailing). ``ext`` holds ``fp8``,
-    ``min_local_rows`` and ``length_bucket``. ``trailing``/``dtype`` are only needed when there
-    are no sequences to read them from.
+    ``min_local_rows``, ``length_bucket`` and ``padding``. ``order`` (issue 10's reordering) puts
+    the caller's sequence ``order[j]`` at buffer position ``j``: the buffer is padded and split as
+    if the batch had come in that order. ``trailing``/``dtype`` are only needed when there are no
+    sequences to read them from.
     """
+    if order is not None:
+        seqs = [seqs[i] for i in order]
+        seqlens = [seqlens[i] for i in order]
     seqlens = [int(n) for n in seqlens]
     assert len(seqs) == len(seqlens)
     for s, n in zip(seqs, seqlens):

@@ -65,13 +65,17 @@ class PlanCfg:
     fp8: bool = False
     min_local_rows: int | None = None
     length_bucket: int | None = None
+    padding: str = "aligned"
 
     @property
     def ext(self) -> dict:
-        return dict(fp8=self.fp8, min_local_rows=self.min_local_rows, length_bucket=self.length_bucket)
+        return dict(fp8=self.fp8, min_local_rows=self.min_local_rows, length_bucket=self.length_bucket,
+                    padding=self.padding)
 
     def build_kwargs(self) -> dict:
         kw = dict(cp_size=self.cp, tp_size=self.tp, layout=self.layout)
+        if self.padding != "aligned":
+            kw["padding"] = self.padding
         if self.fp8:
             kw["fp8"] = True
         if self.min_local_rows is not None:
@@ -90,11 +94,12 @@ def plan_cfgs(draw, *, big: bool = True, batch_max: int = 64, max_total: int | N
     tp = draw(st.sampled_from(TPS))
     layout = draw(st.sampled_from(LAYOUTS))
     fp8 = draw(st.booleans())
-    a = ref_alignment(cp, tp, layout, fp8)
+    padding = draw(st.sampled_from(["aligned", "aligned", "minimal"]))
+    a = ref_alignment(cp, tp, layout, fp8, padding)
     seqlens = draw(lengths_strategy(a, batch_max=batch_max, big=big))
     min_local_rows = draw(st.none() | st.integers(0, 40) | st.integers(0, 600))
     length_bucket = draw(st.none() | st.sampled_from(BUCKETS))
-    cfg = PlanCfg(seqlens, cp, tp, layout, fp8, min_local_rows, length_bucket)
+    cfg = PlanCfg(seqlens, cp, tp, layout, fp8, min_local_rows, length_bucket, padding)
     if max_total is not None:
         # Keep the tensors small: drop extensions that blow the total up, then, if still too
         # large, drop fp8 (its total unit can be 8192 rows). (The closed form is only used to
@@ -124,14 +129,15 @@ def round_up(n: int, a: int) -> int:
 def closed_form_padding(cfg: PlanCfg) -> list[int]:
     """SPEC's padded lengths in closed form: prunes strategies, and cross-checks the naive oracle."""
     a = ref_alignment(cfg.cp, cfg.tp, cfg.layout, False)
-    u = ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8)
+    u = ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8, cfg.padding)
     F = a * 128 if cfg.fp8 else 1
+    K = lcm(u, F, cfg.cp * cfg.tp)  # every total keeps the per-sequence unit and cp shares of a multiple of tp
     P = [round_up(n, u) for n in cfg.seqlens]
-    T = round_up(sum(P), F)
+    T = round_up(sum(P), K)
     if cfg.min_local_rows is not None:
-        T = max(T, round_up(cfg.min_local_rows * cfg.cp, lcm(u, F)))
+        T = max(T, round_up(cfg.min_local_rows * cfg.cp, K))
     if cfg.length_bucket is not None:
-        T = round_up(T, lcm(cfg.length_bucket, cfg.cp, u, F))
+        T = round_up(T, lcm(cfg.length_bucket, cfg.cp, K))
     P[-1] += T - sum(P)
     return P
 

@@ -268,6 +268,14 @@ def _switch_and_groups(rank, world):
     # fill=0 on one rank and fill=0.0 on another are the same value in a float tensor
     out = shift_sharded(shard(x, good, rank), good, dist.group.WORLD, fill=0 if rank else 0.0, check=True)
     assert torch.equal(out, shard(x, good, rank, shift=1))
+    # a reordered (balanced) plan: gather returns the caller's order, shift_sharded follows the buffer
+    lens = [900, 3, 0, 400, 17, 1200]
+    xb = torch.arange(sum(lens))
+    plan_b = ShardPlan.build(lens, cp_size=world, layout="contiguous", reorder="balanced")
+    local_b = shard(xb, plan_b, rank)
+    assert torch.equal(gather(local_b, plan_b, dist.group.WORLD, check=True).values(), xb)
+    assert torch.equal(shift_sharded(local_b, plan_b, dist.group.WORLD, shift=2, fill=-1),
+                       shard(xb, plan_b, rank, shift=2, fill=-1))
     with torch.inference_mode():  # log-prob and value passes run there
         inf = gather(shard(x, good, rank), good, dist.group.WORLD, check=True)
         assert torch.equal(inf.values(), x)

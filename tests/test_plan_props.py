@@ -145,7 +145,7 @@ def test_plan_fields_match_reference(cfg: PlanCfg, data):
     assert plan.layout == Layout(cfg.layout)
     assert isinstance(plan.layout, Layout)
     assert plan.num_seqs == len(cfg.seqlens)
-    assert plan.alignment == ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8)
+    assert plan.alignment == ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8, cfg.padding)
 
     assert _is_int_tuple(plan.seqlens_py) and plan.seqlens_py == tuple(cfg.seqlens)
     assert _is_int_tuple(plan.padded_seqlens_py) and plan.padded_seqlens_py == tuple(P)

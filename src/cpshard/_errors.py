@@ -51,3 +51,17 @@ def check_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         fail(name, type(value).__name__, "must be a torch.Tensor", f"pass {name} as a tensor", kind=TypeError)
     return value
+
+
+def parse_choice(cls: Any, value: Any, name: str, what: str, member: str) -> Any:
+    """A member of the ``str`` enum ``cls`` from itself or its value (any case); else a clear error."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            return cls(value.lower())
+        except ValueError:
+            pass
+    valid = ", ".join(repr(m.value) for m in cls)
+    fail(name, repr(value), f"is not a {what} (valid: {valid})",
+         f"pass one of {valid} or a {member} member")

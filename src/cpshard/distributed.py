@@ -394,3 +394,87 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
     else:
         out = _ShiftSharded.apply(flat, ex, group, pad, fil)
     return out.view(local.shape)
+
+
+# -- several shifts in one exchange; sums over the group (cpshard.mtp) -------------------------
+
+__all__ += ["group_rank", "shift_sharded_multi", "sum_over_group"]
+
+
+def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any, *, shifts: Sequence[int],
+                        pad_values: Sequence[Scalar | None] | None = None, fills: Sequence[Scalar] | None = None,
+                        check: bool | None = None) -> list[torch.Tensor]:
+    """Shift several sharded tensors by several shifts with one collective: ``shard(shift(x, k))`` for each.
+
+    For the labels and loss mask of every multi-token-prediction depth. Each segment's *halo* (the
+    ``max(shifts)`` positions after it) is exchanged once for all tensors and shifts, in one
+    ``all_to_all_single`` of the tensors' rows packed side by side as bytes; see Note [Halo exchange
+    for several shifts] in ``_halo.py``. No collective when no halo row lies on another rank.
+
+    Args:
+        tensors: this rank's rows, each ``plan.local_shape + trailing`` (``(L,)`` THD, ``(B, M /
+            cp)`` BSHD), any dtypes and trailing shapes.
+        plan: the plan shared by every rank of ``group``.
+        group: the context-parallel group (required); its size must be ``plan.cp_size``.
+        shifts: the shifts ``k >= 0``.
+        pad_values: per tensor, the value of pad rows (``None``: as :func:`cpshard.shard`, ``fill``
+            for a shifted tensor); default all ``None``.
+        fills: per tensor, the value of token rows shifted past the sequence's end; default 0.
+        check: as in :func:`gather`.
+
+    Returns:
+        Per tensor, ``(len(shifts), *local_shape, *trailing)``: entry ``s`` is the tensor shifted by
+        ``shifts[s]``; pad rows take their pad value for every shift. No gradient flows (labels and
+        masks); the inputs are read detached.
+    """
+    from cpshard import _halo  # here, not at the top: this section stays apart from the rest
+    from cpshard._dtypes import check_fill
+    from cpshard._errors import check_int
+    from cpshard.plan import halo_exchange
+
+    def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
+        checked = [_check_local(t, plan) for t in tensors]
+        pads = list(pad_values) if pad_values is not None else [None] * len(checked)
+        fils = list(fills) if fills is not None else [0] * len(checked)
+        if not checked or len(pads) != len(checked) or len(fils) != len(checked):
+            fail("tensors", f"{len(checked)} tensors, {len(pads)} pad_values and {len(fils)} fills",
+                 "must be at least one tensor, with one pad value and one fill each", "pass matching lists")
+        ks = tuple(check_int("shifts", k, minimum=0) for k in shifts)
+        if not ks:
+            fail("shifts", list(shifts), "must hold at least one shift", "pass e.g. shifts=[1, 2]")
+        fils = [check_fill("fills", v, t.dtype) for v, t in zip(fils, checked)]
+        pads = [f if v is None else check_fill("pad_values", v, t.dtype) for v, f, t in zip(pads, fils, checked)]
+        call = {"dtypes": [t.dtype for t in checked],
+                "row shapes": [tuple(t.shape[len(plan.local_shape):]) for t in checked],
+                "shifts": ks, "pad_values": pads, "fills": fils}
+        return (checked, ks, pads, fils), call
+
+    (checked, ks, pads, fils), rank = _checked(plan, group, check, validate)
+    lead = len(plan.local_shape)
+    rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
+    ms = halo_exchange(plan, rank, ks, rows[0].device)
+    received: list[torch.Tensor | None] = [None] * len(rows)
+    if ms.total_remote:
+        packed = _halo.pack_rows(rows)
+        recv = packed.new_empty((sum(ms.recv_splits), packed.shape[1]))
+        _all_to_all(recv, packed.index_select(0, ms.send_rows), ms.recv_splits, ms.send_splits, group)
+        received = list(_halo.unpack_rows(recv, rows))
+    return [_halo.apply_multi_shift(ms, r, got, pad, fil).view(len(ks), *t.shape)
+            for r, got, pad, fil, t in zip(rows, received, pads, fils, checked)]
+
+
+def sum_over_group(values: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
+    """``values`` summed over the ranks of ``group`` (one ``all_reduce``), as a new tensor.
+
+    For token counts; the group's size must be ``plan.cp_size``. No gradient flows.
+    """
+    values = check_tensor("values", values)
+    _group_rank(plan, group)
+    out = values.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def group_rank(plan: Plan, group: Any) -> int:
+    """This process's rank in ``group`` (its CP rank), after checking the group fits ``plan``. No communication."""
+    return _group_rank(plan, group)

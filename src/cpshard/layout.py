@@ -10,9 +10,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from cpshard._errors import check_int, fail
+from cpshard._errors import check_int, parse_choice
 
-__all__ = ["Layout", "alignment", "layout_for", "register_layout_rule"]
+__all__ = ["Layout", "Padding", "alignment", "layout_for", "register_layout_rule"]
 
 
 class Layout(str, enum.Enum):
@@ -34,32 +34,50 @@ class Layout(str, enum.Enum):
     @classmethod
     def parse(cls, value: Any, name: str = "layout") -> Layout:
         """Accept a ``Layout`` or its string value; anything else is a clear error."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        valid = ", ".join(repr(m.value) for m in cls)
-        fail(name, repr(value), f"is not a known layout (valid: {valid})",
-             f"pass one of {valid} or a cpshard.Layout member")
+        return parse_choice(cls, value, name, "known layout", "cpshard.Layout")
 
 
-def alignment(cp_size: int, tp_size: int, layout: Layout | str) -> int:
+class Padding(str, enum.Enum):
+    """How much each sequence is padded (SPEC.md, "Padding").
+
+    ``ALIGNED`` (the default) pads every sequence to the alignment Megatron users run: ``tp``,
+    ``2 * cp * tp`` (zigzag) or ``cp * tp`` (contiguous). ``MINIMAL`` pads each sequence only as
+    far as its layout needs (``2 * cp`` for zigzag's chunks, nothing for contiguous) and extends
+    the last sequence so that every rank's row count still divides by ``tp``: far less padding for
+    short sequences, the same rows per rank, every shift and gather unchanged.
+    """
+
+    ALIGNED = "aligned"
+    MINIMAL = "minimal"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, name: str = "padding") -> Padding:
+        """Accept a ``Padding`` or its string value; anything else is a clear error."""
+        return parse_choice(cls, value, name, "padding mode", "cpshard.layout.Padding")
+
+
+def alignment(cp_size: int, tp_size: int, layout: Layout | str, padding: Padding | str = Padding.ALIGNED) -> int:
     """Per-sequence padding multiple ``a`` before fp8 (SPEC.md, "Padding").
 
     ``tp`` when ``cp == 1``; ``2 * cp * tp`` for zigzag (every sequence splits into ``2 * cp``
     equal chunks and each rank's share must still split over ``tp`` for the sequence-parallel
     scatter; the product, not ``cp * lcm(2, tp)``, is what Megatron users run); ``cp * tp`` for
-    contiguous.
+    contiguous. With ``padding="minimal"``: ``2 * cp`` for zigzag with ``cp > 1``, else 1 (the
+    total is then extended to a multiple of ``cp * tp`` through the last sequence).
 
     >>> alignment(2, 1, "zigzag"), alignment(2, 2, "zigzag"), alignment(4, 2, "contiguous")
     (4, 8, 8)
+    >>> alignment(2, 2, "zigzag", "minimal"), alignment(4, 2, "contiguous", "minimal")
+    (4, 1)
     """
     cp_size = check_int("cp_size", cp_size, minimum=1)
     tp_size = check_int("tp_size", tp_size, minimum=1)
     layout = Layout.parse(layout)
+    if Padding.parse(padding) is Padding.MINIMAL:
+        return 2 * cp_size if (layout is Layout.ZIGZAG and cp_size > 1) else 1
     if cp_size == 1:
         return tp_size
     if layout is Layout.ZIGZAG:

@@ -39,7 +39,7 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
     device-to-host copy; shard ``ShardPlan.from_nested``'s values to avoid it), a list of
     ``(n_i, *trailing)`` tensors (one ``cat``), or the flat tensor.
     """
-    lens = plan.seqlens_py
+    lens = plan.input_seqlens_py
     if isinstance(x, torch.Tensor) and x.is_nested:
         got = jagged_lengths(x, name)
         if got != lens:
@@ -229,5 +229,5 @@ def shift(x: TokenRows, plan: Plan, k: int, *, fill: Scalar = 0) -> Any:
     if isinstance(x, torch.Tensor) and x.is_nested:
         return as_nested(values, plan)
     if isinstance(x, (list, tuple)):
-        return list(values.split(list(plan.seqlens_py)))
+        return list(values.split(list(plan.input_seqlens_py)))
     return values

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from cpshard import _index
+from cpshard import _halo, _index
 from cpshard._errors import check_int, check_rank, fail
 from cpshard._exchange import Exchange, build_exchange
-from cpshard.layout import Layout, alignment, fp8_alignment, fp8_total_alignment
+from cpshard.layout import Layout, Padding, alignment, fp8_alignment, fp8_total_alignment
 
 __all__ = ["DeviceTensors", "ShardPlan", "shift_exchange"]
 
@@ -161,6 +161,8 @@ class PlanBase:
     fp8: bool
     alignment: int
     max_seqlen: int  # longest padded sequence (what attention kernels take as ``max_seqlen``)
+    padding: Padding = Padding.ALIGNED
+    order: tuple[int, ...] | None = None  # buffer position -> the caller's sequence index (None: same)
     _cache: _Cache
 
     # -- what a plan kind defines -------------------------------------------------------------
@@ -207,6 +209,24 @@ class PlanBase:
     @cached_property
     def cu_seqlens_py(self) -> tuple[int, ...]:
         return _cumsum(self.seqlens_py)
+
+    @cached_property
+    def input_seqlens_py(self) -> tuple[int, ...]:
+        """The lengths in the caller's order: what ``shard`` takes and ``unshard`` returns.
+
+        Equal to ``seqlens_py`` unless the plan reordered the sequences (``order``), in which case
+        ``seqlens_py``, ``cu_seqlens*`` and every per-rank view follow the buffer's order.
+        """
+        if self.order is None:
+            return self.seqlens_py
+        out = [0] * self.num_seqs
+        for j, i in enumerate(self.order):
+            out[i] = self.seqlens_py[j]
+        return tuple(out)
+
+    @cached_property
+    def input_cu_seqlens_py(self) -> tuple[int, ...]:
+        return _cumsum(self.input_seqlens_py)
 
     @property
     def seqlens(self) -> torch.Tensor:
@@ -298,6 +318,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _unit(cp_size: int, tp_size: int, layout: Layout, fp8: bool, padding: Padding) -> int:
+    """The per-sequence multiple: the layout's alignment for ``padding``, ``lcm(16, .)`` under fp8."""
+    unit = alignment(cp_size, tp_size, layout, padding)
+    return fp8_alignment(unit) if fp8 else unit
+
+
 def _padded_lengths(
     seqlens: tuple[int, ...],
     cp_size: int,
@@ -306,27 +332,37 @@ def _padded_lengths(
     fp8: bool,
     min_local_rows: int | None,
     length_bucket: int | None,
+    padding: Padding = Padding.ALIGNED,
 ) -> tuple[int, ...]:
     """Padded lengths per SPEC.md, "Padding".
 
-    The extensions (fp8 total, ``min_local_rows``, ``length_bucket``) only lengthen the last
-    sequence, each by a multiple of the per-sequence alignment, so every invariant still holds; a
-    target that would break one is rounded up to the nearest one that keeps them all, and under fp8
-    every target is also kept a multiple of the fp8 total alignment.
+    Each sequence is rounded up to the unit; the total must then split into ``cp`` shares of a
+    multiple of ``tp`` rows (already so for aligned padding, reached through the last sequence for
+    minimal padding). The extensions (fp8 total, ``min_local_rows``, ``length_bucket``) only
+    lengthen the last sequence, each by a multiple of the per-sequence alignment, so every invariant
+    still holds; a target that would break one is rounded up to the nearest one that keeps them all,
+    and under fp8 every target is also kept a multiple of the fp8 total alignment.
     """
-    base = alignment(cp_size, tp_size, layout)
-    unit = fp8_alignment(base) if fp8 else base
+    unit = _unit(cp_size, tp_size, layout, fp8, padding)
     padded = [_round_up(n, unit) for n in seqlens]
-    total = sum(padded)
-    keep = math.lcm(unit, fp8_total_alignment(base)) if fp8 else unit
+    keep = math.lcm(unit, cp_size * tp_size)
     if fp8:
-        total = _round_up(total, keep)
+        keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
+    total = _round_up(sum(padded), keep)
     if min_local_rows is not None:
         total = max(total, _round_up(min_local_rows * cp_size, keep))
     if length_bucket is not None:
         total = _round_up(total, math.lcm(length_bucket, cp_size, keep))
     padded[-1] += total - sum(padded)
     return tuple(padded)
+
+
+def _int_tuple(name: str, values: Sequence[Any]) -> tuple[int, ...]:
+    """``values`` as a tuple of ints >= 0; a fast path for plain ints (plans of thousands of sequences)."""
+    out = tuple(values)
+    if all(type(v) is int and v >= 0 for v in out):
+        return out
+    return tuple(check_int(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(out))
 
 
 def check_value_fields(plan: PlanBase, derive: Callable[[int, int, Layout, bool], int]) -> None:
@@ -337,7 +373,7 @@ def check_value_fields(plan: PlanBase, derive: Callable[[int, int, Layout, bool]
     object.__setattr__(plan, "tp_size", check_int("tp_size", plan.tp_size, minimum=1))
     if not isinstance(plan.fp8, bool):
         fail("fp8", repr(plan.fp8), "must be a bool", "pass fp8=True or fp8=False", kind=TypeError)
-    lens = tuple(check_int(f"seqlens_py[{i}]", n, minimum=0) for i, n in enumerate(plan.seqlens_py))
+    lens = _int_tuple("seqlens_py", plan.seqlens_py)
     if not lens:
         fail("seqlens_py", lens, "must hold at least one sequence (B >= 1)", "pass the lengths of a non-empty batch")
     object.__setattr__(plan, "seqlens_py", lens)
@@ -379,6 +415,8 @@ class ShardPlan(PlanBase):
     layout: Layout = Layout.ZIGZAG
     fp8: bool = False
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
+    padding: Padding = Padding.ALIGNED
+    order: tuple[int, ...] | None = None
     _cache: _Cache = field(init=False, repr=False, compare=False)
 
     # -- construction ----------------------------------------------------------------------
@@ -394,6 +432,8 @@ class ShardPlan(PlanBase):
         fp8: bool = False,
         min_local_rows: int | None = None,
         length_bucket: int | None = None,
+        padding: Padding | str = Padding.ALIGNED,
+        reorder: str | None = None,
     ) -> ShardPlan:
         """Plan a micro-batch of sequences with lengths ``seqlens``.
 
@@ -403,14 +443,34 @@ class ShardPlan(PlanBase):
         every rank hold at least that many rows; ``length_bucket`` makes the total a multiple of
         ``lcm(length_bucket, cp_size)``. Extensions lengthen only the last sequence and are rounded
         up until every invariant holds.
+
+        ``padding="minimal"`` pads each sequence only as far as the layout needs (``2 * cp`` for
+        zigzag, nothing for contiguous; the last sequence keeps every rank's rows divisible by
+        ``tp``). ``reorder="balanced"`` (contiguous layout) permutes the sequences so that causal
+        attention work is spread evenly over the ranks: ``order`` records the permutation,
+        ``seqlens``/``cu_seqlens*`` and the per-rank views follow the new order, and ``shard``
+        takes, ``unshard``/``gather`` return, the caller's order.
         """
         lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
+        padding = Padding.parse(padding)
         if min_local_rows is not None:
             min_local_rows = check_int("min_local_rows", min_local_rows, minimum=0)
         if length_bucket is not None:
             length_bucket = check_int("length_bucket", length_bucket, minimum=1)
-        padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket)
-        return cls(lens, padded, cp_size, tp_size, layout, fp8)
+        order = None
+        if reorder is not None:
+            if reorder != "balanced":
+                fail("reorder", repr(reorder), "must be None or 'balanced'", "pass reorder='balanced' or leave it None")
+            if layout is not Layout.CONTIGUOUS:
+                fail("reorder", repr(reorder), f"balances the contiguous layout (zigzag is balanced by its chunks; "
+                     f"layout={layout.value!r})", "pass layout='contiguous', or drop reorder")
+            if cp_size > 1:
+                unit = _unit(cp_size, tp_size, layout, fp8, padding)
+                from cpshard._balance import balanced_order
+                order = tuple(balanced_order(lens, tuple(_round_up(n, unit) for n in lens), cp_size))
+                lens = tuple(lens[i] for i in order)
+        padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket, padding)
+        return cls(lens, padded, cp_size, tp_size, layout, fp8, padding=padding, order=order)
 
     @classmethod
     def from_nested(cls, nt: torch.Tensor, **kwargs: Any) -> tuple[ShardPlan, torch.Tensor]:
@@ -429,16 +489,21 @@ class ShardPlan(PlanBase):
     def __post_init__(self) -> None:
         # Runs for hand-built plans too (and dataclasses.replace): an invalid plan cannot exist, and
         # every plan starts with its own empty cache.
-        check_value_fields(self, lambda cp, tp, layout, fp8: (fp8_alignment if fp8 else int)(
-            alignment(cp, tp, layout)))
+        object.__setattr__(self, "padding", Padding.parse(self.padding))
+        check_value_fields(self, lambda cp, tp, layout, fp8: _unit(cp, tp, layout, fp8, self.padding))
         base = alignment(self.cp_size, self.tp_size, self.layout)
         cp, tp, lens = self.cp_size, self.tp_size, self.seqlens_py
-        padded = tuple(check_int(f"padded_seqlens_py[{i}]", p, minimum=0)
-                       for i, p in enumerate(self.padded_seqlens_py))
+        padded = _int_tuple("padded_seqlens_py", self.padded_seqlens_py)
         object.__setattr__(self, "padded_seqlens_py", padded)
         if len(lens) != len(padded):
             fail("padded_seqlens_py", padded, f"must hold one length per sequence ({len(lens)})",
                  "build plans with ShardPlan.build")
+        if self.order is not None:
+            order = _int_tuple("order", self.order)
+            if sorted(order) != list(range(len(lens))):
+                fail("order", order, f"must be a permutation of range({len(lens)}) (buffer position -> the "
+                     "caller's sequence)", "build plans with ShardPlan.build(..., reorder='balanced')")
+            object.__setattr__(self, "order", None if order == tuple(range(len(lens))) else order)
         for i, (n, p) in enumerate(zip(lens, padded)):
             if p < n or p % self.alignment:
                 fail(f"padded_seqlens_py[{i}]", p, f"must be >= the sequence length {n} and a multiple of "
@@ -504,14 +569,15 @@ class ShardPlan(PlanBase):
 
     def _key(self) -> tuple[Any, ...]:
         return (self.seqlens_py, self.padded_seqlens_py, self.cp_size, self.tp_size, self.layout.value,
-                self.fp8, self.alignment)
+                self.fp8, self.alignment, self.padding.value, self.order)
 
     def __repr__(self) -> str:
         lens: list[object] = list(self.seqlens_py)
         shown = lens if len(lens) <= 8 else lens[:6] + ["..."] + lens[-1:]
-        fp8 = ", fp8=True" if self.fp8 else ""
+        extra = (", fp8=True" if self.fp8 else "") + (", padding='minimal'" if self.padding is Padding.MINIMAL
+                                                       else "") + (", reordered" if self.order else "")
         return (f"ShardPlan(seqlens={shown}, cp_size={self.cp_size}, tp_size={self.tp_size}, "
-                f"layout={self.layout.value!r}{fp8}, alignment={self.alignment}, total_len={self.total_len}, "
+                f"layout={self.layout.value!r}{extra}, alignment={self.alignment}, total_len={self.total_len}, "
                 f"local_len={self.local_len})")
 
 
@@ -534,19 +600,32 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
     ``row_stride`` is ``S`` for a padded ``(B, S, ...)`` input (sequence ``b`` starts at row
     ``b * S``), or None for packed token rows (sequence ``b`` starts at ``cu_seqlens[b]``).
     """
-    def make() -> _index.ShardIndex:
+    def base() -> torch.Tensor:
+        # every shift's gather is this one plus the shift (Note [Which rows a rank holds])
         segs = plan._segments(cp_rank)
-        if row_stride is None:
-            starts, rows = torch.tensor(plan.cu_seqlens_py[:-1], dtype=torch.int64), plan.num_tokens
+        if row_stride is None:  # packed input in the caller's order: buffer sequence j is input sequence order[j]
+            cu = torch.tensor(plan.input_cu_seqlens_py[:-1], dtype=torch.int64)
+            starts = cu if plan.order is None else cu[torch.tensor(plan.order)]
         else:
-            starts, rows = torch.arange(plan.num_seqs, dtype=torch.int64) * row_stride, plan.num_seqs * row_stride
-        return _index.shard_index(segs, plan._lens64(), starts, shift, rows).to(device)
+            starts = torch.arange(plan.num_seqs, dtype=torch.int64) * row_stride
+        # pad rows of the last sequence may point past the input: clamp once, in place
+        return segs.expand(starts[segs.seq] + segs.pos).clamp_max_(max(rows - 1, 0)).to(device)
+
+    rows = plan.num_tokens if row_stride is None else plan.num_seqs * row_stride
+
+    def make() -> _index.ShardIndex:
+        src = plan._cache.get(("shard-base", cp_rank, row_stride, device), base)
+        pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.pad_rows(
+            plan._segments(cp_rank), plan._lens64()).to(device))
+        fill = _index.fill_rows(plan._segments(cp_rank), plan._lens64(), shift).to(device)
+        return _index.ShardIndex(_index.shifted(src, shift, rows), pad, fill)
     return plan._cache.get(("shard", cp_rank, shift, row_stride, device), make)
 
 
 def unpadded(plan: PlanBase) -> ShardPlan:
-    """The plan of ``plan``'s tokens, unpadded, on one rank: what ``shift`` on whole sequences uses."""
-    return plan._cache.get("unpadded", lambda: ShardPlan(plan.seqlens_py, plan.seqlens_py, 1, alignment=1))
+    """The plan of ``plan``'s tokens, unpadded, in the caller's order, on one rank (for ``shift``)."""
+    return plan._cache.get("unpadded", lambda: ShardPlan(plan.input_seqlens_py, plan.input_seqlens_py, 1,
+                                                         alignment=1))
 
 
 def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
@@ -556,15 +635,17 @@ def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
         segs = [plan._segments(r) for r in range(plan.cp_size)]
         rows = math.prod(plan.local_shape)
         start = torch.cat([r * rows + s.local_start for r, s in enumerate(segs)])
+        seq = torch.cat([s.seq for s in segs])
+        caller = seq if plan.order is None else torch.tensor(plan.order)[seq]  # tokens in the caller's order
         return _index.token_gather_index(
-            torch.cat([s.seq for s in segs]), torch.cat([s.pos for s in segs]),
-            torch.cat([s.length for s in segs]), start, plan._lens64(), plan.num_tokens).to(device)
+            seq, torch.cat([s.pos for s in segs]), torch.cat([s.length for s in segs]), start, plan._lens64(),
+            plan.num_tokens, caller).to(device)
     return plan._cache.get(("unshard", device), make)
 
 
 def jagged_offsets(plan: PlanBase, device: torch.device) -> torch.Tensor:
-    """``cu_seqlens`` as int64 on ``device``: the offsets of the jagged tensors cpshard returns."""
-    return plan._cache.get(("offsets", device), lambda: torch.tensor(plan.cu_seqlens_py, device=device))
+    """The caller's ``cu_seqlens`` as int64 on ``device``: the offsets of the jagged tensors cpshard returns."""
+    return plan._cache.get(("offsets", device), lambda: torch.tensor(plan.input_cu_seqlens_py, device=device))
 
 
 def shift_exchange(plan: PlanBase, cp_rank: int, shift: int, device: torch.device | None = None) -> Exchange:
@@ -582,3 +663,22 @@ def shift_exchange(plan: PlanBase, cp_rank: int, shift: int, device: torch.devic
             return shift_exchange(plan, cp_rank, shift).to(dev)
         return build_exchange([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, shift)
     return plan._cache.get(("exchange", cp_rank, shift, dev), make)
+
+
+def halo_exchange(plan: PlanBase, cp_rank: int, shifts: Sequence[int],
+                  device: torch.device | None = None) -> _halo.MultiShift:
+    """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``.
+
+    One exchange of each segment's halo serves every shift and tensor (Note [Halo exchange for
+    several shifts] in ``_halo.py``; ``cpshard.distributed.shift_sharded_multi`` runs it). Pure index
+    math, the same on every rank: callable for every rank in one process. CPU unless ``device``.
+    """
+    cp_rank = check_rank(cp_rank, plan.cp_size)
+    ks = tuple(check_int("shifts", k, minimum=0) for k in shifts)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+
+    def make() -> _halo.MultiShift:
+        if dev.type != "cpu":
+            return halo_exchange(plan, cp_rank, ks).to(dev)
+        return _halo.build_multi_shift([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, ks)
+    return plan._cache.get(("halo", cp_rank, ks, dev), make)

@@ -3,19 +3,16 @@ lazily (``cpshard.megatron._import``), only by the functions that use it.
 """
 
 from cpshard.megatron._import import megatron_version
-
-__all__ = ["megatron_version"]
-
-# -- PackedSeqParams and parallel state (issue 8) ---------------------------------------------
-from cpshard.megatron.packed import (  # noqa: E402
+from cpshard.megatron.mtp import MtpLossImpl, mtp_loss_impl, plan_for_mtp, process_mtp_loss
+from cpshard.megatron.packed import (
     packed_seq_params,
     packed_seq_params_class,
     plan_from_packed_seq_params,
     plan_from_padded,
     supports_cp_partition_mode,
 )
-from cpshard.megatron.state import ParallelContext, parallel_context, plan_from_parallel_state  # noqa: E402
+from cpshard.megatron.state import ParallelContext, parallel_context, plan_from_parallel_state
 
-__all__ += ["ParallelContext", "packed_seq_params", "packed_seq_params_class", "parallel_context",
-            "plan_from_packed_seq_params", "plan_from_padded", "plan_from_parallel_state",
-            "supports_cp_partition_mode"]
+__all__ = ["MtpLossImpl", "ParallelContext", "megatron_version", "mtp_loss_impl", "packed_seq_params",
+           "packed_seq_params_class", "parallel_context", "plan_for_mtp", "plan_from_packed_seq_params",
+           "plan_from_padded", "plan_from_parallel_state", "process_mtp_loss", "supports_cp_partition_mode"]

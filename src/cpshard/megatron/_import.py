@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import types
 import warnings
@@ -54,6 +55,8 @@ def _preload_paged_stash() -> None:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("megatron-core is not installed; see cpshard/megatron/_import.py for the pip commands")
     path = f"{list(spec.submodule_search_locations)[0]}/core/transformer/moe/ops/paged_stash.py"
+    if not os.path.exists(path):  # older releases (0.14, 0.16) have no such file and import fine
+        return
     fakes = _fake_triton()
     saved = {name: sys.modules.get(name) for name in fakes}
     sys.modules.update(fakes)

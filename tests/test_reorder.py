@@ -1,0 +1,72 @@
+"""``reorder="balanced"`` (contiguous layout): the plan permutes the sequences, and every path still
+takes and returns the caller's order; the reference is the naive one given that permutation."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cpshard
+from cpshard import ShardPlan, shard, shift_exchange, unshard
+from reference import ref_padded_lengths, ref_shard
+from strategies import props
+from test_exchange import emulate_shift_sharded
+
+
+@given(
+    lens=st.lists(st.integers(0, 300) | st.integers(0, 5), min_size=1, max_size=24),
+    cp=st.integers(1, 6),
+    tp=st.integers(1, 3),
+    padding=st.sampled_from(["aligned", "minimal"]),
+    k=st.integers(0, 3),
+)
+@props(120)
+def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k):
+    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout="contiguous", padding=padding, reorder="balanced")
+    order = plan.order if plan.order is not None else tuple(range(len(lens)))
+    assert sorted(order) == list(range(len(lens)))
+    assert plan.seqlens_py == tuple(lens[i] for i in order) and plan.input_seqlens_py == tuple(lens)
+    assert list(plan.padded_seqlens_py) == ref_padded_lengths([lens[i] for i in order], cp, tp, "contiguous",
+                                                              padding=padding)
+    seqs = [torch.arange(n) * 10 + i for i, n in enumerate(lens)]
+    x = torch.cat(seqs)
+    parts = [shard(seqs, plan, r) for r in range(cp)]
+    for r in range(cp):
+        want = ref_shard(seqs, lens, cp, tp, "contiguous", r, shift=k, fill=-7, order=order, padding=padding)
+        assert torch.equal(shard(x, plan, r, shift=k, fill=-7), want)
+        assert torch.equal(plan.label_mask(r, max(k, 1)), shard([torch.ones(n, dtype=torch.bool) for n in lens],
+                                                                 plan, r, shift=max(k, 1), fill=False))
+    back = unshard(parts, plan)
+    assert torch.equal(back.values(), x) and back.offsets().tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+    assert torch.equal(cpshard.shift(x, plan, max(k, 1), fill=-7),
+                       cpshard.shift(x, ShardPlan.build(lens, cp_size=1), max(k, 1), fill=-7))
+    # the sharded shift's exchange works on the reordered buffer as on any other
+    outs, _ = emulate_shift_sharded(parts, plan, k, fill=-7, pad_value=-7)
+    for r in range(cp):
+        assert torch.equal(outs[r], shard(x, plan, r, shift=k, fill=-7, pad_value=-7))
+    assert all(shift_exchange(plan, r, k).total_remote >= 0 for r in range(cp))
+
+
+def test_reorder_is_part_of_the_value_and_cu_seqlens_follow_it():
+    lens = [9000, 10, 4000, 3, 7000, 50]
+    plain = ShardPlan.build(lens, cp_size=4, layout="contiguous")
+    balanced = ShardPlan.build(lens, cp_size=4, layout="contiguous", reorder="balanced")
+    assert balanced.order is not None and balanced != plain
+    assert list(balanced.cu_seqlens_py) == [0, *torch.tensor([lens[i] for i in balanced.order]).cumsum(0).tolist()]
+    assert ShardPlan(balanced.seqlens_py, balanced.padded_seqlens_py, 4, layout="contiguous",
+                     order=balanced.order) == balanced
+    assert ShardPlan(lens, plain.padded_seqlens_py, 4, layout="contiguous", order=range(6)) == plain  # identity
+
+
+def test_reorder_errors():
+    import pytest
+
+    with pytest.raises(ValueError, match="reorder='balanced': balances the contiguous layout"):
+        ShardPlan.build([5, 3], cp_size=2, reorder="balanced")
+    with pytest.raises(ValueError, match="reorder='sorted': must be None or 'balanced'"):
+        ShardPlan.build([5, 3], cp_size=2, layout="contiguous", reorder="sorted")
+    with pytest.raises(ValueError, match=r"order=\(0, 0\): must be a permutation of range\(2\)"):
+        ShardPlan((5, 3), (6, 4), 2, layout="contiguous", order=(0, 0))
+    with pytest.raises(ValueError, match="padding='tight': is not a padding mode"):
+        ShardPlan.build([5, 3], cp_size=2, padding="tight")
