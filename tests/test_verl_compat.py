@@ -371,6 +371,7 @@ def _gather_suite(rank, world):
     import torch
 
     import verl_fakes as vf
+    from cpshard import ShardPlan
     from cpshard.compat import verl as cv
 
     vutil = vf.vutil
@@ -391,6 +392,14 @@ def _gather_suite(rank, world):
             g_got = torch.autograd.grad((got.values() * w).sum(), out)[0]
             results[f"thd {layout}"] = (want.values().detach(), got.values().detach(), rederived.values().detach(),
                                         x.values() * 3, g_want, g_got)
+        # a plan shared by the step that reordered its sequences (contiguous, balanced): the
+        # PackedSeqParams follow the buffer, the restore returns the caller's order
+        x = vf.nested([50, 3, 9, 70, 1], seed=14)
+        plan = ShardPlan.build([50, 3, 9, 70, 1], cp_size=world, tp_size=2, layout="contiguous", reorder="balanced")
+        rows, psp, _ = cv.preprocess_thd_engine(x, cp_layout="contiguous", plan=plan)
+        got = cv.postprocess_thd_engine(rows * 2, psp, x, 5, cp_layout="contiguous")
+        results["reordered"] = (got.values(), x.values() * 2, psp.cu_seqlens_q_padded, plan.cu_seqlens_padded,
+                                plan.order is not None)
         # legacy padded path
         nt = vf.nested([5, 1, 9], seed=9)
         padded, mask = to_padded(nt, padding_side="left", length=12)
@@ -519,6 +528,8 @@ def test_gathering_functions_match_verl_across_ranks(gloo, world):
         assert torch.equal(got, want) and torch.equal(rederived, want) and torch.equal(got, truth)
         want, got, truth = res["dynamic"]
         assert torch.equal(got, want) and torch.equal(got, truth)
+        got, truth, psp_cu, plan_cu, reordered = res["reordered"]
+        assert reordered and torch.equal(got, truth) and torch.equal(psp_cu, plan_cu)
 
 
 def _same_runs(res):

@@ -295,9 +295,9 @@ def postprocess_thd_engine(
             cp_group = getattr(packed_seq_params, "cp_group", None)
     lens = _seqlens(input_ids)  # one host copy, as verl makes
     plan = _thd_restore_plan(packed_seq_params, lens, layout, cp_size, tp_size, plan)
-    if plan.seqlens_py != lens:
+    if plan.input_seqlens_py != lens:  # the caller's order (a plan may have reordered its buffer)
         fail("input_ids", f"nested tensor with lengths {list(lens)}", f"must match the plan's seqlens "
-             f"{list(plan.seqlens_py)}", "pass the input_ids that preprocess_thd_engine packed")
+             f"{list(plan.input_seqlens_py)}", "pass the input_ids that preprocess_thd_engine packed")
     _check_batch(batch_size, plan.num_seqs)
     return _restore(local, plan, cp_group, flat=False)
 
