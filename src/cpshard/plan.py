@@ -7,6 +7,7 @@ of one step can never disagree about which rank holds which row.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -221,14 +222,14 @@ class PlanBase:
         """
         if self.order is None:
             return self.seqlens_py
-        out = [0] * self.num_seqs
+        out = [0] * len(self.seqlens_py)
         for j, i in enumerate(self.order):
             out[i] = self.seqlens_py[j]
         return tuple(out)
 
     @cached_property
     def input_cu_seqlens_py(self) -> tuple[int, ...]:
-        return _cumsum(self.input_seqlens_py)
+        return self.cu_seqlens_py if self.order is None else _cumsum(self.input_seqlens_py)
 
     @property
     def seqlens(self) -> torch.Tensor:
@@ -346,7 +347,7 @@ def _padded_lengths(
     and under fp8 every target is also kept a multiple of the fp8 total alignment.
     """
     unit = _unit(cp_size, tp_size, layout, fp8, padding)
-    padded = [_round_up(n, unit) for n in seqlens]
+    padded = [-(-n // unit) * unit for n in seqlens]
     keep = math.lcm(unit, cp_size * tp_size)
     if fp8:
         keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
@@ -506,10 +507,11 @@ class ShardPlan(PlanBase):
                 fail("order", order, f"must be a permutation of range({len(lens)}) (buffer position -> the "
                      "caller's sequence)", "build plans with ShardPlan.build(..., reorder='balanced')")
             object.__setattr__(self, "order", None if order == tuple(range(len(lens))) else order)
-        for i, (n, p) in enumerate(zip(lens, padded)):
-            if p < n or p % self.alignment:
-                fail(f"padded_seqlens_py[{i}]", p, f"must be >= the sequence length {n} and a multiple of "
-                     f"alignment={self.alignment}", "build plans with ShardPlan.build")
+        a = self.alignment
+        if any(p < n or p % a for n, p in zip(lens, padded)):  # one pass; the message names the first
+            i = next(i for i, (n, p) in enumerate(zip(lens, padded)) if p < n or p % a)
+            fail(f"padded_seqlens_py[{i}]", padded[i], f"must be >= the sequence length {lens[i]} and a multiple "
+                 f"of alignment={a}", "build plans with ShardPlan.build")
         total = sum(padded)
         if total >= 2**31:
             fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
@@ -517,7 +519,7 @@ class ShardPlan(PlanBase):
         if total % cp or (total // cp) % tp:
             fail("padded_seqlens_py", padded, f"total {total} must split into cp_size={cp} equal parts "
                  f"each divisible by tp_size={tp}", "build plans with ShardPlan.build")
-        if self.layout is Layout.ZIGZAG and cp > 1 and any(p % (2 * cp) for p in padded):
+        if self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and any(p % (2 * cp) for p in padded):
             fail("padded_seqlens_py", padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}",
                  "build plans with ShardPlan.build")
         if self.fp8 and total % fp8_total_alignment(base):
@@ -584,10 +586,7 @@ class ShardPlan(PlanBase):
 
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return tuple(out)
+    return tuple(itertools.accumulate(values, initial=0))
 
 
 # ---------------------------------------------------------------------------------------------
