@@ -44,6 +44,7 @@ _KICK = 2  # random swaps between descents
 _KICKS = 64  # at most this many kicked descents
 _EXACT = 7  # up to this many sequences every order is scored (7! = 5040)
 _GOOD = 1e-3  # stop once the largest rank is this close to the lower bound
+_BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
 
 
 def _tri(x: torch.Tensor) -> torch.Tensor:
@@ -286,29 +287,46 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
 def work_lower_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> int:
     """A causal work no order can bring the largest rank below (compare ``max(rank_work(...))`` to it).
 
-    ``max(ceil(W / cp), max_i min_{q in [1, L]} max_k work_i(piece k at offset q))``, with
-    ``W = sum tri(n_i)`` and, for a sequence whose first ``q`` rows end a rank, its token pieces
-    ``[0, q)``, ``[q, q + L)``, ``[q + L, q + 2 L)``, ... cut at ``n_i``.
+    The largest of: (1) ``ceil(W / cp)``, ``W = sum tri(n_i)``; (2) for every sequence,
+    ``min_{q in [1, L]} max_k work(piece k)``, its token pieces being ``[0, q)``, ``[q, q + L)``,
+    ``[q + L, q + 2 L)``, ... cut at ``n_i`` when its first ``q`` rows end a rank; (3) for the
+    ``_BOUND_DOCS`` longest sequences ``d``, ``min_q max_{windows}`` of
+    ``ceil((work of d in the window + filler(rows of the window not d's)) / ranks in the window)``
+    over the windows of consecutive ranks that ``d`` touches at offset ``q`` (offsets spanning more
+    than ``cp`` ranks excluded), ``filler`` from ``_filler_curve``.
 
     Note [Why no order beats the bound]
     -----------------------------------
-    In any order the largest rank holds at least the mean ``W / cp`` and, work being an integer, at
-    least its ceiling. Sequence ``i`` starts ``L - q`` rows into some rank for some ``q in [1, L]``
-    (rank boundaries are ``L`` apart), so the ranks it touches hold exactly its pieces at that ``q``,
-    and the heaviest of them holds at least the heaviest piece; whatever ``q`` the order gives it, that
-    is at least the minimum over all ``q``. Only a sequence with ``tri(n_i) > ceil(W / cp)`` can raise
-    the bound, since no piece exceeds the whole. The bound ignores what else those ranks must hold: a
-    document taking most of two ranks leaves rows that other sequences must fill, so with one very
-    long document the best order can sit a few percent above it.
+    (1) The largest rank holds at least the mean and, work being an integer, its ceiling. (2) In any
+    order, sequence ``i`` starts ``L - q`` rows into some rank for some ``q in [1, L]`` (boundaries
+    are ``L`` apart), so the ranks it touches hold exactly its pieces at that ``q``, and the largest
+    rank holds at least the heaviest piece; whatever ``q`` the order gives it, that is at least the
+    minimum over all ``q``. (3) The ranks ``a .. b`` that ``d`` touches form one interval of the
+    buffer, so besides ``d`` they hold only whole sequences and at most two partial ones (the
+    interval's two ends), filling exactly the rows ``d`` leaves free. A whole sequence costs
+    ``tri(n_i)`` for ``P_i`` rows, which no fractional mix at ``tri(n_i) / P_i`` a row undercuts for
+    the same rows; ``k`` rows of a partial sequence cost at least ``tri(k - pad)`` (positions ``0 ..``
+    are the cheapest, pad rows are free); taking the rows cheapest first among all of these is a
+    relaxation, so its cost bounds the window's filler from below, and the window's work divided by
+    its ranks bounds its largest rank. ``d``'s offset is again unknown, hence the minimum over ``q``.
+    Part (2) alone misses that a document filling most of two ranks leaves rows that must hold some
+    work; part (3) is what makes the bound tight on batches with one very long document. It still
+    relaxes the filler (every sequence may lend a head), so the best order can sit above it.
 
     >>> work_lower_bound([5, 3], [6, 4], 2), work_lower_bound([8, 0], [8, 0], 2)
-    (11, 18)
+    (11, 26)
     """
-    n, _, local = _check(seqlens, padded, cp_size)
-    return _bound(n, local, cp_size)
+    n, p, local = _check(seqlens, padded, cp_size)
+    bound = _bound(n, local, cp_size)
+    if local == 0 or cp_size == 1:
+        return bound
+    for d in torch.argsort(n, descending=True, stable=True)[:_BOUND_DOCS].tolist():
+        bound = max(bound, _window_bound(n, p, local, cp_size, d))
+    return bound
 
 
 def _bound(n: torch.Tensor, local: int, cp_size: int) -> int:
+    """The mean and every sequence's heaviest piece (the first two parts of Note [Why no order beats the bound])."""
     w = _tri(n)
     bound = -(-int(w.sum()) // cp_size)
     if local == 0:
@@ -321,3 +339,61 @@ def _bound(n: torch.Tensor, local: int, cp_size: int) -> int:
         piece = (_tri(hi) - _tri(lo)).max(1).values
         bound = max(bound, int(piece.min()))
     return bound
+
+
+def _filler_curve(n: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cheapest way to fill rows from sequences ``n, p`` as a window of the buffer holds them:
+    whole sequences and at most two partial ones (Note [Why no order beats the bound]).
+
+    Relaxed to a mix of whole sequences, fractionally, at ``tri(n_i) / P_i`` a row, and two heads of
+    any sequence, free for their first ``max(P - n)`` rows, then ``1, 2, ...`` up to ``max(n)``; rows
+    are taken cheapest first. Returns the chunks sorted by cost a row: ``(rows, cost a row, rows up
+    to the chunk's end, cost up to its end)``, read by ``_filler_cost``.
+    """
+    longest = int(n.max()) if n.numel() else 0
+    pad = int((p - n).max()) if n.numel() else 0
+    whole = p > 0
+    marginal = torch.cat([torch.zeros(1, dtype=torch.float64), torch.arange(1, longest + 1, dtype=torch.float64),
+                          _tri(n[whole]).double() / p[whole].double()])
+    supply = torch.cat([torch.tensor([2 * pad], dtype=_I64), torch.full((longest,), 2, dtype=_I64), p[whole]])
+    marginal, by_cost = torch.sort(marginal, stable=True)
+    supply = supply[by_cost]
+    return supply, marginal, torch.cumsum(supply, 0), torch.cumsum(supply.double() * marginal, 0)
+
+
+def _filler_cost(curve: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                 rows: torch.Tensor) -> torch.Tensor:
+    """``(Q,)`` integer lower bounds on the work of ``rows`` ``(Q,)`` filler rows (``_filler_curve``)."""
+    supply, marginal, rows_end, cost_end = curve
+    rows = rows.clamp(min=0)
+    k = torch.searchsorted(rows_end, rows).clamp_(max=rows_end.numel() - 1)
+    cost = cost_end[k] + (rows - rows_end[k]).double() * marginal[k]
+    return (cost.floor().long() - 1).clamp_(min=0)  # one unit below: float rounding can never raise it
+
+
+def _window_bound(n: torch.Tensor, p: torch.Tensor, local: int, cp_size: int, d: int) -> int:
+    """The third part of Note [Why no order beats the bound], for sequence ``d``: the least over its
+    offsets of the heaviest window of consecutive ranks it touches, its own work there plus the
+    cheapest possible filler of the window's other rows, shared by the window's ranks."""
+    length, size = int(n[d]), int(p[d])
+    if size == 0:
+        return 0
+    keep = torch.arange(n.numel()) != d
+    curve = _filler_curve(n[keep], p[keep])
+    start = local - torch.arange(1, local + 1, dtype=_I64)[:, None]  # its first row inside its first rank
+    ranks = -(-(local - 1 + size) // local)
+    r = torch.arange(ranks, dtype=_I64)
+    lo = (r * local - start).clamp(0, size)  # the positions of d inside each rank it may touch
+    hi = ((r + 1) * local - start).clamp(0, size)
+    rows, work = hi - lo, _tri(hi.clamp(max=length)) - _tri(lo.clamp(max=length))
+    touched = rows > 0
+    best = torch.zeros(local, dtype=_I64)
+    for a in range(ranks):
+        for b in range(a, ranks):
+            width = b - a + 1
+            other = width * local - rows[:, a:b + 1].sum(1)
+            total = work[:, a:b + 1].sum(1) + _filler_cost(curve, other)
+            value = -(-total // width)
+            best = torch.where(touched[:, a] & touched[:, b], best.maximum(value), best)
+    spans = touched.sum(1)
+    return int(best[spans <= cp_size].min())
