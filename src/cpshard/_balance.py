@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -37,11 +38,12 @@ __all__ = ["balanced_order", "rank_work", "work_lower_bound"]
 
 _I64 = torch.int64
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
-_HEAVY_ITEMS = 8  # beyond it, at most this many of the longest sequences of the heaviest rank ...
-_STEP_ROWS = 1 << 15  # ... move to evenly spread positions, at most this many candidate rows a step
+_LARGE = 256  # past this many the descent gets an eighth of the budget
+_STEP_ROWS = 1 << 16  # beyond it, candidate rows a step (moves of the heaviest rank's sequences)
 _BUDGET = 1 << 18  # candidate rows (orders scored times B) per call
 _KICK = 2  # random swaps between descents
-_KICKS = 64  # at most this many kicked descents
+_KICKS = 64  # at most this many kicked descents ...
+_PATIENCE = 8  # ... and no more once this many in a row found nothing better
 _EXACT = 7  # up to this many sequences every order is scored (7! = 5040)
 _GOOD = 1e-3  # stop once the largest rank is this close to the lower bound
 _BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
@@ -83,13 +85,14 @@ def _works(table: torch.Tensor, local: int, cp_size: int, orders: torch.Tensor) 
     """
     k, b = orders.shape
     flat = orders.reshape(-1)
-    p_o, w_o, n_o = (row.index_select(0, flat).view(k, b) for row in table)  # far faster than row[orders]
+    p_o, w_o, n_o = (table[i].index_select(0, flat).view(k, b) for i in range(3))  # far faster than [orders]
     end = torch.cumsum(p_o, 1)  # the row after each sequence
     cuts = (torch.arange(cp_size + 1, dtype=_I64) * local).expand(k, -1).contiguous()
     j = torch.searchsorted(end, cuts, right=True).clamp_(max=b - 1)  # the sequence each boundary cuts
     head = (cuts - end.gather(1, j) + p_o.gather(1, j)).minimum(n_o.gather(1, j))
     g = torch.cumsum(w_o, 1).gather(1, j) - w_o.gather(1, j) + _tri(head)  # G(r L), r = 0 .. cp
     return g.diff(dim=1)
+
 
 def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int], cp_size: int) -> list[int]:
     """Causal attention work of every rank when the padded sequences are concatenated in ``order``.
@@ -135,18 +138,21 @@ def _permutations(b: int) -> torch.Tensor:
 
 
 def _heavy_moves(table: torch.Tensor, local: int, order: torch.Tensor, heavy: int) -> torch.Tensor:
-    """Moves of the longest sequences touching rank ``heavy`` to evenly spread targets (large batches)."""
+    """Past ``_FULL_SEARCH``: insertions and swaps of the sequences touching rank ``heavy`` with evenly
+    spread positions, at most ``_STEP_ROWS`` candidate rows (both spread more thinly as ``B`` grows)."""
     b = order.numel()
     ends = torch.cumsum(table[0, order], 0)
     first = int(torch.searchsorted(ends, torch.tensor(heavy * local), right=True))
     last = int(torch.searchsorted(ends, torch.tensor((heavy + 1) * local - 1), right=True))
     pos = torch.arange(first, min(last, b - 1) + 1, dtype=_I64)
-    pos = pos[torch.argsort(table[2, order[pos]], descending=True, stable=True)[:_HEAVY_ITEMS]]
-    spread = max(2, _STEP_ROWS // (2 * b * max(1, pos.numel())))
-    targets = torch.linspace(0, b - 1, min(b, spread)).round().long()
+    pairs = max(16, _STEP_ROWS // (2 * b))
+    if pos.numel() * b > pairs:
+        keep = max(4, math.isqrt(pairs))
+        pos = pos[torch.linspace(0, pos.numel() - 1, min(pos.numel(), keep)).round().long()]
+    targets = torch.linspace(0, b - 1, min(b, max(2, pairs // pos.numel()))).round().long()
     i, j = (x.reshape(-1) for x in torch.meshgrid(pos, targets, indexing="ij"))
-    keep = i != j
-    return _move_maps(b, i[keep], j[keep])
+    keep_pair = i != j
+    return _move_maps(b, i[keep_pair], j[keep_pair])
 
 
 def _descend(table: torch.Tensor, local: int, cp_size: int, order: torch.Tensor, budget: int,
@@ -247,9 +253,9 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
       kept when not worse. It stops at ``_KICKS`` kicks, at ``_BUDGET`` candidate rows (orders scored
       times ``B``: the cost is bounded whatever ``B``), or once the largest rank is within ``_GOOD``
       of ``work_lower_bound``.
-    - Past ``_FULL_SEARCH`` sequences the given order is only scored, and the descent from the greedy
-      moves the longest sequences of the heaviest rank to evenly spread positions, on an eighth of the
-      budget.
+    - Past ``_FULL_SEARCH`` sequences the given order is only scored, and each descent step moves
+      the sequences touching the heaviest rank to evenly spread positions (``_heavy_moves``, at most
+      ``_STEP_ROWS`` candidate rows); past ``_LARGE`` there are no kicks and an eighth of the budget.
 
     The result is never worse than the given order (it is one of the candidates, and ties keep it).
     What the search cannot reach is measured in ``benchmarks/balance.py`` against the lower bound.
@@ -268,17 +274,19 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
         return tuple(perms[int(_score(_works(table, local, cp_size, perms)).argmin())].tolist())
     good = _bound(n, local, cp_size) * (1 + _GOOD) + 1  # a score below this is within _GOOD of optimal
     small = b <= _FULL_SEARCH
-    budget = _BUDGET if small else _BUDGET // 8
+    budget = _BUDGET if b <= _LARGE else _BUDGET // 8
     greedy = torch.tensor(_lpt(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
     best = (float("inf"), greedy)
     for start, search in ((torch.arange(b), small), (greedy, True)):
-        order, score, budget = _descend(table, local, cp_size, start, budget if search else 0)
+        order, score, left = _descend(table, local, cp_size, start, budget if search else 0)
+        budget = left if search else budget
         best = min(best, (score, order), key=lambda x: x[0])  # the first of equals: the given order
-    current, gen = best, torch.Generator().manual_seed(0)
-    for _ in range(_KICKS if small else 0):
-        if budget <= 0 or best[0] < good:
+    current, gen, stale = best, torch.Generator().manual_seed(0), 0
+    for _ in range(_KICKS if b <= _LARGE else 0):
+        if budget <= 0 or best[0] < good or stale >= _PATIENCE:
             break
         order, score, budget = _descend(table, local, cp_size, _kick(current[1], gen), budget, False)
+        stale = 0 if score < best[0] else stale + 1
         if score <= current[0]:
             current = (score, order)
             best = min(best, current, key=lambda x: x[0])
