@@ -110,7 +110,6 @@ def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int
     return _works(_table(n, p), local, cp_size, torch.tensor([list(order)], dtype=_I64))[0].tolist()
 
 
-
 def _move_maps(b: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     """``(2 K, B)`` index maps: insert the item at ``i[k]`` at ``j[k]``, then swap ``i[k]`` and ``j[k]``."""
     t = torch.arange(b, dtype=_I64)
@@ -163,11 +162,15 @@ def _descend(table: torch.Tensor, local: int, cp_size: int, order: torch.Tensor,
     ``scored=False`` skips scoring the start (a kicked order): the first step then always moves.
     """
     b = order.numel()
-    w = _works(table, local, cp_size, order[None])[0] if scored else torch.zeros(cp_size, dtype=_I64)
-    cur = _score(w[None])[0] if scored else torch.tensor(float("inf"), dtype=torch.float64)
     full = _all_moves(b) if b <= _FULL_SEARCH else None
+    w = _works(table, local, cp_size, order[None])[0] if scored or full is None else None
+    cur = _score(w[None])[0] if scored and w is not None else torch.tensor(float("inf"), dtype=torch.float64)
     while budget > 0:
-        moves = full if full is not None else _heavy_moves(table, local, order, int(w.argmax()))
+        if full is not None:
+            moves = full
+        else:
+            assert w is not None  # scored above whenever full is None
+            moves = _heavy_moves(table, local, order, int(w.argmax()))
         cands = order.index_select(0, moves.reshape(-1)).view(moves.shape)
         works = _works(table, local, cp_size, cands)
         budget -= cands.numel()
@@ -186,6 +189,7 @@ def _kick(order: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         out[i], out[j] = out[j], out[i]
     return torch.tensor(out, dtype=_I64)
 
+
 def _score(works: torch.Tensor) -> torch.Tensor:
     """``(K,)`` float64 keys ordered as ``(max, sum of squares)`` of each row of ``works`` ``(K, cp)``.
 
@@ -195,6 +199,7 @@ def _score(works: torch.Tensor) -> torch.Tensor:
     x = works.double()
     mx = x.max(1).values
     return mx + x.pow(2).sum(1) / (2 * works.shape[1] * mx.pow(2).clamp(min=1))
+
 
 def _lpt(n: list[int], p: list[int], local: int, cp_size: int) -> list[int]:
     """Longest first, each to the least-loaded rank with room for its rows (else the emptiest rank).
@@ -291,6 +296,7 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
             current = (score, order)
             best = min(best, current, key=lambda x: x[0])
     return tuple(best[1].tolist())
+
 
 def work_lower_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> int:
     """A causal work no order can bring the largest rank below (compare ``max(rank_work(...))`` to it).
