@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cpshard import ShardPlan
 from cpshard._balance import balanced_order, rank_work, work_lower_bound
 from strategies import props
 
@@ -51,6 +52,18 @@ def test_rank_work_matches_per_row_oracle(batch, rnd):
     order = list(range(len(seqlens)))
     rnd.shuffle(order)
     assert rank_work(seqlens, padded, order, cp) == naive_rank_work(seqlens, padded, order, cp)
+
+
+@props(25)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=10), st.integers(1, 8), st.integers(1, 3))
+def test_rank_work_is_what_a_contiguous_plan_holds(seqlens, cp, tp):
+    """The plan's own rows (SPEC, contiguous layout), in the given order: the work the CLI reports."""
+    plan = ShardPlan.build(seqlens, cp_size=cp, tp_size=tp, layout="contiguous")
+    held = []
+    for r in range(cp):
+        mask = plan.token_mask(r)
+        held.append(int((plan.position_ids(r)[mask] + 1).sum()))
+    assert rank_work(seqlens, plan.padded_seqlens_py, range(len(seqlens)), cp) == held
 
 
 @props(60)
