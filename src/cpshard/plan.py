@@ -460,19 +460,19 @@ class ShardPlan(PlanBase):
             min_local_rows = check_int("min_local_rows", min_local_rows, minimum=0)
         if length_bucket is not None:
             length_bucket = check_int("length_bucket", length_bucket, minimum=1)
-        order = None
         if reorder is not None:
             if reorder != "balanced":
                 fail("reorder", repr(reorder), "must be None or 'balanced'", "pass reorder='balanced' or leave it None")
             if layout is not Layout.CONTIGUOUS:
                 fail("reorder", repr(reorder), f"balances the contiguous layout (zigzag is balanced by its chunks; "
                      f"layout={layout.value!r})", "pass layout='contiguous', or drop reorder")
-            if cp_size > 1:
-                unit = _unit(cp_size, tp_size, layout, fp8, padding)
-                from cpshard._balance import balanced_order
-                order = tuple(balanced_order(lens, tuple(_round_up(n, unit) for n in lens), cp_size))
-                lens = tuple(lens[i] for i in order)
         padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket, padding)
+        order = None
+        if reorder is not None and cp_size > 1:
+            # each sequence keeps its padded length (extensions included: the balance sees the final rows)
+            from cpshard._balance import balanced_order
+            order = tuple(balanced_order(lens, padded, cp_size))
+            lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
         return cls(lens, padded, cp_size, tp_size, layout, fp8, padding=padding, order=order)
 
     @classmethod
