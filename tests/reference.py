@@ -252,14 +252,16 @@ def ref_shard(
 
     ``seqs`` is a list of per-sequence tensors (n_i, *trailing). ``ext`` holds ``fp8``,
     ``min_local_rows``, ``length_bucket`` and ``padding``. ``order`` (issue 10's reordering) puts
-    the caller's sequence ``order[j]`` at buffer position ``j``: the buffer is padded and split as
-    if the batch had come in that order. ``trailing``/``dtype`` are only needed when there are no
-    sequences to read them from.
+    the caller's sequence ``order[j]`` at buffer position ``j``: the batch is padded in the
+    caller's order, then each sequence moves with its padded length. ``trailing``/``dtype`` are
+    only needed when there are no sequences to read them from.
     """
+    seqlens = [int(n) for n in seqlens]
+    padded = ref_padded_lengths(seqlens, cp, tp, layout, **ext)
     if order is not None:
         seqs = [seqs[i] for i in order]
         seqlens = [seqlens[i] for i in order]
-    seqlens = [int(n) for n in seqlens]
+        padded = [padded[i] for i in order]
     assert len(seqs) == len(seqlens)
     for s, n in zip(seqs, seqlens):
         assert s.shape[0] == n
@@ -267,7 +269,6 @@ def ref_shard(
         trailing = tuple(seqs[0].shape[1:])
     if dtype is None:
         dtype = seqs[0].dtype
-    padded = ref_padded_lengths(seqlens, cp, tp, layout, **ext)
     py = [_as_py_rows(s) for s in seqs]
     rows = []
     for g in ref_rank_rows(padded, cp, layout, rank):

@@ -27,8 +27,9 @@ def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k):
     order = plan.order if plan.order is not None else tuple(range(len(lens)))
     assert sorted(order) == list(range(len(lens)))
     assert plan.seqlens_py == tuple(lens[i] for i in order) and plan.input_seqlens_py == tuple(lens)
-    assert list(plan.padded_seqlens_py) == ref_padded_lengths([lens[i] for i in order], cp, tp, "contiguous",
-                                                              padding=padding)
+    # the caller's batch padded as SPEC says, then each sequence moved with its padded length
+    padded = ref_padded_lengths(lens, cp, tp, "contiguous", padding=padding)
+    assert list(plan.padded_seqlens_py) == [padded[i] for i in order]
     seqs = [torch.arange(n) * 10 + i for i, n in enumerate(lens)]
     x = torch.cat(seqs)
     parts = [shard(seqs, plan, r) for r in range(cp)]

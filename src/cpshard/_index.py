@@ -30,7 +30,8 @@ from cpshard.layout import Layout
 _I64 = torch.int64
 
 
-def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None) -> torch.Tensor:
+def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None,
+                    dtype: torch.dtype = _I64) -> torch.Tensor:
     """Concatenate ``arange(s, s + n)`` for every segment ``(s, n)``; ``total == lengths.sum()``.
 
     Two passes over the rows: consecutive rows differ by 1 except where a segment begins, so the
@@ -41,13 +42,13 @@ def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | No
     if total is None:
         total = int(lengths.sum())
     if total == 0:
-        return torch.zeros(0, dtype=_I64)
+        return torch.zeros(0, dtype=dtype)
     begin = torch.cumsum(lengths, 0) - lengths
     last = starts + lengths - 1  # the last value of each segment (one below its start when empty)
     jump = starts - 1 - torch.cat([last.new_zeros(1), last[:-1]])  # the first row's jump includes its start
     here = begin < total  # trailing empty segments begin past the end
-    steps = torch.ones(total, dtype=_I64)
-    steps.index_add_(0, begin[here], jump[here])
+    steps = torch.ones(total, dtype=dtype)
+    steps.index_add_(0, begin[here], jump[here].to(dtype))
     return steps.cumsum_(0)
 
 

@@ -7,6 +7,7 @@ of one step can never disagree about which rank holds which row.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
     A tensor costs exactly one device-to-host copy here; nothing later reads lengths back.
     """
     values: list[Any]
+    if type(seqlens) in (list, tuple) and seqlens and all(type(n) is int and n >= 0 for n in seqlens):
+        return tuple(seqlens)  # the common case, checked in one pass
     if isinstance(seqlens, torch.Tensor) and seqlens.is_meta:
         fail(name, "a tensor on the meta device", "must hold real values", "pass the lengths on a real device")
     if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
@@ -219,14 +222,14 @@ class PlanBase:
         """
         if self.order is None:
             return self.seqlens_py
-        out = [0] * self.num_seqs
+        out = [0] * len(self.seqlens_py)
         for j, i in enumerate(self.order):
             out[i] = self.seqlens_py[j]
         return tuple(out)
 
     @cached_property
     def input_cu_seqlens_py(self) -> tuple[int, ...]:
-        return _cumsum(self.input_seqlens_py)
+        return self.cu_seqlens_py if self.order is None else _cumsum(self.input_seqlens_py)
 
     @property
     def seqlens(self) -> torch.Tensor:
@@ -344,7 +347,7 @@ def _padded_lengths(
     and under fp8 every target is also kept a multiple of the fp8 total alignment.
     """
     unit = _unit(cp_size, tp_size, layout, fp8, padding)
-    padded = [_round_up(n, unit) for n in seqlens]
+    padded = [-(-n // unit) * unit for n in seqlens]
     keep = math.lcm(unit, cp_size * tp_size)
     if fp8:
         keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
@@ -457,19 +460,19 @@ class ShardPlan(PlanBase):
             min_local_rows = check_int("min_local_rows", min_local_rows, minimum=0)
         if length_bucket is not None:
             length_bucket = check_int("length_bucket", length_bucket, minimum=1)
-        order = None
         if reorder is not None:
             if reorder != "balanced":
                 fail("reorder", repr(reorder), "must be None or 'balanced'", "pass reorder='balanced' or leave it None")
             if layout is not Layout.CONTIGUOUS:
                 fail("reorder", repr(reorder), f"balances the contiguous layout (zigzag is balanced by its chunks; "
                      f"layout={layout.value!r})", "pass layout='contiguous', or drop reorder")
-            if cp_size > 1:
-                unit = _unit(cp_size, tp_size, layout, fp8, padding)
-                from cpshard._balance import balanced_order
-                order = tuple(balanced_order(lens, tuple(_round_up(n, unit) for n in lens), cp_size))
-                lens = tuple(lens[i] for i in order)
         padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket, padding)
+        order = None
+        if reorder is not None and cp_size > 1:
+            # each sequence keeps its padded length (extensions included: the balance sees the final rows)
+            from cpshard._balance import balanced_order
+            order = tuple(balanced_order(lens, padded, cp_size))
+            lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
         return cls(lens, padded, cp_size, tp_size, layout, fp8, padding=padding, order=order)
 
     @classmethod
@@ -504,10 +507,11 @@ class ShardPlan(PlanBase):
                 fail("order", order, f"must be a permutation of range({len(lens)}) (buffer position -> the "
                      "caller's sequence)", "build plans with ShardPlan.build(..., reorder='balanced')")
             object.__setattr__(self, "order", None if order == tuple(range(len(lens))) else order)
-        for i, (n, p) in enumerate(zip(lens, padded)):
-            if p < n or p % self.alignment:
-                fail(f"padded_seqlens_py[{i}]", p, f"must be >= the sequence length {n} and a multiple of "
-                     f"alignment={self.alignment}", "build plans with ShardPlan.build")
+        a = self.alignment
+        if any(p < n or p % a for n, p in zip(lens, padded)):  # one pass; the message names the first
+            i = next(i for i, (n, p) in enumerate(zip(lens, padded)) if p < n or p % a)
+            fail(f"padded_seqlens_py[{i}]", padded[i], f"must be >= the sequence length {lens[i]} and a multiple "
+                 f"of alignment={a}", "build plans with ShardPlan.build")
         total = sum(padded)
         if total >= 2**31:
             fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
@@ -515,7 +519,7 @@ class ShardPlan(PlanBase):
         if total % cp or (total // cp) % tp:
             fail("padded_seqlens_py", padded, f"total {total} must split into cp_size={cp} equal parts "
                  f"each divisible by tp_size={tp}", "build plans with ShardPlan.build")
-        if self.layout is Layout.ZIGZAG and cp > 1 and any(p % (2 * cp) for p in padded):
+        if self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and any(p % (2 * cp) for p in padded):
             fail("padded_seqlens_py", padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}",
                  "build plans with ShardPlan.build")
         if self.fp8 and total % fp8_total_alignment(base):
@@ -582,10 +586,7 @@ class ShardPlan(PlanBase):
 
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return tuple(out)
+    return tuple(itertools.accumulate(values, initial=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,8 +609,10 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
             starts = cu if plan.order is None else cu[torch.tensor(plan.order)]
         else:
             starts = torch.arange(plan.num_seqs, dtype=torch.int64) * row_stride
-        # pad rows of the last sequence may point past the input: clamp once, in place
-        return segs.expand(starts[segs.seq] + segs.pos).clamp_max_(max(rows - 1, 0)).to(device)
+        # pad rows of the last sequence may point past the input: clamp once, in place. int32 (every
+        # plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select takes it
+        src = _index.expand_segments(starts[segs.seq] + segs.pos, segs.length, segs.total, dtype=torch.int32)
+        return src.clamp_max_(max(rows - 1, 0)).to(device)
 
     rows = plan.num_tokens if row_stride is None else plan.num_seqs * row_stride
 

@@ -46,7 +46,7 @@ from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params, plan_from_padded
 from cpshard.megatron.state import ParallelContext, parallel_context
-from cpshard.ops import as_flat, shard, unshard
+from cpshard.ops import shard, unshard
 from cpshard.padded import to_padded
 from cpshard.plan import ShardPlan, jagged_lengths
 
@@ -294,9 +294,11 @@ def postprocess_thd_engine(
         cp_size = check_int("local_cp_size", local_cp_size, minimum=1) if cp_size is None else cp_size
         if cp_group is None:
             cp_group = getattr(packed_seq_params, "cp_group", None)
-    plan = _thd_restore_plan(packed_seq_params, None if plan is not None else _seqlens(input_ids), layout,
-                             cp_size, tp_size, plan)
-    as_flat(input_ids, plan, "input_ids")  # the lengths must be the plan's (memoized: no host copy)
+    lens = _seqlens(input_ids)  # one host copy, as verl makes
+    plan = _thd_restore_plan(packed_seq_params, lens, layout, cp_size, tp_size, plan)
+    if plan.input_seqlens_py != lens:  # the caller's order (a plan may have reordered its buffer)
+        fail("input_ids", f"nested tensor with lengths {list(lens)}", f"must match the plan's seqlens "
+             f"{list(plan.input_seqlens_py)}", "pass the input_ids that preprocess_thd_engine packed")
     _check_batch(batch_size, plan.num_seqs)
     return _restore(local, plan, cp_group, flat=False)
 
