@@ -42,18 +42,21 @@ def _check_schema(report: dict) -> None:
 
 
 def test_verify_json_passes_and_reports_every_configuration(capfd):
-    assert cli_main(["verify", *SMALL, "--tp", "1,2", "--json"]) == 0
+    assert cli_main(["verify", *SMALL, "--tp", "1,2", "--padding", "aligned,minimal", "--json"]) == 0
     out, err = capfd.readouterr()
     report = _one_json_object(out)
     _check_schema(report)
     assert report["ok"] is True and report["naive_kernel_caught"] is True
-    assert [(r["cp"], r["tp"], r["layout"]) for r in report["results"]] == [
-        (2, 1, "zigzag"), (2, 1, "contiguous"), (2, 2, "zigzag"), (2, 2, "contiguous")]
+    assert [(r["cp"], r["tp"], r["layout"], r["padding"]) for r in report["results"]] == [
+        (2, tp, layout, padding) for tp in (1, 2) for layout in ("zigzag", "contiguous")
+        for padding in ("aligned", "minimal")]
     for r in report["results"]:
         assert r["ok"] and max(r["max_abs_diff"].values()) < 1e-12, r
-        assert r["padding_overhead"] > 0 and r["attention_imbalance"] >= 1.0
+        assert r["padding_overhead"] >= 0 and r["attention_imbalance"] >= 1.0
+    by = {(r["tp"], r["layout"], r["padding"]): r["padding_overhead"] for r in report["results"]}
+    assert by[2, "zigzag", "aligned"] > by[2, "zigzag", "minimal"] > 0  # 9,1,4 padded to 16,8,8 vs to 12,4,4
     assert report["naive"]["ok"] is False and report["naive"]["max_abs_diff"]["logprobs"] > 1e-3
-    assert "6/6" in err  # the progress bar: the reference, four configurations, the naive check
+    assert "10/10" in err  # the progress bar: the reference, eight configurations, the naive check
 
 
 def test_naive_attention_under_zigzag_is_a_mismatch_with_nonzero_exit(capfd):

@@ -198,6 +198,8 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
                    "the world size)")
     v.add_argument("--tp", type=_ints, default=[1, 2], help="tensor-parallel alignments (default 1,2)")
     v.add_argument("--layouts", default="zigzag,contiguous", help="layouts (default zigzag,contiguous)")
+    v.add_argument("--padding", default="aligned", help="plan paddings: aligned (default), minimal, or both as "
+                   "aligned,minimal")
     v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     v.add_argument("--attention", default="reference", choices=["reference", "naive"],
@@ -213,13 +215,15 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
 
     lengths = args.lengths_file if args.lengths_file is not None else args.lengths
     layouts = [x for x in args.layouts.replace(" ", "").split(",") if x]
+    paddings = [x for x in args.padding.replace(" ", "").split(",") if x]
     try:
         if verify.launched():
             world = int(os.environ["WORLD_SIZE"])
             if args.cp is not None and args.cp != [world]:
                 v.error(f"--cp {args.cp} under torchrun: the CP size is the world size ({world}); drop --cp")
             report = verify.verify_launched(lengths, backend=args.backend, tps=args.tp, layouts=layouts,
-                                            dtype=args.dtype, attention=args.attention, progress=args.progress)
+                                            dtype=args.dtype, attention=args.attention, paddings=paddings,
+                                            progress=args.progress)
             if report is None:  # not rank 0: rank 0 reports; every rank exits 0 unless it failed
                 return 0
         else:
@@ -227,7 +231,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error("--backend applies under torchrun only (torchrun --nproc-per-node N -m cpshard verify "
                         "--backend nccl); spawned ranks use gloo")
             report = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, layouts=layouts, dtype=args.dtype,
-                                   attention=args.attention, progress=args.progress)
+                                   attention=args.attention, paddings=paddings, progress=args.progress)
     except (ValueError, TypeError) as exc:
         print(f"cpshard verify: {exc}", file=sys.stderr)
         return 2

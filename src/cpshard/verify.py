@@ -48,7 +48,7 @@ from torch import nn
 from cpshard._errors import check_int, fail
 from cpshard.attention import attention, attention_work, naive_attention
 from cpshard.distributed import gather, shift_sharded_multi
-from cpshard.layout import Layout
+from cpshard.layout import Layout, Padding
 from cpshard.mtp import mtp_loss
 from cpshard.ops import shard, unshard
 from cpshard.plan import ShardPlan
@@ -149,18 +149,20 @@ class TinyDecoder(nn.Module):
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration: CP size, TP alignment, layout, and which attention (``"reference"`` or
-    ``"naive"``, the layout-naive kernel)."""
+    """One configuration: CP size, TP alignment, layout, which attention (``"reference"`` or
+    ``"naive"``, the layout-naive kernel) and the plan's padding (``"aligned"`` or ``"minimal"``)."""
 
     cp: int
     tp: int
     layout: str
     attention: str = "reference"
+    padding: str = "aligned"
 
     @property
     def name(self) -> str:
         naive = ", naive attention" if self.attention == "naive" else ""
-        return f"cp={self.cp} tp={self.tp} {self.layout}{naive}"
+        padding = "" if self.padding == "aligned" else f" {self.padding} padding"
+        return f"cp={self.cp} tp={self.tp} {self.layout}{padding}{naive}"
 
 
 @dataclass(frozen=True)
@@ -193,10 +195,11 @@ class Result:
         return max(self.attention_work) / mean if mean else 1.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"cp": self.config.cp, "tp": self.config.tp, "layout": self.config.layout,
-                "attention": self.config.attention, "ok": self.ok, "max_abs_diff": dict(self.max_abs_diff),
-                "padding_overhead": self.padding_overhead, "attention_imbalance": self.attention_imbalance,
-                "attention_work": list(self.attention_work), "seconds": self.seconds}
+        c = self.config
+        return {"cp": c.cp, "tp": c.tp, "layout": c.layout, "attention": c.attention, "padding": c.padding,
+                "ok": self.ok, "max_abs_diff": dict(self.max_abs_diff), "padding_overhead": self.padding_overhead,
+                "attention_imbalance": self.attention_imbalance, "attention_work": list(self.attention_work),
+                "seconds": self.seconds}
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,8 @@ def compare(config: Config, got: Outcome, want: Outcome, plan: ShardPlan, tolera
 
 
 def _plan(lengths: Sequence[int], config: Config) -> ShardPlan:
-    return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout)
+    return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout,
+                           padding=config.padding)
 
 
 def reference(lengths: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> Outcome:
@@ -365,18 +369,20 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
     return outcomes if rank == 0 else None
 
 
-def configurations(cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str]) -> list[Config]:
-    """Every ``(cp, tp, layout)``; at ``cp = 1`` the layouts are one (both are the identity)."""
+def configurations(cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str],
+                   paddings: Sequence[str] = ("aligned",)) -> list[Config]:
+    """Every ``(cp, tp, layout, padding)``; at ``cp = 1`` the layouts are one (both are the identity)."""
     out = []
     for cp in cps:
         for tp in tps:
             for layout in (layouts if cp > 1 else layouts[:1]):
-                out.append(Config(cp, tp, layout))
+                out += [Config(cp, tp, layout, padding=padding) for padding in paddings]
     return out
 
 
-def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int],
-                layouts: Sequence[str], dtype: str) -> tuple[tuple[int, ...], list[int], list[int], list[str]]:
+def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str],
+                paddings: Sequence[str], dtype: str) -> tuple[tuple[int, ...], list[int], list[int], list[str],
+                                                              list[str]]:
     lens = ShardPlan.build(lengths, cp_size=1).seqlens_py
     if all(n < 2 for n in lens):
         fail("lengths", list(lens), "must hold a sequence of at least 2 tokens (else no token has a label and the "
@@ -387,16 +393,17 @@ def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int],
     cps = sorted({check_int("cp", c, minimum=1) for c in cps})
     tps = sorted({check_int("tp", t, minimum=1) for t in tps})
     layouts = [Layout.parse(x).value for x in layouts]
-    if not cps or not tps or not layouts:
+    paddings = list(dict.fromkeys(Padding.parse(x).value for x in paddings))
+    if not cps or not tps or not layouts or not paddings:
         fail("cp", (cps, tps, layouts), "every list must hold at least one value", "pass e.g. --cp 2,4")
     if dtype not in DTYPES:
         fail("dtype", repr(dtype), f"must be one of {', '.join(DTYPES)}", "pass --dtype float64")
-    return lens, cps, tps, list(dict.fromkeys(layouts))
+    return lens, cps, tps, list(dict.fromkeys(layouts)), paddings
 
 
 def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
            layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
-           progress: bool = True, timeout: float = 600.0) -> Report:
+           paddings: Sequence[str] = ("aligned",), progress: bool = True, timeout: float = 600.0) -> Report:
     """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
 
     ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
@@ -404,10 +411,10 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
     """
     start = time.perf_counter()
-    lens, cps, tps, layouts = _check_args(lengths, cps, tps, layouts, dtype)
+    lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype)
     if attention not in ("reference", "naive"):
         fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
-    configs = [dataclasses.replace(c, attention=attention) for c in configurations(cps, tps, layouts)]
+    configs = [dataclasses.replace(c, attention=attention) for c in configurations(cps, tps, layouts, paddings)]
     naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
     bar = Progress(total=len(configs) + 2, enabled=progress)
     torch_dtype = DTYPES[dtype]
@@ -443,7 +450,8 @@ def launched() -> bool:
 
 def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | None = None,
                     tps: Sequence[int] = (1, 2), layouts: Sequence[str] = ("zigzag", "contiguous"),
-                    dtype: str = "float64", attention: str = "reference", progress: bool = True) -> Report | None:
+                    dtype: str = "float64", attention: str = "reference", paddings: Sequence[str] = ("aligned",),
+                    progress: bool = True) -> Report | None:
     """Every configuration at ``cp`` = the world size, inside a ``torchrun`` job (env:// initialisation).
 
     ``backend``: ``"nccl"`` (each rank on ``cuda:LOCAL_RANK``) or ``"gloo"``; default nccl when CUDA
@@ -451,7 +459,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
     ranks return None. The process group is created and destroyed here.
     """
     world = int(os.environ["WORLD_SIZE"])
-    lens, _, tps, layouts = _check_args(lengths, [world], tps, layouts, dtype)
+    lens, _, tps, layouts, paddings = _check_args(lengths, [world], tps, layouts, paddings, dtype)
     if world < 2:
         fail("WORLD_SIZE", world, "must be >= 2 (a context-parallel group of one rank proves nothing)",
              "run torchrun --nproc-per-node 2 (or more) -m cpshard verify")
@@ -467,7 +475,8 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         rank, group = dist.get_rank(), dist.group.WORLD
         start = time.perf_counter()
         torch_dtype = DTYPES[dtype]
-        configs = [dataclasses.replace(c, attention=attention) for c in configurations([world], tps, layouts)]
+        configs = [dataclasses.replace(c, attention=attention)
+                   for c in configurations([world], tps, layouts, paddings)]
         naive = Config(world, 1, "zigzag", "naive")
         bar = Progress(total=len(configs) + 2, enabled=progress and rank == 0)
         want = reference(lens, torch_dtype, device) if rank == 0 else None
