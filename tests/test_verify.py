@@ -72,14 +72,14 @@ def test_torchrun_path_on_two_gloo_ranks():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), "-m", "cpshard", "verify", "--backend", "gloo", "--lengths", "9,1,4",
-           "--tp", "1", "--json", "--no-progress"]
+           "--tp", "1", "--reorder", "--json", "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = _one_json_object(proc.stdout)  # rank 0 alone reports
     _check_schema(report)
     assert report["ok"] and report["naive_kernel_caught"]
-    assert [(r["cp"], r["layout"], r["ok"]) for r in report["results"]] == [(2, "zigzag", True),
-                                                                            (2, "contiguous", True)]
+    assert [(r["cp"], r["layout"], r["reorder"], r["ok"]) for r in report["results"]] == [
+        (2, "zigzag", None, True), (2, "contiguous", None, True), (2, "contiguous", "balanced", True)]
 
 
 def test_verify_refuses_bad_arguments(capfd):

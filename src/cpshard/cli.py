@@ -200,6 +200,8 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
     v.add_argument("--layouts", default="zigzag,contiguous", help="layouts (default zigzag,contiguous)")
     v.add_argument("--padding", default="aligned", help="plan paddings: aligned (default), minimal, or both as "
                    "aligned,minimal")
+    v.add_argument("--reorder", action="store_true", help="also run every contiguous configuration with "
+                   "reorder='balanced' (sequences permuted to even out causal work)")
     v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     v.add_argument("--attention", default="reference", choices=["reference", "naive"],
@@ -223,7 +225,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error(f"--cp {args.cp} under torchrun: the CP size is the world size ({world}); drop --cp")
             report = verify.verify_launched(lengths, backend=args.backend, tps=args.tp, layouts=layouts,
                                             dtype=args.dtype, attention=args.attention, paddings=paddings,
-                                            progress=args.progress)
+                                            reorder=args.reorder, progress=args.progress)
             if report is None:  # not rank 0: rank 0 reports; every rank exits 0 unless it failed
                 return 0
         else:
@@ -231,7 +233,8 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error("--backend applies under torchrun only (torchrun --nproc-per-node N -m cpshard verify "
                         "--backend nccl); spawned ranks use gloo")
             report = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, layouts=layouts, dtype=args.dtype,
-                                   attention=args.attention, paddings=paddings, progress=args.progress)
+                                   attention=args.attention, paddings=paddings, reorder=args.reorder,
+                                   progress=args.progress)
     except (ValueError, TypeError) as exc:
         print(f"cpshard verify: {exc}", file=sys.stderr)
         return 2

@@ -150,19 +150,22 @@ class TinyDecoder(nn.Module):
 @dataclass(frozen=True)
 class Config:
     """One configuration: CP size, TP alignment, layout, which attention (``"reference"`` or
-    ``"naive"``, the layout-naive kernel) and the plan's padding (``"aligned"`` or ``"minimal"``)."""
+    ``"naive"``, the layout-naive kernel), the plan's padding (``"aligned"`` or ``"minimal"``) and
+    sequence order (``None``, or ``"balanced"`` under the contiguous layout)."""
 
     cp: int
     tp: int
     layout: str
     attention: str = "reference"
     padding: str = "aligned"
+    reorder: str | None = None
 
     @property
     def name(self) -> str:
         naive = ", naive attention" if self.attention == "naive" else ""
         padding = "" if self.padding == "aligned" else f" {self.padding} padding"
-        return f"cp={self.cp} tp={self.tp} {self.layout}{padding}{naive}"
+        order = f" {self.reorder} order" if self.reorder else ""
+        return f"cp={self.cp} tp={self.tp} {self.layout}{padding}{order}{naive}"
 
 
 @dataclass(frozen=True)
@@ -197,9 +200,9 @@ class Result:
     def as_json(self) -> dict[str, Any]:
         c = self.config
         return {"cp": c.cp, "tp": c.tp, "layout": c.layout, "attention": c.attention, "padding": c.padding,
-                "ok": self.ok, "max_abs_diff": dict(self.max_abs_diff), "padding_overhead": self.padding_overhead,
-                "attention_imbalance": self.attention_imbalance, "attention_work": list(self.attention_work),
-                "seconds": self.seconds}
+                "reorder": c.reorder, "ok": self.ok, "max_abs_diff": dict(self.max_abs_diff),
+                "padding_overhead": self.padding_overhead, "attention_imbalance": self.attention_imbalance,
+                "attention_work": list(self.attention_work), "seconds": self.seconds}
 
 
 @dataclass(frozen=True)
@@ -311,7 +314,7 @@ def compare(config: Config, got: Outcome, want: Outcome, plan: ShardPlan, tolera
 
 def _plan(lengths: Sequence[int], config: Config) -> ShardPlan:
     return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout,
-                           padding=config.padding)
+                           padding=config.padding, reorder=config.reorder)
 
 
 def reference(lengths: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> Outcome:
@@ -370,13 +373,17 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
 
 
 def configurations(cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str],
-                   paddings: Sequence[str] = ("aligned",)) -> list[Config]:
-    """Every ``(cp, tp, layout, padding)``; at ``cp = 1`` the layouts are one (both are the identity)."""
+                   paddings: Sequence[str] = ("aligned",), reorder: bool = False) -> list[Config]:
+    """Every ``(cp, tp, layout, padding)``; at ``cp = 1`` the layouts are one (both are the identity).
+    ``reorder``: every contiguous configuration at ``cp > 1`` also with ``reorder="balanced"``."""
     out = []
     for cp in cps:
         for tp in tps:
             for layout in (layouts if cp > 1 else layouts[:1]):
-                out += [Config(cp, tp, layout, padding=padding) for padding in paddings]
+                for padding in paddings:
+                    out.append(Config(cp, tp, layout, padding=padding))
+                    if reorder and cp > 1 and layout == Layout.CONTIGUOUS.value:
+                        out.append(Config(cp, tp, layout, padding=padding, reorder="balanced"))
     return out
 
 
@@ -403,7 +410,8 @@ def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int], 
 
 def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
            layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
-           paddings: Sequence[str] = ("aligned",), progress: bool = True, timeout: float = 600.0) -> Report:
+           paddings: Sequence[str] = ("aligned",), reorder: bool = False, progress: bool = True,
+           timeout: float = 600.0) -> Report:
     """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
 
     ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
@@ -414,7 +422,8 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype)
     if attention not in ("reference", "naive"):
         fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
-    configs = [dataclasses.replace(c, attention=attention) for c in configurations(cps, tps, layouts, paddings)]
+    configs = [dataclasses.replace(c, attention=attention)
+               for c in configurations(cps, tps, layouts, paddings, reorder)]
     naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
     bar = Progress(total=len(configs) + 2, enabled=progress)
     torch_dtype = DTYPES[dtype]
@@ -451,7 +460,7 @@ def launched() -> bool:
 def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | None = None,
                     tps: Sequence[int] = (1, 2), layouts: Sequence[str] = ("zigzag", "contiguous"),
                     dtype: str = "float64", attention: str = "reference", paddings: Sequence[str] = ("aligned",),
-                    progress: bool = True) -> Report | None:
+                    reorder: bool = False, progress: bool = True) -> Report | None:
     """Every configuration at ``cp`` = the world size, inside a ``torchrun`` job (env:// initialisation).
 
     ``backend``: ``"nccl"`` (each rank on ``cuda:LOCAL_RANK``) or ``"gloo"``; default nccl when CUDA
@@ -476,7 +485,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         start = time.perf_counter()
         torch_dtype = DTYPES[dtype]
         configs = [dataclasses.replace(c, attention=attention)
-                   for c in configurations([world], tps, layouts, paddings)]
+                   for c in configurations([world], tps, layouts, paddings, reorder)]
         naive = Config(world, 1, "zigzag", "naive")
         bar = Progress(total=len(configs) + 2, enabled=progress and rank == 0)
         want = reference(lens, torch_dtype, device) if rank == 0 else None
