@@ -5,7 +5,8 @@ on the plan's position ids through :func:`cpshard.attention.attention`, and an M
 prediction depths in Megatron's shape, scored by :func:`cpshard.mtp.mtp_loss`) runs forward and
 backward on a built-in batch of varied lengths (long, short, one token, shorter than any
 alignment, empty), first at ``cp = 1`` and then across real ``torch.distributed`` ranks for every
-requested ``cp``, ``tp`` alignment and layout, using cpshard end to end: ``shard`` (tokens, labels),
+requested ``cp``, ``tp`` alignment and layout (and, on request, minimal padding and the balanced
+contiguous order), using cpshard end to end: ``shard`` (tokens, labels),
 ``shift_sharded_multi`` (each MTP depth's input ids), the reference attention, the MTP loss and
 ``gather`` of the per-token log-probs. Each configuration's loss, per-token log-probs, MTP losses and
 every parameter gradient are compared with ``cp = 1``'s. The layout-naive attention under zigzag is
