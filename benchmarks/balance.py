@@ -31,9 +31,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 
 import torch
+from _timing import median_ms
 
 from cpshard._balance import _bound, _check, balanced_order, rank_work, work_lower_bound
 
@@ -67,16 +67,6 @@ def _swap_search(lens: list[int], padded: list[int], cp: int, swaps: int, seed: 
         else:
             order[i], order[j] = order[j], order[i]
     return order
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -128,7 +118,7 @@ def main() -> None:
             rng = random.Random(1000 + b)
             lens = [max(1, round(rng.expovariate(1 / MEAN_LEN))) for _ in range(b)]
             padded = _padded(lens, cp)
-            ms = _median_ms(lambda: balanced_order(lens, padded, cp), repeats)
+            ms = median_ms(lambda: balanced_order(lens, padded, cp), repeats)
             order = balanced_order(lens, padded, cp)
             mean = sum(n * (n + 1) // 2 for n in lens) / cp
             print(f"{cp:>3} {b:>5} {ms:>8.2f} {max(rank_work(lens, padded, order, cp)) / mean:>9.4f}")

@@ -15,25 +15,11 @@ trainer pays once per micro-batch. Also prints the verl-style per-sequence loop 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import median_ms, peak_mib
 
 from cpshard import ShardPlan, shard
-
-
-def _median_ms(fn, repeats: int, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def _per_sequence_loop(flat: torch.Tensor, plan: ShardPlan, rank: int) -> torch.Tensor:
@@ -50,18 +36,6 @@ def _per_sequence_loop(flat: torch.Tensor, plan: ShardPlan, rank: int) -> torch.
         out[at + c:at + 2 * c] = padded[(2 * cp - 1 - rank) * c:(2 * cp - rank) * c]
         at += 2 * c
     return out
-
-
-def _peak_mib(fn, device: torch.device) -> str:
-    """Peak extra device memory of one call (CUDA only; the CPU allocator keeps no such counter)."""
-    if device.type != "cuda":
-        return "n/a"
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.1f}"
 
 
 def main() -> None:
@@ -93,23 +67,23 @@ def main() -> None:
     print(f"{args.seqs} sequences, {plan.num_tokens} tokens, T={plan.total_len}, L={plan.local_len}, "
           f"cp={args.cp}, tp={args.tp}, row shape {tuple(flat.shape[1:])}, dtype {flat.dtype}, "
           f"threads={args.threads}, device={device}")
-    base = _median_ms(lambda: flat.index_select(0, index), args.repeats, device)
-    warm = _median_ms(lambda: shard(flat, plan, rank), args.repeats, device)
-    warm_shift = _median_ms(lambda: shard(flat, plan, rank, shift=1, fill=-100), args.repeats, device)
+    base = median_ms(lambda: flat.index_select(0, index), args.repeats, device)
+    warm = median_ms(lambda: shard(flat, plan, rank), args.repeats, device)
+    warm_shift = median_ms(lambda: shard(flat, plan, rank, shift=1, fill=-100), args.repeats, device)
 
     def cold() -> None:
         fresh = ShardPlan.build(plan.seqlens_py, cp_size=args.cp, tp_size=args.tp)
         shard(flat, fresh, rank)
-    cold_ms = _median_ms(cold, max(3, args.repeats // 4), device)
-    loop_ms = _median_ms(lambda: _per_sequence_loop(flat, plan, rank), max(3, args.repeats // 4), device)
+    cold_ms = median_ms(cold, max(3, args.repeats // 4), device)
+    loop_ms = median_ms(lambda: _per_sequence_loop(flat, plan, rank), max(3, args.repeats // 4), device)
     assert torch.equal(_per_sequence_loop(flat, plan, rank), shard(flat, plan, rank))
 
     rows = [
-        ("index_select (baseline)", base, _peak_mib(lambda: flat.index_select(0, index), device)),
-        ("cpshard.shard, warm", warm, _peak_mib(lambda: shard(flat, plan, rank), device)),
-        ("cpshard.shard shift=1, warm", warm_shift, _peak_mib(lambda: shard(flat, plan, rank, shift=1), device)),
-        ("cpshard.shard, cold (build+index)", cold_ms, _peak_mib(cold, device)),
-        ("per-sequence Python loop", loop_ms, _peak_mib(lambda: _per_sequence_loop(flat, plan, rank), device)),
+        ("index_select (baseline)", base, peak_mib(lambda: flat.index_select(0, index), device)),
+        ("cpshard.shard, warm", warm, peak_mib(lambda: shard(flat, plan, rank), device)),
+        ("cpshard.shard shift=1, warm", warm_shift, peak_mib(lambda: shard(flat, plan, rank, shift=1), device)),
+        ("cpshard.shard, cold (build+index)", cold_ms, peak_mib(cold, device)),
+        ("per-sequence Python loop", loop_ms, peak_mib(lambda: _per_sequence_loop(flat, plan, rank), device)),
     ]
     print(f"{'path':<36} {'ms':>9} {'x baseline':>11} {'peak MiB':>9}")
     for name, ms, peak in rows:

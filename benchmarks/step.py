@@ -18,15 +18,11 @@ extra memory. verl's ``preprocess_thd_engine`` is compared in ``benchmarks/verl.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
+from _timing import median_ms, peak_mib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from shard import _median_ms, _peak_mib  # noqa: E402  (the same timing and memory helpers)
-
-from cpshard import ShardPlan, shard, unshard  # noqa: E402
+from cpshard import ShardPlan, shard, unshard
 
 
 def _step_table(lens: list[int], args: argparse.Namespace, device: torch.device) -> None:
@@ -48,17 +44,17 @@ def _step_table(lens: list[int], args: argparse.Namespace, device: torch.device)
             p = p or ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout)
             shard(ids, p, rank), shard(ids, p, rank, shift=1, fill=-100), shard(mask, p, rank, shift=1, fill=False)
 
-        base = _median_ms(floor, args.repeats, device)
-        rows = [("3x index_select (the floor)", base, _peak_mib(floor, device)),
-                ("ShardPlan.build + 3 shards (cold, per step)", _median_ms(step, args.repeats, device),
-                 _peak_mib(step, device)),
-                ("3 shards, plan cached (warm)", _median_ms(lambda: step(plan), args.repeats, device),
-                 _peak_mib(lambda: step(plan), device))]
+        base = median_ms(floor, args.repeats, device)
+        rows = [("3x index_select (the floor)", base, peak_mib(floor, device)),
+                ("ShardPlan.build + 3 shards (cold, per step)", median_ms(step, args.repeats, device),
+                 peak_mib(step, device)),
+                ("3 shards, plan cached (warm)", median_ms(lambda: step(plan), args.repeats, device),
+                 peak_mib(lambda: step(plan), device))]
         parts = [torch.randn(plan.local_len, device=device) for _ in range(args.cp)]
         token_index = torch.arange(n, device=device)
-        restore_floor = _median_ms(lambda: torch.cat(parts).index_select(0, token_index), args.repeats, device)
+        restore_floor = median_ms(lambda: torch.cat(parts).index_select(0, token_index), args.repeats, device)
         rows += [("restore floor: cat + index_select of tokens", restore_floor, "n/a"),
-                 ("unshard (restore, cold)", _median_ms(
+                 ("unshard (restore, cold)", median_ms(
                      lambda: unshard(parts, ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout)),
                      args.repeats, device), "n/a")]
         for name, ms, peak in rows:
@@ -70,7 +66,7 @@ def _build_table(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(2)
     lens = torch.randint(1, 513, (4096,), generator=g).tolist()
     for layout in ("zigzag", "contiguous"):
-        ms = _median_ms(lambda: ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout),
+        ms = median_ms(lambda: ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout),
                         args.repeats, torch.device("cpu"))
         print(f"plan build, 4096 sequences (U[1, 512]), {layout}: {ms:.3f} ms")
 

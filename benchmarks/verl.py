@@ -20,19 +20,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
-import time
 
 # This file is named verl.py: keep its folder off the path so that `import verl` finds the package;
 # the fakes of Megatron's parallel state are the tests' (tests/verl_fakes.py).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "tests"))
+sys.path.append(_HERE)  # last: `import verl` finds the package, `import _timing` this folder's helper
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from _timing import median_ms  # noqa: E402
 
 import verl_fakes as vf  # noqa: E402
 from cpshard import ShardPlan, shard
@@ -63,16 +63,6 @@ def _megatron(tp: int, cp: int, rank: int, others: list[torch.Tensor] | None = N
         yield
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=256)
@@ -101,9 +91,9 @@ def main() -> None:
     def row(name: str, verl_fn: Callable[[], Any], ours_fn: Callable[[], Any], shared_fn: Callable[[], Any],
             same: Callable[[Any, Any], bool], others: list[torch.Tensor] | None = None) -> None:
         with _megatron(tp, cp, rank, others):
-            t_verl = _median_ms(verl_fn, args.repeats)
-            t_ours = _median_ms(ours_fn, args.repeats)
-            t_shared = _median_ms(shared_fn, args.repeats)
+            t_verl = median_ms(verl_fn, args.repeats)
+            t_ours = median_ms(ours_fn, args.repeats)
+            t_shared = median_ms(shared_fn, args.repeats)
             ok = same(verl_fn(), ours_fn())
         print(f"{name:42} {t_verl:10.2f} {t_ours:10.2f} {t_shared:10.2f} {t_verl / t_ours:12.1f}x {str(ok):>5}")
 
@@ -127,9 +117,9 @@ def main() -> None:
             shard(mask.values(), p, rank, shift=1, fill=False)
 
         with _megatron(tp, cp, rank):
-            t_floor = _median_ms(floor, args.repeats)
-            t_verl = _median_ms(verl_step, args.repeats)
-            t_ours = _median_ms(ours_step, args.repeats)
+            t_floor = median_ms(floor, args.repeats)
+            t_verl = median_ms(verl_step, args.repeats)
+            t_ours = median_ms(ours_step, args.repeats)
         print(f"{'step (3 tensors, fresh plan) ' + layout:42} {t_verl:10.2f} {t_ours:10.2f} {'':>10} "
               f"{t_verl / t_ours:12.1f}x  floor {t_floor:.2f} ms: cpshard {t_ours / t_floor:.2f}x the floor")
 

@@ -1,0 +1,37 @@
+"""Timing and memory helpers shared by the benchmark scripts (scripts, not tests: nothing asserts a time)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None = None) -> float:
+    """Median wall time of ``fn()`` in ms over ``repeats`` calls, after one warm-up call; on CUDA the
+    device is synchronized around every call, so the time covers the kernels too."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def peak_mib(fn: Callable[[], Any], device: torch.device) -> str:
+    """Peak extra device memory of one call (CUDA only; the CPU allocator keeps no such counter)."""
+    if device.type != "cuda":
+        return "n/a"
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.1f}"
