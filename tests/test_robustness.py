@@ -225,3 +225,18 @@ def test_cli_no_picture_gives_the_true_reason(capsys):
     assert cli_main(["plan", "--lengths", "5,3", "--no-picture"]) == 0
     out = capsys.readouterr().out
     assert "(picture omitted: --no-picture)" in out and "rows >" not in out
+
+
+def test_cli_plans_minimal_padding_and_balanced_order(capsys):
+    assert cli_main(["plan", "--lengths", "300,20,900,5,600", "--cp", "4", "--layout", "contiguous", "--reorder",
+                     "--padding", "minimal", "--no-picture"]) == 0
+    out = capsys.readouterr().out
+    plan = ShardPlan.build([300, 20, 900, 5, 600], cp_size=4, layout="contiguous", padding="minimal",
+                           reorder="balanced")
+    assert f"order = {list(plan.order)}" in out and "padding='minimal', reordered" in out
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--reorder"])
+    assert "--reorder balances the contiguous layout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--bshd", "--padding", "minimal"])
+    assert "--padding does not apply with --bshd" in capsys.readouterr().err

@@ -19,7 +19,7 @@ import torch
 
 from cpshard.attention import attention_work
 from cpshard.bshd import BshdPlan
-from cpshard.layout import Layout
+from cpshard.layout import Layout, Padding
 from cpshard.plan import ShardPlan
 
 __all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
@@ -108,6 +108,8 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
         f"(L / tp = {plan.local_len // plan.tp_size}); padding overhead = {100 * plan.padding_overhead:.1f}%",
         "",
     ]
+    if plan.order is not None:  # s<i> below is the buffer's i-th sequence
+        out[-1:] = [f"order = {_cap(plan.order)} (buffer position -> your sequence; s<i> is buffer position i)", ""]
     if picture is None and plan.total_len > _PICTURE_MAX_ROWS:
         out += [f"(picture omitted: {plan.total_len} rows > {_PICTURE_MAX_ROWS}; pass --picture to force it)", ""]
         out += _summary(plan) + [""]
@@ -252,6 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout] + ["both"],
                    help="'both': zigzag and contiguous, one after the other (side by side with --png)")
     p.add_argument("--fp8", action="store_true", help="fp8 padding (lcm(16, a) per sequence, a * 128 total)")
+    p.add_argument("--padding", default=None, choices=[m.value for m in Padding],
+                   help="'minimal': pad each sequence only as far as the layout needs (default 'aligned', SPEC's)")
+    p.add_argument("--reorder", action="store_true", default=None,
+                   help="contiguous layout: permute the sequences to even out causal work (reorder='balanced')")
     p.add_argument("--min-local-rows", type=int, default=None)
     p.add_argument("--length-bucket", type=int, default=None)
     p.add_argument("--bshd", action="store_true", help="plan a padded (B, S) batch instead of a packed one")
@@ -269,7 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = args.lengths_file if args.lengths_file is not None else args.lengths
     layouts = [m.value for m in Layout] if args.layout == "both" else [args.layout]
     not_for = ([("--min-local-rows", args.min_local_rows), ("--length-bucket", args.length_bucket),
-                ("--picture/--no-picture", args.picture), ("--png", args.png)]
+                ("--picture/--no-picture", args.picture), ("--png", args.png), ("--padding", args.padding),
+                ("--reorder", args.reorder)]
                if args.bshd else [("--max-seqlen", args.max_seqlen)])
     ignored = [flag for flag, value in not_for if value is not None]
     if ignored:
@@ -286,8 +293,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 texts.append(describe_bshd(BshdPlan.build(lengths, cp_size=args.cp, tp_size=args.tp, layout=layout,
                                                           fp8=args.fp8, max_seqlen=args.max_seqlen)))
                 continue
+            reorder = "balanced" if args.reorder and layout == Layout.CONTIGUOUS.value else None
+            if args.reorder and len(layouts) == 1 and reorder is None:
+                p.error("--reorder balances the contiguous layout; add --layout contiguous (or both)")
             plan = ShardPlan.build(lengths, cp_size=args.cp, tp_size=args.tp, layout=layout, fp8=args.fp8,
-                                   min_local_rows=args.min_local_rows, length_bucket=args.length_bucket)
+                                   min_local_rows=args.min_local_rows, length_bucket=args.length_bucket,
+                                   padding=args.padding or Padding.ALIGNED, reorder=reorder)
             plans.append(plan)
             texts.append(describe_plan(plan, picture=args.picture))
         text = "\n\n".join(texts)
