@@ -25,6 +25,26 @@ def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None =
     return 1e3 * statistics.median(times)
 
 
+def interleaved_ms(fns: list[Callable[[], Any]], repeats: int, device: torch.device | None = None) -> list[float]:
+    """Median ms of each of ``fns``, timed in turn within every repeat.
+
+    Ratios between them are fair: each sees the same allocator and cache state (a fresh large CPU
+    tensor costs page faults that depend on what ran before, which can swing one call 5x).
+    """
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t)
+    return [1e3 * statistics.median(t) for t in times]
+
+
 def peak_mib(fn: Callable[[], Any], device: torch.device) -> str:
     """Peak extra device memory of one call (CUDA only; the CPU allocator keeps no such counter)."""
     if device.type != "cuda":

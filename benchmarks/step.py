@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import median_ms, peak_mib
+from _timing import interleaved_ms, median_ms, peak_mib
 
 from cpshard import ShardPlan, shard, unshard
 
@@ -31,7 +31,8 @@ def _step_table(lens: list[int], args: argparse.Namespace, device: torch.device)
     ids = torch.randint(0, 50_000, (n,), generator=g).to(device)
     mask = torch.ones(n, dtype=torch.bool, device=device)
     rank = 1
-    print(f"\nstep: {len(lens)} sequences, {n} tokens, cp={args.cp}, tp={args.tp}, rank {rank}, device={device}")
+    print(f"\nstep: {len(lens)} sequences, {n} tokens, cp={args.cp}, tp={args.tp}, rank {rank}, device={device} "
+          "(each path timed in turn within every repeat)")
     print(f"{'layout':<11} {'path':<44} {'ms':>8} {'x floor':>8} {'peak MiB':>9}")
     for layout in ("zigzag", "contiguous"):
         plan = ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout)
@@ -44,19 +45,18 @@ def _step_table(lens: list[int], args: argparse.Namespace, device: torch.device)
             p = p or ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout)
             shard(ids, p, rank), shard(ids, p, rank, shift=1, fill=-100), shard(mask, p, rank, shift=1, fill=False)
 
-        base = median_ms(floor, args.repeats, device)
+        base, cold, warm = interleaved_ms([floor, step, lambda: step(plan)], args.repeats, device)
         rows = [("3x index_select (the floor)", base, peak_mib(floor, device)),
-                ("ShardPlan.build + 3 shards (cold, per step)", median_ms(step, args.repeats, device),
-                 peak_mib(step, device)),
-                ("3 shards, plan cached (warm)", median_ms(lambda: step(plan), args.repeats, device),
-                 peak_mib(lambda: step(plan), device))]
+                ("ShardPlan.build + 3 shards (cold, per step)", cold, peak_mib(step, device)),
+                ("3 shards, plan cached (warm)", warm, peak_mib(lambda: step(plan), device))]
         parts = [torch.randn(plan.local_len, device=device) for _ in range(args.cp)]
         token_index = torch.arange(n, device=device)
-        restore_floor = median_ms(lambda: torch.cat(parts).index_select(0, token_index), args.repeats, device)
+        restore_floor, restore = interleaved_ms(
+            [lambda: torch.cat(parts).index_select(0, token_index),
+             lambda: unshard(parts, ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout))],
+            args.repeats, device)
         rows += [("restore floor: cat + index_select of tokens", restore_floor, "n/a"),
-                 ("unshard (restore, cold)", median_ms(
-                     lambda: unshard(parts, ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout)),
-                     args.repeats, device), "n/a")]
+                 ("unshard (restore, cold)", restore, "n/a")]
         for name, ms, peak in rows:
             ref = restore_floor if name.startswith("unshard") else base
             print(f"{layout:<11} {name:<44} {ms:>8.3f} {ms / ref:>8.2f} {peak:>9}")
