@@ -10,6 +10,7 @@ import torch
 import cpshard
 from cpshard import BshdPlan, Layout, ShardPlan, layout_for, register_layout_rule, shard, unshard
 from cpshard.cli import main as cli_main
+from reference import ref_shard
 
 
 def _jagged(lens, trailing=()):
@@ -20,12 +21,20 @@ def _jagged(lens, trailing=()):
 
 
 class _CountToList:
-    def __init__(self, monkeypatch):
+    """Counts host copies of the batch's lengths: ``tolist`` of the given nested tensors' offsets.
+
+    (The plan's own index math may read the small CPU tensors it builds from Python ints; those are
+    no device-to-host copy and are not counted.)
+    """
+
+    def __init__(self, monkeypatch, *batches):
         self.calls = 0
         original = torch.Tensor.tolist
+        storages = {b.offsets().untyped_storage().data_ptr() for b in batches}
 
         def counted(t):
-            self.calls += 1
+            if t.untyped_storage().data_ptr() in storages:
+                self.calls += 1
             return original(t)
         monkeypatch.setattr(torch.Tensor, "tolist", counted)
 
@@ -33,7 +42,7 @@ class _CountToList:
 def test_one_host_copy_of_lengths_per_batch(monkeypatch):
     """``from_nested`` reads the lengths once; sharding its values and unsharding read nothing."""
     nt = _jagged([5, 0, 9, 3])
-    counter = _CountToList(monkeypatch)
+    counter = _CountToList(monkeypatch, nt)
     plan, values = ShardPlan.from_nested(nt, cp_size=2, tp_size=2)
     assert counter.calls == 1
     assert values is nt.values() or torch.equal(values, nt.values())
@@ -51,7 +60,7 @@ def test_nested_input_is_checked_on_every_call(monkeypatch):
     """A nested tensor passed to shard is checked against the plan each time: one host copy a call."""
     plan = ShardPlan.build([2, 3], cp_size=2)
     good = _jagged([2, 3])
-    counter = _CountToList(monkeypatch)
+    counter = _CountToList(monkeypatch, good)
     shard(good, plan, 0)
     shard(good, plan, 1)
     assert counter.calls == 2
@@ -296,3 +305,22 @@ def test_fill_values_at_the_edges_of_the_range(dtype, ok, bad):
     for v in bad:
         with pytest.raises(ValueError, match="outside the range"):
             shard(torch.zeros(8, dtype=dtype), plan, 1, shift=1, fill=v)
+
+
+def test_every_shift_reads_one_index():
+    """A shift reads the unshifted index from a shifted view of the input: the cached indices of a rank
+    do not grow with the number of shifts (MTP depths), and the rows a view cannot serve are fill rows."""
+    from cpshard.plan import shard_index
+
+    plan = ShardPlan.build([7, 2, 0, 5], cp_size=3, layout="contiguous")
+    cpu = torch.device("cpu")
+    for r in range(3):
+        base = shard_index(plan, r, 0, cpu).src
+        assert all(shard_index(plan, r, k, cpu).src is base for k in (1, 2, 3))
+    seqs = [torch.arange(n) + 10 * i for i, n in enumerate([7, 2, 0, 5])]
+    for r in range(3):  # rank 2 holds the input's last tokens: its gather skips them (fill rows)
+        for k in (1, 2, 3):
+            want = ref_shard(seqs, [7, 2, 0, 5], 3, 1, "contiguous", r, shift=k, fill=-1)
+            assert torch.equal(shard(torch.cat(seqs), plan, r, shift=k, fill=-1), want)
+    tiny = ShardPlan.build([2], cp_size=1)
+    assert shard(torch.tensor([5, 6]), tiny, 0, shift=3, fill=-1).tolist() == [-1, -1]  # every source is past the end

@@ -108,26 +108,24 @@ def repeat_segments(single: Segments, batch: int) -> Segments:
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """How ``shard`` builds a rank's rows: one gather, then two fills."""
+    """How ``shard`` builds a rank's rows: one gather, then two fills.
 
-    src: torch.Tensor  # (rows,) input row each output row copies (clamped into range where overwritten)
+    A shift needs no index of its own: output row ``j`` reads input row ``src[j] + shift``, that is
+    row ``src[j]`` of the input without its first ``shift`` rows (a view). Only rows whose
+    ``src[j]`` lies in the input's last ``shift`` rows would read past that view, and those are all
+    fill or pad rows (Note [Which rows a rank holds]); ``safe`` lists the output row ranges free of
+    them (``None``: every row), and the gather skips the others, which the fills then write.
+    """
+
+    src: torch.Tensor  # (rows,) input row each output row copies, unshifted (clamped where overwritten)
     pad_rows: torch.Tensor  # output rows past their sequence's length: pad_value
     fill_rows: torch.Tensor  # token rows whose shifted source lies past the end: fill
+    shift: int = 0
+    safe: tuple[tuple[int, int], ...] | None = None
 
     def to(self, device: torch.device) -> ShardIndex:
-        return ShardIndex(self.src.to(device), self.pad_rows.to(device), self.fill_rows.to(device))
-
-
-def shifted(base: torch.Tensor, shift: int, input_rows: int) -> torch.Tensor:
-    """The gather index of ``shift`` from the unshifted one (already clamped into the input).
-
-    ``base + shift``, clamped: the rows the clamp touches are fill or pad rows, overwritten after
-    the gather (it only keeps their index valid), and so are the rows that ``base``'s own clamp
-    touched (pad rows of the last sequence). Shift 0 is ``base`` itself: no new tensor.
-    """
-    if not shift or not base.numel():
-        return base
-    return (base + shift).clamp_max_(max(input_rows - 1, 0))
+        return ShardIndex(self.src.to(device), self.pad_rows.to(device), self.fill_rows.to(device), self.shift,
+                          self.safe)
 
 
 def sourced_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:

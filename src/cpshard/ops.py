@@ -99,13 +99,22 @@ def gather_rows(rows: torch.Tensor, index: _index.ShardIndex, pad_value: Scalar,
     if moved is not None:  # fp8, uintN: move the bits, fill with the values' bit patterns
         carried, pad_bits, fill_bits = moved
         return gather_rows(carried, index, pad_bits, fill_bits).view(rows.dtype)
-    src, pad_rows, fill_rows = index.src, index.pad_rows, index.fill_rows
-    if rows.shape[0] == 0:  # nothing to read: every output row is a pad row
+    src, pad_rows, fill_rows, k = index.src, index.pad_rows, index.fill_rows, index.shift
+    n = rows.shape[0]
+    if n <= k or (k and index.safe == ()):  # nothing to read: every output row is a pad or fill row
         out = rows.new_full((src.numel(), *rows.shape[1:]), pad_value)
         if rows.requires_grad:  # keep the (empty) graph, so that backward() still reaches the input
             out = out + rows.sum() * 0
     else:
-        out = rows.index_select(0, src)
+        view = rows.narrow(0, k, n - k) if k else rows  # row src[j] of the view is input row src[j] + k
+        if index.safe is None:
+            out = view.index_select(0, src)
+        elif rows.requires_grad:  # index_select(out=) records no autograd: a shifted index instead
+            out = rows.index_select(0, (src + k).clamp_max_(n - 1))
+        else:
+            out = rows.new_empty((src.numel(), *rows.shape[1:]))
+            for lo, hi in index.safe:  # the other rows are fill or pad rows, written below
+                torch.index_select(view, 0, src[lo:hi], out=out[lo:hi])
         if pad_rows.numel():
             out.index_fill_(0, pad_rows, pad_value)
     if fill_rows.numel():

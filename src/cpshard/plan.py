@@ -34,8 +34,8 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
     A tensor costs exactly one device-to-host copy here; nothing later reads lengths back.
     """
     values: list[Any]
-    if type(seqlens) in (list, tuple) and seqlens and all(type(n) is int and n >= 0 for n in seqlens):
-        return tuple(seqlens)  # the common case, checked in one pass
+    if type(seqlens) in (list, tuple) and _plain_ints(seqlens):
+        return tuple(seqlens)  # the common case, checked at C speed
     if isinstance(seqlens, torch.Tensor) and seqlens.is_meta:
         fail(name, "a tensor on the meta device", "must hold real values", "pass the lengths on a real device")
     if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
@@ -360,10 +360,15 @@ def _padded_lengths(
     return tuple(padded)
 
 
+def _plain_ints(values: Sequence[Any]) -> bool:
+    """Non-empty, every value a plain ``int`` (not bool) and >= 0: the fast path of every check."""
+    return bool(values) and set(map(type, values)) == {int} and min(values) >= 0
+
+
 def _int_tuple(name: str, values: Sequence[Any]) -> tuple[int, ...]:
     """``values`` as a tuple of ints >= 0; a fast path for plain ints (plans of thousands of sequences)."""
     out = tuple(values)
-    if all(type(v) is int and v >= 0 for v in out):
+    if _plain_ints(out):
         return out
     return tuple(check_int(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(out))
 
@@ -601,27 +606,52 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
     ``row_stride`` is ``S`` for a padded ``(B, S, ...)`` input (sequence ``b`` starts at row
     ``b * S``), or None for packed token rows (sequence ``b`` starts at ``cu_seqlens[b]``).
     """
-    def base() -> torch.Tensor:
-        # every shift's gather is this one plus the shift (Note [Which rows a rank holds])
+    def first_rows() -> torch.Tensor:  # per segment, the input row its first row reads (unshifted)
         segs = plan._segments(cp_rank)
         if row_stride is None:  # packed input in the caller's order: buffer sequence j is input sequence order[j]
             cu = torch.tensor(plan.input_cu_seqlens_py[:-1], dtype=torch.int64)
             starts = cu if plan.order is None else cu[torch.tensor(plan.order)]
         else:
             starts = torch.arange(plan.num_seqs, dtype=torch.int64) * row_stride
-        # pad rows of the last sequence may point past the input: clamp once, in place. int32 (every
+        return starts[segs.seq] + segs.pos
+
+    def base() -> torch.Tensor:
+        # every shift's gather reads this index from a shifted view of the input (ShardIndex). Pad
+        # rows of the last sequences may point past the input: clamp once, in place. int32 (every
         # plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select takes it
-        src = _index.expand_segments(starts[segs.seq] + segs.pos, segs.length, segs.total, dtype=torch.int32)
+        segs = plan._segments(cp_rank)
+        src = _index.expand_segments(plan._cache.get(("first-rows", cp_rank, row_stride), first_rows), segs.length,
+                                     segs.total, dtype=torch.int32)
         return src.clamp_max_(max(rows - 1, 0)).to(device)
 
     rows = plan.num_tokens if row_stride is None else plan.num_seqs * row_stride
+
+    def safe_ranges() -> tuple[tuple[int, int], ...] | None:
+        # Output rows whose unshifted source lies in the input's last `shift` rows (the only ones a
+        # shifted view cannot serve): per segment, from the first such row to the segment's end
+        # (its later rows are pad rows, clamped to the last input row). Work over segments only.
+        segs = plan._segments(cp_rank)
+        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
+        start = (rows - shift - first).clamp(min=0)
+        hit = torch.nonzero(start < segs.length).flatten()
+        if not hit.numel():
+            return None
+        bad = torch.stack([segs.local_start[hit] + start[hit], segs.local_start[hit] + segs.length[hit]], 1).tolist()
+        out, at = [], 0
+        for lo, hi in sorted(bad):
+            if lo > at:
+                out.append((at, lo))
+            at = max(at, hi)
+        if at < segs.total:
+            out.append((at, segs.total))
+        return tuple(out)
 
     def make() -> _index.ShardIndex:
         src = plan._cache.get(("shard-base", cp_rank, row_stride, device), base)
         pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.pad_rows(
             plan._segments(cp_rank), plan._lens64()).to(device))
         fill = _index.fill_rows(plan._segments(cp_rank), plan._lens64(), shift).to(device)
-        return _index.ShardIndex(_index.shifted(src, shift, rows), pad, fill)
+        return _index.ShardIndex(src, pad, fill, shift, safe_ranges() if shift else None)
     return plan._cache.get(("shard", cp_rank, shift, row_stride, device), make)
 
 
