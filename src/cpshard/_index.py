@@ -167,4 +167,5 @@ def token_gather_index(seq: torch.Tensor, pos: torch.Tensor, length: torch.Tenso
     stride = int(pos.max() + length.max()) + 1 if pos.numel() else 1
     key = seq if output_seq is None else output_seq
     order = torch.argsort(key * stride + pos, stable=True)
-    return expand_segments(buffer_start[order], tokens[order], num_tokens)
+    # int32: a plan's buffers hold fewer than 2**31 rows (index_select takes it; half the traffic)
+    return expand_segments(buffer_start[order], tokens[order], num_tokens, dtype=torch.int32)
