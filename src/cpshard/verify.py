@@ -251,11 +251,15 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
+_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": attention, "naive": naive_attention}
+
+
 def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank: int, group: Any, *,
-         naive: bool = False, device: torch.device | None = None) -> Outcome:
+         attend_fn: Callable[..., torch.Tensor] = attention, device: torch.device | None = None) -> Outcome:
     """Forward and backward of ``model`` on this rank's rows of ``batch`` (Note [How verify's ranks add
-    up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``. Returns the batch's values
-    (the same on every rank); the model's ``.grad`` are left as this rank's own."""
+    up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``; ``attend_fn`` the CP attention
+    (:func:`cpshard.attention.attention`, or ``naive_attention`` to see it caught). Returns the
+    batch's values (the same on every rank); the model's ``.grad`` are left as this rank's own."""
     start = time.perf_counter()
     dev = device if device is not None else torch.device("cpu")
     dtype = next(model.parameters()).dtype
@@ -268,8 +272,6 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
         shifted = torch.stack([shard(batch, plan, cp_rank, shift=d) for d in depths]).to(dev)
     else:  # what a trainer does when the ids exist only sharded: one exchange for every depth
         shifted = shift_sharded_multi([ids], plan, group, shifts=depths)[0]
-    attend_fn = naive_attention if naive else attention
-
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return attend_fn(q, k, v, plan, group)
 
@@ -364,7 +366,7 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
     model = TinyDecoder(DTYPES[dtype_name])
     outcomes = []
     for config in configs:
-        outcome = step(model, batch, _plan(lengths, config), rank, group, naive=config.attention == "naive")
+        outcome = step(model, batch, _plan(lengths, config), rank, group, attend_fn=_KERNELS[config.attention])
         slowest = torch.tensor([outcome.seconds])
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         outcomes.append(dataclasses.replace(outcome, seconds=float(slowest)))
@@ -438,7 +440,7 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
         if cp == 1:
             for c in group_configs:
                 outcomes[c] = step(TinyDecoder(torch_dtype), _batch(lens), _plan(lens, c), 0, None,
-                                   naive=c.attention == "naive")
+                                   attend_fn=_KERNELS[c.attention])
                 bar.step(c.name)
             continue
         got = run_ranks(_rank_body, cp, lens, group_configs, dtype, bar, timeout=timeout)[0]
@@ -496,7 +498,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         results: list[Result] = []
         for c in configs + [naive]:
             plan = _plan(lens, c)
-            got = step(model, batch, plan, rank, group, naive=c.attention == "naive", device=device)
+            got = step(model, batch, plan, rank, group, attend_fn=_KERNELS[c.attention], device=device)
             bar.step(c.name)
             if want is not None:
                 results.append(compare(c, got, want, plan, TOLERANCE[torch_dtype]))
