@@ -38,7 +38,11 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.tensor.debug import CommDebugMode
+
+try:
+    from torch.distributed.tensor.debug import CommDebugMode
+except ImportError:  # torch < 2.5 keeps it under the private name
+    from torch.distributed._tensor.debug import CommDebugMode  # type: ignore[no-redef,import-not-found]
 
 __all__ = ["CollectiveCounter", "free_port", "run_ranks"]
 
