@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -55,3 +56,18 @@ def peak_mib(fn: Callable[[], Any], device: torch.device) -> str:
     fn()
     torch.cuda.synchronize()
     return f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.1f}"
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The benchmark batch every sharding script shares: ``--seqs`` lengths uniform in
+    ``[--min-len, --max-len]`` (256 of 128..8192, about 1 M tokens), at ``--cp 4 --tp 2``."""
+    parser.add_argument("--seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=128)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--cp", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=2)
+
+
+def batch_lengths(args: argparse.Namespace, generator: torch.Generator) -> list[int]:
+    """The lengths :func:`add_batch_args` describes, drawn from ``generator``."""
+    return torch.randint(args.min_len, args.max_len + 1, (args.seqs,), generator=generator).tolist()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import median_ms, peak_mib
+from _timing import add_batch_args, batch_lengths, median_ms, peak_mib
 
 from cpshard import ShardPlan, shard
 
@@ -40,11 +40,7 @@ def _per_sequence_loop(flat: torch.Tensor, plan: ShardPlan, rank: int) -> torch.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=128)
-    parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--cp", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
+    add_batch_args(parser)
     parser.add_argument("--width", type=int, default=0, help="trailing width (0: token ids, shape ())")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
@@ -53,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(0)
-    lens = torch.randint(args.min_len, args.max_len + 1, (args.seqs,), generator=g)
+    lens = torch.tensor(batch_lengths(args, g))
     trailing = (args.width,) if args.width else ()
     device = torch.device(args.device)
     flat = torch.randint(0, 50_000, (int(lens.sum()), *trailing), generator=g)

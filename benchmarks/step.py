@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import interleaved_ms, median_ms, peak_mib
+from _timing import add_batch_args, batch_lengths, interleaved_ms, median_ms, peak_mib
 
 from cpshard import ShardPlan, shard, unshard
 
@@ -90,11 +90,7 @@ def _padding_table(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=128)
-    parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--cp", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
+    add_batch_args(parser)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cpu")
@@ -103,7 +99,7 @@ def main() -> None:
         args.repeats = 5 if args.quick else 25
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    lens = torch.randint(args.min_len, args.max_len + 1, (args.seqs,), generator=g).tolist()
+    lens = batch_lengths(args, g)
     _step_table(lens, args, torch.device(args.device))
     print()
     _build_table(args)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from _timing import interleaved_ms, median_ms  # noqa: E402
+from _timing import add_batch_args, batch_lengths, interleaved_ms, median_ms  # noqa: E402
 
 import verl_fakes as vf  # noqa: E402
 from cpshard import ShardPlan, shard
@@ -65,11 +65,7 @@ def _megatron(tp: int, cp: int, rank: int, others: list[torch.Tensor] | None = N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=128)
-    parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--cp", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
+    add_batch_args(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="32 sequences up to 1024 tokens, 3 repeats")
@@ -78,7 +74,7 @@ def main() -> None:
         args.seqs, args.max_len, args.repeats = 32, 1024, 3
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    lens = torch.randint(args.min_len, args.max_len + 1, (args.seqs,), generator=g).tolist()
+    lens = batch_lengths(args, g)
     ids = torch.nested.nested_tensor([torch.randint(1, 150_000, (n,), generator=g) for n in lens],
                                      layout=torch.jagged)
     cp, tp, rank = args.cp, args.tp, 1 % args.cp
