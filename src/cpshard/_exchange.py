@@ -59,11 +59,8 @@ def build_exchange(segments: list[_index.Segments], seqlens: torch.Tensor, rank:
     """The exchange for ``rank``, from every rank's segments (``segments[r]``) and the token counts."""
     cp = len(segments)
     local = segments[rank].total
-    seg_rank = torch.cat([torch.full_like(s.seq, r) for r, s in enumerate(segments)])
-    seq = torch.cat([s.seq for s in segments])
-    pos = torch.cat([s.pos for s in segments])
-    length = torch.cat([s.length for s in segments])
-    first = torch.cat([s.local_start for s in segments])
+    every = _index.AllSegments.of(segments)
+    seg_rank, seq, pos, length, first = every.rank, every.seq, every.pos, every.length, every.first
     sourced = torch.cat([_index.sourced_rows(s, seqlens, shift)[1] for s in segments])
 
     # Boundary rows: the last `shift` rows of each segment that have a source.
@@ -73,11 +70,7 @@ def build_exchange(segments: list[_index.Segments], seqlens: torch.Tensor, rank:
     j = _index.expand_segments(tail, count)
     want = pos[seg_of] + j + shift  # position in the sequence each boundary row reads
 
-    # Which segment holds (sequence, position): search the non-empty segments sorted by that key.
-    stride = int(pos.max() + length.max()) + 1 if pos.numel() else 1
-    nonempty = torch.nonzero(length > 0).flatten()
-    keys, order = torch.sort(seq[nonempty] * stride + pos[nonempty])
-    holder = nonempty[order[torch.searchsorted(keys, seq[seg_of] * stride + want, right=True) - 1]]
+    holder = every.holder(seq[seg_of], want)  # the segment holding (sequence, position)
 
     dst_rank, dst_row = seg_rank[seg_of], first[seg_of] + j
     src_rank, src_row = seg_rank[holder], first[holder] + (want - pos[holder])

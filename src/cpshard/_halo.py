@@ -86,11 +86,8 @@ def build_multi_shift(segments: Sequence[_index.Segments], seqlens: torch.Tensor
     cp = len(segments)
     shifts = tuple(int(k) for k in shifts)
     halo = max(shifts, default=0)
-    seg_rank = torch.cat([torch.full_like(s.seq, r) for r, s in enumerate(segments)])
-    seq = torch.cat([s.seq for s in segments])
-    pos = torch.cat([s.pos for s in segments])
-    length = torch.cat([s.length for s in segments])
-    first = torch.cat([s.local_start for s in segments])
+    every = _index.AllSegments.of(segments)
+    seg_rank, seq, pos, length, first = every.rank, every.seq, every.pos, every.length, every.first
     end = pos + length
 
     # Halo entries (segment g, offset t): positions end[g] + t that exist, for non-empty segments.
@@ -100,12 +97,7 @@ def build_multi_shift(segments: Sequence[_index.Segments], seqlens: torch.Tensor
     entry_start = torch.cumsum(count, 0) - count  # entry index of (g, 0)
     want = end[entry_seg] + entry_t
 
-    # Which segment holds (sequence, position): search the non-empty segments sorted by that key.
-    stride = int(end.max()) + halo + 1 if pos.numel() else 1
-    nonempty = torch.nonzero(length > 0).flatten()
-    keys, order = torch.sort(seq[nonempty] * stride + pos[nonempty])
-    found = torch.searchsorted(keys, seq[entry_seg] * stride + want, right=True) - 1
-    holder = nonempty[order[found.clamp(min=0)]] if nonempty.numel() else entry_seg
+    holder = every.holder(seq[entry_seg], want)  # the segment holding (sequence, position)
 
     dst_rank, src_rank = seg_rank[entry_seg], seg_rank[holder]
     src_row = first[holder] + (want - pos[holder])

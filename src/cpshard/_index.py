@@ -21,6 +21,7 @@ special case: a zero-length segment expands to nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,36 @@ def rank_segments(padded: torch.Tensor, cp_size: int, layout: Layout, rank: int)
     lo = starts.clamp(rank * local, (rank + 1) * local)
     hi = (starts + padded).clamp(rank * local, (rank + 1) * local)
     return Segments(ids, lo - starts, hi - lo, local)
+
+
+@dataclass(frozen=True)
+class AllSegments:
+    """Every rank's segments side by side, rank 0's first: for index math that crosses ranks (the
+    sharded-shift and halo exchanges), which every rank derives alike from the plan."""
+
+    rank: torch.Tensor  # (K,) the rank holding each segment
+    seq: torch.Tensor  # (K,) sequence id
+    pos: torch.Tensor  # (K,) first position inside the padded sequence
+    length: torch.Tensor  # (K,) rows
+    first: torch.Tensor  # (K,) local row of the segment's first row on its rank
+
+    @staticmethod
+    def of(segments: Sequence[Segments]) -> AllSegments:
+        return AllSegments(torch.cat([torch.full_like(s.seq, r) for r, s in enumerate(segments)]),
+                           torch.cat([s.seq for s in segments]), torch.cat([s.pos for s in segments]),
+                           torch.cat([s.length for s in segments]), torch.cat([s.local_start for s in segments]))
+
+    def holder(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The segment holding position ``pos`` of sequence ``seq``, for each query (every query must be
+        a row some segment holds): one ``searchsorted`` over the non-empty segments sorted by key."""
+        end = self.pos + self.length
+        stride = int(end.max()) + 1 if end.numel() else 1
+        nonempty = torch.nonzero(self.length > 0).flatten()
+        if not nonempty.numel():
+            return torch.zeros_like(seq)
+        keys, order = torch.sort(self.seq[nonempty] * stride + self.pos[nonempty])
+        found = torch.searchsorted(keys, seq * stride + pos, right=True) - 1
+        return nonempty[order[found.clamp(min=0)]]
 
 
 def repeat_segments(single: Segments, batch: int) -> Segments:
