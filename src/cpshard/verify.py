@@ -48,7 +48,7 @@ from torch import nn
 
 from cpshard._errors import check_int, fail
 from cpshard.attention import attention, attention_work, naive_attention
-from cpshard.distributed import gather, shift_sharded_multi
+from cpshard.distributed import gather, shift_sharded_multi, sum_over_group
 from cpshard.layout import Layout, Padding
 from cpshard.mtp import mtp_loss
 from cpshard.ops import shard, unshard
@@ -242,13 +242,9 @@ def _batch(lengths: Sequence[int]) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
 
 
-def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum over the CP group (one ``all_reduce``); ``t`` itself at ``cp = 1``."""
-    if group is None:
-        return t
-    out = t.detach().clone()
-    dist.all_reduce(out, group=group)
-    return out
+def _all_reduce(t: torch.Tensor, plan: ShardPlan, group: Any) -> torch.Tensor:
+    """Sum over the CP group (one ``all_reduce``, :func:`sum_over_group`); ``t`` itself at ``cp = 1``."""
+    return t if group is None else sum_over_group(t, plan, group)
 
 
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": attention, "naive": naive_attention}
@@ -281,14 +277,14 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
                    loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), scaling_factor=MTP_SCALE)
     logp = F.log_softmax(model.logits(mtp.hidden), -1)
     token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype, device=dev))
-    count = _all_reduce(mask.sum().to(dtype), group)
+    count = _all_reduce(mask.sum().to(dtype), plan, group)
     loss = -plan.cp_size * token_logp.sum() / count
     loss.backward()
 
     names = [n for n, _ in model.named_parameters()]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1), mtp.losses])
-    flat = _all_reduce(flat, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
+    flat = _all_reduce(flat, plan, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
     sizes = [g.numel() for g in grads]
     parts = flat.split(sizes + [1, MTP_DEPTHS])
     if group is None:
