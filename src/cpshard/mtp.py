@@ -35,6 +35,7 @@ shifts] in ``_halo.py``) and one ``all_reduce`` (the counts). None at ``cp = 1``
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -137,18 +138,11 @@ def _check_rows(name: str, x: Any, plan: Plan) -> None:
     if not isinstance(x, torch.Tensor):
         fail(name, type(x).__name__, "must be this rank's rows (a tensor), or the whole batch (a list of "
              "per-sequence tensors or a jagged nested tensor)", f"pass {name} as one of those", kind=TypeError)
-    if x.numel() != _prod(plan.local_shape):
+    if x.numel() != math.prod(plan.local_shape):
         fail(name, f"tensor of shape {tuple(x.shape)}",
              f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
              "elements, e.g. Megatron's [1, L])",
              "pass this rank's sharded rows, or the whole batch as a list of per-sequence tensors")
-
-
-def _prod(shape: Sequence[int]) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
 
 
 def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, *, num_depths: int,
@@ -298,9 +292,9 @@ def mtp_loss(
     for d in range(1, n + 1):
         logits = output_layer(chunks[d])
         loss = loss_fn(labels_d[d - 1], logits)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != _prod(plan.local_shape):
+        if not isinstance(loss, torch.Tensor) or loss.numel() != math.prod(plan.local_shape):
             fail("loss_fn", f"a result of shape {tuple(getattr(loss, 'shape', ()))}",
-                 f"must give one loss per local row, {_prod(plan.local_shape)} values (local_shape "
+                 f"must give one loss per local row, {math.prod(plan.local_shape)} values (local_shape "
                  f"{plan.local_shape})", "return the unreduced per-token loss")
         mask = masks[d]
         loss = loss.reshape(mask.shape)
