@@ -40,6 +40,9 @@ def _shard(x, plan, r, d: DataCfg):
 @example(PlanCfg([3], 2, 1, "zigzag", min_local_rows=3), DataCfg(torch.float32, (), 2, -1.5, 0.5, 1), "flat")
 @example(PlanCfg([5, 3], 2, 1, "zigzag"), DataCfg(torch.bfloat16, (3,), 3, 2.25, -3.0, 3), "flat")
 @example(PlanCfg([1, 2999], 7, 3, "contiguous", fp8=True), DataCfg(torch.int64, (), 4, 7, 5, 2), "jagged")
+# many trailing empty sequences: every one of their pad segments points past the input (clamped at once)
+@example(PlanCfg([5] + [0] * 12, 2, 1, "zigzag"), DataCfg(torch.int64, (), 5, -1, -100, 1), "flat")
+@example(PlanCfg([7, 3] + [0] * 10, 3, 2, "contiguous"), DataCfg(torch.bool, (), 6, False, True, 1), "list")
 @props(150)
 def test_shard_matches_reference(cfg: PlanCfg, d: DataCfg, form: str):
     seqs = make_seqs(cfg.seqlens, d)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cpshard.layout import Layout
@@ -35,22 +36,39 @@ def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | No
                     dtype: torch.dtype = _I64) -> torch.Tensor:
     """Concatenate ``arange(s, s + n)`` for every segment ``(s, n)``; ``total == lengths.sum()``.
 
-    Two passes over the rows: consecutive rows differ by 1 except where a segment begins, so the
-    result is the running sum of ones plus, at each segment's first row, the jump from the previous
-    segment's last value. Empty segments add their jumps at the same row, and those telescope
-    (about 3x faster than ``repeat_interleave`` of the offsets plus an ``arange``).
+    Row ``j`` of segment ``k`` (which begins at output row ``b_k``) is ``s_k + j``, that is
+    ``(s_k - b_k) + (b_k + j)``: one ``repeat`` of the per-segment offsets ``s_k - b_k`` plus an
+    ``arange`` over every row, read from a cached one. NumPy, not torch, for the work over
+    segments and the repeat (torch's per-call overhead is 3-10x NumPy's, and its
+    ``repeat_interleave`` about 4x slower): about 2.5x faster than a running sum of ones with
+    jumps, which is what this was before (``benchmarks/step.py``). The result shares memory with
+    nothing the caller sees. CPU only, as all of cpshard's index math.
     """
-    if total is None:
-        total = int(lengths.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=dtype)
-    begin = torch.cumsum(lengths, 0) - lengths
-    last = starts + lengths - 1  # the last value of each segment (one below its start when empty)
-    jump = starts - 1 - torch.cat([last.new_zeros(1), last[:-1]])  # the first row's jump includes its start
-    here = begin < total  # trailing empty segments begin past the end
-    steps = torch.ones(total, dtype=dtype)
-    steps.index_add_(0, begin[here], jump[here].to(dtype))
-    return steps.cumsum_(0)
+    length = lengths.numpy()
+    np_dtype = _NP[dtype]
+    begin = np.cumsum(length) - length
+    out = np.repeat((starts.numpy() - begin).astype(np_dtype, copy=False), length)
+    if total is not None and out.size != total:
+        raise AssertionError(f"expand_segments: {out.size} rows, expected {total}")
+    out += _arange(out.size, np_dtype)
+    return torch.from_numpy(out)
+
+
+_NP: dict[torch.dtype, np.dtype] = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)}
+_ARANGE_CACHED = 1 << 24  # rows: an arange kept for reuse costs at most 128 MiB (int64)
+_aranges: dict[np.dtype, np.ndarray] = {}
+
+
+def _arange(n: int, dtype: np.dtype) -> np.ndarray:
+    """``arange(n)``, a read-only view of one kept per dtype (grown to the next power of two)."""
+    if n > _ARANGE_CACHED:
+        return np.arange(n, dtype=dtype)
+    have = _aranges.get(dtype)
+    if have is None or have.size < n:
+        have = np.arange(1 << max(n - 1, 1).bit_length(), dtype=dtype)
+        have.flags.writeable = False
+        _aranges[dtype] = have  # one reference swap: readers holding the old one stay valid
+    return have[:n]
 
 
 @dataclass(frozen=True)
@@ -65,7 +83,8 @@ class Segments:
     @property
     def local_start(self) -> torch.Tensor:
         """``(K,)`` local row of each segment's first row."""
-        return torch.cumsum(self.length, 0) - self.length
+        length = self.length.numpy()
+        return torch.from_numpy(np.cumsum(length) - length)
 
     def expand(self, per_segment_start: torch.Tensor) -> torch.Tensor:
         """``(total,)``: ``per_segment_start[k] + j`` for row ``j`` of segment ``k``."""
@@ -82,22 +101,33 @@ class Segments:
         return self.expand(cu_padded[self.seq] + self.pos)
 
 
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """``(len(values),)`` int64 CPU tensor of Python ints (through NumPy: about 4x faster than
+    ``torch.tensor`` on a list)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
 def rank_segments(padded: torch.Tensor, cp_size: int, layout: Layout, rank: int) -> Segments:
     """``rank``'s segments for sequences padded to ``padded`` ``(B,)`` int64 (Note above)."""
-    b = padded.numel()
-    total = int(padded.sum())
+    p = padded.numpy()
+    b = p.size
+    total = int(p.sum())
     local = total // cp_size
-    ids = torch.arange(b, dtype=_I64)
+    ids = np.arange(b, dtype=np.int64)
     if cp_size == 1:
-        return Segments(ids, torch.zeros(b, dtype=_I64), padded.clone(), total)
+        return _segments(ids, np.zeros(b, dtype=np.int64), p.copy(), total)
     if layout is Layout.ZIGZAG:
-        chunk = padded // (2 * cp_size)
-        pos = torch.stack([rank * chunk, (2 * cp_size - 1 - rank) * chunk], 1).reshape(-1)
-        return Segments(ids.repeat_interleave(2), pos, chunk.repeat_interleave(2), local)
-    starts = torch.cumsum(padded, 0) - padded
-    lo = starts.clamp(rank * local, (rank + 1) * local)
-    hi = (starts + padded).clamp(rank * local, (rank + 1) * local)
-    return Segments(ids, lo - starts, hi - lo, local)
+        chunk = p // (2 * cp_size)
+        pos = np.stack([rank * chunk, (2 * cp_size - 1 - rank) * chunk], 1).reshape(-1)
+        return _segments(np.repeat(ids, 2), pos, np.repeat(chunk, 2), local)
+    starts = np.cumsum(p) - p
+    lo = starts.clip(rank * local, (rank + 1) * local)
+    hi = (starts + p).clip(rank * local, (rank + 1) * local)
+    return _segments(ids, lo - starts, hi - lo, local)
+
+
+def _segments(seq: np.ndarray, pos: np.ndarray, length: np.ndarray, total: int) -> Segments:
+    return Segments(torch.from_numpy(seq), torch.from_numpy(pos), torch.from_numpy(length), total)
 
 
 @dataclass(frozen=True)
@@ -159,12 +189,16 @@ class ShardIndex:
                           self.safe)
 
 
+def _tokens(segs: Segments, seqlens: torch.Tensor, shift: int = 0) -> np.ndarray:
+    """Per segment, its leading token rows that have a source ``shift`` ahead (``shift=0``: its
+    token rows; the rest of the segment is pad)."""
+    pos, length = segs.pos.numpy(), segs.length.numpy()
+    return np.minimum(np.maximum(seqlens.numpy()[segs.seq.numpy()] - shift - pos, 0), length)
+
+
 def sourced_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per segment: its leading token rows, and how many of those have a source ``shift`` ahead."""
-    n = seqlens[segs.seq]
-    tokens = (n - segs.pos).clamp(min=0).minimum(segs.length)
-    sourced = (n - shift - segs.pos).clamp(min=0).minimum(segs.length)
-    return tokens, sourced
+    return torch.from_numpy(_tokens(segs, seqlens)), torch.from_numpy(_tokens(segs, seqlens, shift))
 
 
 def pad_and_fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,14 +208,17 @@ def pad_and_fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tupl
 
 def pad_rows(segs: Segments, seqlens: torch.Tensor) -> torch.Tensor:
     """Local rows past their sequence's end: the same for every shift."""
-    tokens = (seqlens[segs.seq] - segs.pos).clamp(min=0).minimum(segs.length)
-    return expand_segments(segs.local_start + tokens, segs.length - tokens)
+    tokens = _tokens(segs, seqlens)
+    start = segs.local_start.numpy() + tokens
+    return expand_segments(torch.from_numpy(start), torch.from_numpy(segs.length.numpy() - tokens))
 
 
 def fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> torch.Tensor:
     """Token rows whose source ``shift`` ahead lies past their sequence's end (a few per sequence)."""
-    tokens, sourced = sourced_rows(segs, seqlens, shift)
-    return expand_segments(segs.local_start + sourced, tokens - sourced)
+    if shift == 0:
+        return torch.zeros(0, dtype=_I64)
+    tokens, sourced = _tokens(segs, seqlens), _tokens(segs, seqlens, shift)
+    return expand_segments(torch.from_numpy(segs.local_start.numpy() + sourced), torch.from_numpy(tokens - sourced))
 
 
 def token_gather_index(seq: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, buffer_start: torch.Tensor,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from cpshard import _halo, _index
@@ -274,7 +275,7 @@ class PlanBase:
         return flat.view(self.local_shape).clone()
 
     def _lens64(self) -> torch.Tensor:
-        return self._cache.get("lens64", lambda: torch.tensor(self.seqlens_py, dtype=torch.int64))
+        return self._cache.get("lens64", lambda: _index.int64_tensor(self.seqlens_py))
 
     def sequence_ids(self, cp_rank: int) -> torch.Tensor:
         """``local_shape`` int64: the sequence each local row belongs to (pad rows included)."""
@@ -347,7 +348,10 @@ def _padded_lengths(
     and under fp8 every target is also kept a multiple of the fp8 total alignment.
     """
     unit = _unit(cp_size, tp_size, layout, fp8, padding)
-    padded = [-(-n // unit) * unit for n in seqlens]
+    if max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
+        padded = (-(-np.array(seqlens, dtype=np.int64) // unit) * unit).tolist()
+    else:
+        padded = [-(-n // unit) * unit for n in seqlens]
     keep = math.lcm(unit, cp_size * tp_size)
     if fp8:
         keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
@@ -513,11 +517,17 @@ class ShardPlan(PlanBase):
                      "caller's sequence)", "build plans with ShardPlan.build(..., reorder='balanced')")
             object.__setattr__(self, "order", None if order == tuple(range(len(lens))) else order)
         a = self.alignment
-        if any(p < n or p % a for n, p in zip(lens, padded)):  # one pass; the message names the first
-            i = next(i for i, (n, p) in enumerate(zip(lens, padded)) if p < n or p % a)
+        total = sum(padded)
+        if total < 2**31 and max(lens) < 2**31:  # one vectorized pass (the common case); the message names the first
+            n_, p_ = np.array(lens, dtype=np.int64), np.array(padded, dtype=np.int64)
+            bad = np.flatnonzero((p_ < n_) | (p_ % a != 0))
+            first_bad = int(bad[0]) if bad.size else None
+        else:
+            first_bad = next((i for i, (n, p) in enumerate(zip(lens, padded)) if p < n or p % a), None)
+        if first_bad is not None:
+            i = first_bad
             fail(f"padded_seqlens_py[{i}]", padded[i], f"must be >= the sequence length {lens[i]} and a multiple "
                  f"of alignment={a}", "build plans with ShardPlan.build")
-        total = sum(padded)
         if total >= 2**31:
             fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
                  "Megatron and TransformerEngine take them)", "split the micro-batch")
@@ -567,11 +577,11 @@ class ShardPlan(PlanBase):
 
     def global_rows(self, cp_rank: int) -> torch.Tensor:
         """``(L,)`` int64: the global padded row each of ``cp_rank``'s local rows holds."""
-        cu = self._cache.get("cu_padded64", lambda: torch.tensor(self.cu_seqlens_padded_py, dtype=torch.int64))
+        cu = self._cache.get("cu_padded64", lambda: _index.int64_tensor(self.cu_seqlens_padded_py))
         return self._view("rows", cp_rank, lambda segs: segs.rows(cu))
 
     def _build_segments(self, cp_rank: int) -> _index.Segments:
-        padded = torch.tensor(self.padded_seqlens_py, dtype=torch.int64)
+        padded = _index.int64_tensor(self.padded_seqlens_py)
         return _index.rank_segments(padded, self.cp_size, self.layout, cp_rank)
 
     # -- value semantics ---------------------------------------------------------------------
@@ -609,34 +619,44 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
     def first_rows() -> torch.Tensor:  # per segment, the input row its first row reads (unshifted)
         segs = plan._segments(cp_rank)
         if row_stride is None:  # packed input in the caller's order: buffer sequence j is input sequence order[j]
-            cu = torch.tensor(plan.input_cu_seqlens_py[:-1], dtype=torch.int64)
-            starts = cu if plan.order is None else cu[torch.tensor(plan.order)]
+            cu = np.array(plan.input_cu_seqlens_py[:-1], dtype=np.int64)
+            starts = cu if plan.order is None else cu[np.array(plan.order)]
         else:
-            starts = torch.arange(plan.num_seqs, dtype=torch.int64) * row_stride
-        return starts[segs.seq] + segs.pos
-
-    def base() -> torch.Tensor:
-        # every shift's gather reads this index from a shifted view of the input (ShardIndex). Pad
-        # rows of the last sequences may point past the input: clamp once, in place. int32 (every
-        # plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select takes it
-        segs = plan._segments(cp_rank)
-        src = _index.expand_segments(plan._cache.get(("first-rows", cp_rank, row_stride), first_rows), segs.length,
-                                     segs.total, dtype=torch.int32)
-        return src.clamp_max_(max(rows - 1, 0)).to(device)
+            starts = np.arange(plan.num_seqs, dtype=np.int64) * row_stride
+        return torch.from_numpy(starts[segs.seq.numpy()] + segs.pos.numpy())
 
     rows = plan.num_tokens if row_stride is None else plan.num_seqs * row_stride
+
+    def base() -> torch.Tensor:
+        # every shift's gather reads this index from a shifted view of the input (ShardIndex). int32
+        # (every plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select
+        # takes it. Pad rows of the last sequences may point past the input: clamped, segment by segment
+        segs = plan._segments(cp_rank)
+        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
+        src = _index.expand_segments(first, segs.length, segs.total, dtype=torch.int32)
+        last = max(rows - 1, 0)
+        over = np.flatnonzero(first.numpy() + segs.length.numpy() - 1 > last)
+        if over.size > 8:
+            src.clamp_max_(last)
+        else:
+            begin, length = segs.local_start.numpy(), segs.length.numpy()
+            for lo, n in zip(begin[over].tolist(), length[over].tolist()):
+                src[lo:lo + n].clamp_max_(last)
+        return src.to(device)
 
     def safe_ranges() -> tuple[tuple[int, int], ...] | None:
         # Output rows whose unshifted source lies in the input's last `shift` rows (the only ones a
         # shifted view cannot serve): per segment, from the first such row to the segment's end
         # (its later rows are pad rows, clamped to the last input row). Work over segments only.
         segs = plan._segments(cp_rank)
-        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
-        start = (rows - shift - first).clamp(min=0)
-        hit = torch.nonzero(start < segs.length).flatten()
-        if not hit.numel():
+        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows).numpy()
+        length = segs.length.numpy()
+        start = np.maximum(rows - shift - first, 0)
+        hit = np.flatnonzero(start < length)
+        if not hit.size:
             return None
-        bad = torch.stack([segs.local_start[hit] + start[hit], segs.local_start[hit] + segs.length[hit]], 1).tolist()
+        begin = segs.local_start.numpy()[hit]
+        bad = np.stack([begin + start[hit], begin + length[hit]], 1).tolist()
         out, at = [], 0
         for lo, hi in sorted(bad):
             if lo > at:
