@@ -6,6 +6,7 @@ naming the argument, the rule and the fix.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import cpshard
 from cpshard import BshdPlan, ShardPlan, from_padded, shard, to_padded, unshard
 from cpshard.cli import main as cli_main
+from reference import ref_shard
 
 
 def _nested(lens, dtype=torch.int64):
@@ -135,6 +137,42 @@ def test_unsigned_rows_move_like_any_other(dtype):
     assert cpshard.shift(x, plan, 1).tolist() == [1, 2, 3, top, 0, 11, 12, 0]
     with pytest.raises(ValueError, match="outside the range"):
         shard(x, plan, 0, shift=1, fill=-100)
+
+
+@pytest.mark.parametrize("dtype,trailing", [(torch.float32, ()), (torch.bfloat16, (2,)), (torch.float64, (1,)),
+                                             (torch.float16, (2, 2)), (torch.int8, (4,)), (torch.bool, ()),
+                                             (torch.float32, (3,)), (torch.bfloat16, ()), (torch.complex64, ())])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("contiguous_input", [True, False])
+def test_rows_move_bit_for_bit(dtype, trailing, layout, contiguous_input):
+    # Rows of 1, 2, 4 or 8 bytes are gathered as one integer each (ops.as_packed): NaN payloads,
+    # signalling NaNs and -0.0 must come through unchanged, from an input that starts mid-storage
+    # (a shifted view) or is not contiguous (the unpacked path), for every shift.
+    lens = [5, 3, 9, 1, 6]
+    n, width = sum(lens), dtype.itemsize * math.prod(trailing)
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randint(-128, 128, ((n + 1) * width,), generator=g, dtype=torch.int8)
+    if dtype == torch.bool:
+        raw &= 1
+    if dtype == torch.float32:
+        raw.view(torch.int32)[:4] = torch.tensor([0x7FA00001, 0x7FC12345, -(2**31), 0xFF800001 - 2**32])
+    whole = raw.view(dtype).view(n + 1, *trailing)
+    x = whole[1:]  # a storage offset of one row
+    if not contiguous_input:
+        x = torch.stack([x, x], -1)[..., 0]
+        assert not x.is_contiguous()
+    byte_rows = x.contiguous().view(torch.int8).view(n, width)
+    seqs = list(byte_rows.split(lens))
+    for cp, tp in ((2, 1), (3, 2)):
+        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+        for r in range(cp):
+            for k in (0, 1, 2):
+                got = shard(x, plan, r, shift=k, pad_value=0, fill=0)
+                want = ref_shard(seqs, lens, cp, tp, layout, r, shift=k, pad_value=0, fill=0)
+                assert got.dtype == dtype and got.shape == (plan.local_len, *trailing)
+                assert torch.equal(got.contiguous().view(torch.int8).view(plan.local_len, width), want), (cp, r, k)
+        back = unshard([shard(x, plan, r) for r in range(cp)], plan).values()
+        assert torch.equal(back.contiguous().view(torch.int8).view(n, width), byte_rows)
 
 
 def test_to_padded_checks_pad_value_and_moves_fp8():

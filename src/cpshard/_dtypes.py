@@ -2,9 +2,7 @@
 
 Moving rows never looks at their values, so dtypes that some kernels or backends lack (the fp8
 formats: no ``index_fill_`` on CPU, no gloo support; ``uint16/32/64``: no ``index_select``) travel
-as a same-width carrier dtype, and a fill value becomes its bit pattern in that carrier. ``bool``
-travels as ``uint8`` too: CPU ``index_select`` of bool rows by an int32 index is about 1.4x slower
-than of the same bytes as uint8 (torch 2.13; ``benchmarks/step.py``'s loss mask).
+as a same-width carrier dtype, and a fill value becomes its bit pattern in that carrier.
 """
 
 from __future__ import annotations
@@ -59,18 +57,16 @@ def check_fill(name: str, value: Any, dtype: torch.dtype) -> Any:
 
 
 _CARRIERS = {**{d: torch.uint8 for d in OPAQUE}, **{getattr(torch, u): getattr(torch, i) for u, i in (
-    ("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64")) if hasattr(torch, u)}, torch.bool: torch.uint8}
+    ("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64")) if hasattr(torch, u)}}
 
 
 def carrier(dtype: torch.dtype) -> torch.dtype | None:
-    """The same-width dtype rows of ``dtype`` move as (fp8 and bool as uint8, uintN as intN), or None."""
+    """The same-width dtype rows of ``dtype`` move as (fp8 as uint8, uintN as intN), or None."""
     return _CARRIERS.get(dtype)
 
 
 def bit_pattern(value: Any, dtype: torch.dtype) -> int:
     """``value`` stored as ``dtype``, read back as an integer of ``carrier(dtype)`` (a fill value)."""
-    if dtype == torch.bool:
-        return int(bool(value))
     source = torch.float32 if dtype in OPAQUE else dtype
     return int(torch.tensor([value], dtype=source).to(dtype).view(_CARRIERS[dtype])[0])
 
