@@ -4,11 +4,14 @@ Run (CPU, one process, one torch thread)::
 
     .venv/bin/python benchmarks/balance.py            # 200 micro-batches per row
     .venv/bin/python benchmarks/balance.py --quick    # 40 micro-batches, fewer timing repeats
+    .venv/bin/python benchmarks/balance.py --max-doc 8192   # documents cut at 8192 tokens
 
 Batches: document lengths drawn from an exponential distribution with mean 2048 (at least 1), packed
 into a 32768-token micro-batch (the document that overflows is cut to fill it exactly), one fixed
-seed per batch. Padded lengths: each length rounded up to ``cp * tp`` with ``tp = 1`` (the default
-contiguous alignment), and the same batches unpadded (alignment 1).
+seed per batch (``--max-doc N`` cuts longer documents to ``N`` tokens first, as a trainer with a
+maximum sequence length does: at ``cp=4`` and ``N = 8192`` no document outgrows a rank's share, and
+the bound falls from about 1.06 to 1.02). Padded lengths: each length rounded up to ``cp * tp``
+with ``tp = 1`` (the default contiguous alignment), and the same batches unpadded (alignment 1).
 
 For every ``cp`` in 2, 4, 8 and both alignments, three orders are scored by ``max / mean`` of the
 per-rank work (``cpshard._balance.rank_work``; the mean does not depend on the order):
@@ -41,10 +44,11 @@ MICRO_BATCH = 32768
 MEAN_LEN = 2048
 
 
-def _lengths(rng: random.Random, total: int = MICRO_BATCH) -> list[int]:
+def _lengths(rng: random.Random, total: int = MICRO_BATCH, max_doc: int | None = None) -> list[int]:
     lens: list[int] = []
     while sum(lens) < total:
         n = max(1, round(rng.expovariate(1 / MEAN_LEN)))
+        n = n if max_doc is None else min(n, max_doc)
         lens.append(min(n, total - sum(lens)))
     return lens
 
@@ -74,12 +78,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="40 batches per row, fewer timing repeats")
     parser.add_argument("--batches", type=int, default=None, help="micro-batches per row (default 200)")
     parser.add_argument("--swaps", type=int, default=200, help="transpositions tried by the swap baseline")
+    parser.add_argument("--max-doc", type=int, default=None, help="cut documents to this many tokens")
     args = parser.parse_args()
     batches = args.batches or (40 if args.quick else 200)
     repeats = 7 if args.quick else 21
     torch.set_num_threads(1)
 
-    print(f"{batches} micro-batches of {MICRO_BATCH} tokens, lengths ~ Exp(mean {MEAN_LEN}); max/mean of rank work")
+    cut = "" if args.max_doc is None else f", cut at {args.max_doc}"
+    print(f"{batches} micro-batches of {MICRO_BATCH} tokens, lengths ~ Exp(mean {MEAN_LEN}){cut}; "
+          "max/mean of rank work")
     header = (f"{'cp':>3} {'align':>6} {'order':>9} {'mean':>7} {'worst':>7} {'/bound':>7} {'at bound':>9}"
               f" {'bound/mean':>11} {'(1)+(2)':>8}")
     print(header)
@@ -89,7 +96,7 @@ def main() -> None:
             rows: dict[str, list[tuple[float, float]]] = {"plain": [], "swap": [], "balanced": []}
             bounds, simple = [], []
             for seed in range(batches):
-                lens = _lengths(random.Random(seed))
+                lens = _lengths(random.Random(seed), max_doc=args.max_doc)
                 padded = _padded(lens, align)
                 mean = sum(n * (n + 1) // 2 for n in lens) / cp
                 bound = work_lower_bound(lens, padded, cp)
