@@ -208,3 +208,17 @@ def test_readme_shows_the_default_run():
         assert f"{100 * plan.padding_overhead:.1f}%" in row and f"{max(work) * len(work) / sum(work):.3f}" in row
     assert block.rstrip().endswith("OK: every configuration equals cp=1, and the layout-naive attention under "
                                    "zigzag was caught")
+
+
+def test_configurations_take_reorder_values():
+    from cpshard.verify import configurations, verify
+
+    got = [(c.cp, c.layout, c.padding, c.reorder)
+           for c in configurations((1, 2), (1,), ("zigzag", "contiguous"), ("aligned", "minimal"), (None, "balanced"))]
+    assert got == [(1, "zigzag", "aligned", None), (1, "zigzag", "minimal", None),
+                   (2, "zigzag", "aligned", None), (2, "zigzag", "minimal", None),
+                   (2, "contiguous", "aligned", None), (2, "contiguous", "aligned", "balanced"),
+                   (2, "contiguous", "minimal", None), (2, "contiguous", "minimal", "balanced")]
+    for bad in (True, "balanced", (), ("random",)):
+        with pytest.raises(ValueError, match="reorders"):
+            verify(reorders=bad, progress=False)

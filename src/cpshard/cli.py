@@ -220,6 +220,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
     lengths = args.lengths_file if args.lengths_file is not None else args.lengths
     layouts = [x for x in args.layouts.replace(" ", "").split(",") if x]
     paddings = [x for x in args.padding.replace(" ", "").split(",") if x]
+    reorders: list[str | None] = [None, "balanced"] if args.reorder else [None]
     try:
         if verify.launched():
             world = int(os.environ["WORLD_SIZE"])
@@ -227,7 +228,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error(f"--cp {args.cp} under torchrun: the CP size is the world size ({world}); drop --cp")
             report = verify.verify_launched(lengths, backend=args.backend, tps=args.tp, layouts=layouts,
                                             dtype=args.dtype, attention=args.attention, paddings=paddings,
-                                            reorder=args.reorder, progress=args.progress)
+                                            reorders=reorders, progress=args.progress)
             if report is None:  # not rank 0: rank 0 reports; every rank exits 0 unless it failed
                 return 0
         else:
@@ -235,7 +236,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error("--backend applies under torchrun only (torchrun --nproc-per-node N -m cpshard verify "
                         "--backend nccl); spawned ranks use gloo")
             report = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, layouts=layouts, dtype=args.dtype,
-                                   attention=args.attention, paddings=paddings, reorder=args.reorder,
+                                   attention=args.attention, paddings=paddings, reorders=reorders,
                                    progress=args.progress)
     except (ValueError, TypeError) as exc:
         print(f"cpshard verify: {exc}", file=sys.stderr)

@@ -372,24 +372,28 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
 
 
 def configurations(cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str],
-                   paddings: Sequence[str] = ("aligned",), reorder: bool = False) -> list[Config]:
-    """Every ``(cp, tp, layout, padding)``; at ``cp = 1`` the layouts are one (both are the identity).
-    ``reorder``: every contiguous configuration at ``cp > 1`` also with ``reorder="balanced"``."""
+                   paddings: Sequence[str] = ("aligned",), reorders: Sequence[str | None] = (None,)) -> list[Config]:
+    """Every ``(cp, tp, layout, padding, reorder)``; at ``cp = 1`` the layouts are one (both are the
+    identity). ``reorders`` are ``ShardPlan.build``'s ``reorder`` values: ``"balanced"`` applies to
+    the contiguous layout at ``cp > 1`` and is skipped elsewhere."""
     out = []
     for cp in cps:
         for tp in tps:
             for layout in (layouts if cp > 1 else layouts[:1]):
                 for padding in paddings:
-                    out.append(Config(cp, tp, layout, padding=padding))
-                    if reorder and cp > 1 and layout == Layout.CONTIGUOUS.value:
-                        out.append(Config(cp, tp, layout, padding=padding, reorder="balanced"))
+                    for reorder in reorders:
+                        if reorder is None or (cp > 1 and layout == Layout.CONTIGUOUS.value):
+                            out.append(Config(cp, tp, layout, padding=padding, reorder=reorder))
     return out
 
 
 def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int], layouts: Sequence[str],
-                paddings: Sequence[str], dtype: str) -> tuple[tuple[int, ...], list[int], list[int], list[str],
-                                                              list[str]]:
+                paddings: Sequence[str], dtype: str, reorders: Sequence[str | None] = (None,)
+                ) -> tuple[tuple[int, ...], list[int], list[int], list[str], list[str]]:
     lens = ShardPlan.build(lengths, cp_size=1).seqlens_py
+    if isinstance(reorders, (str, bool)) or any(r not in (None, "balanced") for r in reorders) or not reorders:
+        fail("reorders", repr(reorders), "must be a non-empty sequence of ShardPlan.build's reorder values "
+             "(None, 'balanced')", "pass reorders=(None, 'balanced') to run both orders")
     if all(n < 2 for n in lens):
         fail("lengths", list(lens), "must hold a sequence of at least 2 tokens (else no token has a label and the "
              "loss is 0 / 0)", "add a longer sequence, e.g. --lengths 9,1,4")
@@ -409,7 +413,7 @@ def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int], 
 
 def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
            layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
-           paddings: Sequence[str] = ("aligned",), reorder: bool = False, progress: bool = True,
+           paddings: Sequence[str] = ("aligned",), reorders: Sequence[str | None] = (None,), progress: bool = True,
            timeout: float = 600.0) -> Report:
     """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
 
@@ -418,11 +422,11 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
     """
     start = time.perf_counter()
-    lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype)
+    lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype, reorders)
     if attention not in ("reference", "naive"):
         fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
     configs = [dataclasses.replace(c, attention=attention)
-               for c in configurations(cps, tps, layouts, paddings, reorder)]
+               for c in configurations(cps, tps, layouts, paddings, reorders)]
     naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
     bar = Progress(total=len(configs) + 2, enabled=progress)
     torch_dtype = DTYPES[dtype]
@@ -459,7 +463,7 @@ def launched() -> bool:
 def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | None = None,
                     tps: Sequence[int] = (1, 2), layouts: Sequence[str] = ("zigzag", "contiguous"),
                     dtype: str = "float64", attention: str = "reference", paddings: Sequence[str] = ("aligned",),
-                    reorder: bool = False, progress: bool = True) -> Report | None:
+                    reorders: Sequence[str | None] = (None,), progress: bool = True) -> Report | None:
     """Every configuration at ``cp`` = the world size, inside a ``torchrun`` job (env:// initialisation).
 
     ``backend``: ``"nccl"`` (each rank on ``cuda:LOCAL_RANK``) or ``"gloo"``; default nccl when CUDA
@@ -467,7 +471,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
     ranks return None. The process group is created and destroyed here.
     """
     world = int(os.environ["WORLD_SIZE"])
-    lens, _, tps, layouts, paddings = _check_args(lengths, [world], tps, layouts, paddings, dtype)
+    lens, _, tps, layouts, paddings = _check_args(lengths, [world], tps, layouts, paddings, dtype, reorders)
     if world < 2:
         fail("WORLD_SIZE", world, "must be >= 2 (a context-parallel group of one rank proves nothing)",
              "run torchrun --nproc-per-node 2 (or more) -m cpshard verify")
@@ -484,7 +488,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         start = time.perf_counter()
         torch_dtype = DTYPES[dtype]
         configs = [dataclasses.replace(c, attention=attention)
-                   for c in configurations([world], tps, layouts, paddings, reorder)]
+                   for c in configurations([world], tps, layouts, paddings, reorders)]
         naive = Config(world, 1, "zigzag", "naive")
         bar = Progress(total=len(configs) + 2, enabled=progress and rank == 0)
         want = reference(lens, torch_dtype, device) if rank == 0 else None
