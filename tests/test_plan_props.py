@@ -197,6 +197,25 @@ def test_plan_invariants(cfg: PlanCfg):
         assert T % lcm(cfg.length_bucket, cp) == 0
 
 
+@given(plan_cfgs(), st.booleans())
+@props(150)
+def test_built_plan_passes_the_hand_built_checks(cfg: PlanCfg, reorder: bool):
+    """ShardPlan.build skips __post_init__'s checks (its values are valid by construction): the same
+    fields given to the constructor pass every check and make an equal plan, with equal views."""
+    import dataclasses
+
+    kwargs = cfg.build_kwargs()
+    if reorder:
+        kwargs.update(layout="contiguous", reorder="balanced")
+    plan = ShardPlan.build(cfg.seqlens, **kwargs)
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
+    again = ShardPlan(**fields)
+    assert again == plan and hash(again) == hash(plan) and repr(again) == repr(plan)
+    assert dataclasses.replace(plan) == plan
+    for r in range(plan.cp_size):
+        assert torch.equal(again.global_rows(r), plan.global_rows(r))
+
+
 @given(plan_cfgs(max_total=ROW_TESTS_MAX_TOTAL))
 @props(100)
 def test_global_rows_partition(cfg: PlanCfg):

@@ -482,7 +482,25 @@ class ShardPlan(PlanBase):
             from cpshard._balance import balanced_order
             order = tuple(balanced_order(lens, padded, cp_size))
             lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
-        return cls(lens, padded, cp_size, tp_size, layout, fp8, padding=padding, order=order)
+        return cls._built(lens, padded, cp_size, tp_size, layout, fp8, padding, order)
+
+    @classmethod
+    def _built(cls, seqlens: tuple[int, ...], padded: tuple[int, ...], cp_size: int, tp_size: int, layout: Layout,
+               fp8: bool, padding: Padding, order: tuple[int, ...] | None) -> ShardPlan:
+        """The plan of :meth:`build`'s own values, which are valid by construction: ``__post_init__``'s
+        checks (for hand-built plans) would repeat every pass over the lengths that ``build`` made.
+        ``tests/test_plan_props.py`` checks that both ways give equal plans. What construction does not
+        guarantee, the int32 range of the offsets, is checked here."""
+        _check_total(sum(padded))
+        plan = object.__new__(cls)
+        if order is not None and order == tuple(range(len(order))):
+            order = None
+        for name, value in (("seqlens_py", seqlens), ("padded_seqlens_py", padded), ("cp_size", cp_size),
+                            ("tp_size", tp_size), ("layout", layout), ("fp8", fp8),
+                            ("alignment", _unit(cp_size, tp_size, layout, fp8, padding)), ("padding", padding),
+                            ("order", order), ("_cache", _Cache())):
+            object.__setattr__(plan, name, value)
+        return plan
 
     @classmethod
     def from_nested(cls, nt: torch.Tensor, **kwargs: Any) -> tuple[ShardPlan, torch.Tensor]:
@@ -528,9 +546,7 @@ class ShardPlan(PlanBase):
             i = first_bad
             fail(f"padded_seqlens_py[{i}]", padded[i], f"must be >= the sequence length {lens[i]} and a multiple "
                  f"of alignment={a}", "build plans with ShardPlan.build")
-        if total >= 2**31:
-            fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
-                 "Megatron and TransformerEngine take them)", "split the micro-batch")
+        _check_total(total)
         if total % cp or (total // cp) % tp:
             fail("padded_seqlens_py", padded, f"total {total} must split into cp_size={cp} equal parts "
                  f"each divisible by tp_size={tp}", "build plans with ShardPlan.build")
@@ -598,6 +614,12 @@ class ShardPlan(PlanBase):
         return (f"ShardPlan(seqlens={shown}, cp_size={self.cp_size}, tp_size={self.tp_size}, "
                 f"layout={self.layout.value!r}{extra}, alignment={self.alignment}, total_len={self.total_len}, "
                 f"local_len={self.local_len})")
+
+
+def _check_total(total: int) -> None:
+    if total >= 2**31:
+        fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
+             "Megatron and TransformerEngine take them)", "split the micro-batch")
 
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
