@@ -36,6 +36,7 @@ def _batches(cp):
         [1],
         [0],
         [700, 5, 0, 333],
+        [4000, 1, 3000],  # contiguous: long runs, restored by copying runs (plan.token_runs), not an index
     ]
 
 
@@ -127,8 +128,7 @@ def _odd_dtypes(rank, world):
 
 def _autograd(rank, world):
     """Gradients through gather and shift_sharded equal the single-process ones for this rank's rows."""
-    for layout in Layout:
-        lens = [9, 0, 4 * world + 3, 2]
+    for layout, lens in [(layout, lens) for layout in Layout for lens in ([9, 0, 4 * world + 3, 2], [2500, 3, 1800])]:
         plan = ShardPlan.build(lens, cp_size=world, layout=layout)
         h = _data(lens, (3,), torch.float64, seed=3)
         w = _data(lens, (3,), torch.float64, seed=4)

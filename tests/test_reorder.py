@@ -3,11 +3,14 @@ takes and returns the caller's order; the reference is the naive one given that 
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import cpshard
+import cpshard.plan
 from cpshard import ShardPlan, shard, shift_exchange, unshard
 from reference import ref_padded_lengths, ref_shard
 from strategies import props
@@ -20,9 +23,15 @@ from test_exchange import emulate_shift_sharded
     tp=st.integers(1, 3),
     padding=st.sampled_from(["aligned", "minimal"]),
     k=st.integers(0, 3),
+    rows_per_run=st.sampled_from([1, 10**9]),
 )
 @props(120)
-def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k):
+def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k, rows_per_run):
+    with patch.object(cpshard.plan, "_ROWS_PER_RUN", rows_per_run):  # the restore by runs, or by an index
+        _reordered_plan_matches_the_reference(lens, cp, tp, padding, k)
+
+
+def _reordered_plan_matches_the_reference(lens, cp, tp, padding, k):
     plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout="contiguous", padding=padding, reorder="balanced")
     order = plan.order if plan.order is not None else tuple(range(len(lens)))
     assert sorted(order) == list(range(len(lens)))

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cpshard
+import cpshard.plan
 from cpshard import ShardPlan, shard, unshard
 from reference import ref_locate, ref_rank_rows, ref_shard, ref_shift_seqs
 from strategies import (
@@ -129,10 +132,18 @@ def test_input_forms_identical(cfg: PlanCfg, d: DataCfg, data):
             assert torch.equal(o, outs[0])
 
 
-@given(plan_cfgs(max_total=MAX_TOTAL), st.sampled_from([(), (2,)]), st.sampled_from([torch.int64, torch.float32]))
+@given(plan_cfgs(max_total=MAX_TOTAL), st.sampled_from([(), (2,)]), st.sampled_from([torch.int64, torch.float32]),
+       st.sampled_from([1, 10**9]))
+@example(PlanCfg([3000, 7, 2500], 2, 1, "contiguous"), (), torch.float32, 512)  # the default: runs
 @props(100)
-def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
-    """unshard picks exactly the token rows of arbitrary local outputs, in sequence order."""
+def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype, rows_per_run):
+    """unshard picks exactly the token rows of arbitrary local outputs, in sequence order, whether
+    it copies runs (``plan.token_runs``, here forced wherever there are any) or gathers by an index."""
+    with patch.object(cpshard.plan, "_ROWS_PER_RUN", rows_per_run):
+        _unshard_arbitrary_outputs(cfg, trailing, dtype)
+
+
+def _unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
     plan = _plan(cfg)
     P = cfg.padded()
     cp = cfg.cp

@@ -18,7 +18,16 @@ from cpshard import _index
 from cpshard._dtypes import check_fill, movable
 from cpshard._errors import check_int, check_rank, fail
 from cpshard.bshd import BshdPlan
-from cpshard.plan import PlanBase, ShardPlan, jagged_lengths, jagged_offsets, shard_index, unpadded, unshard_index
+from cpshard.plan import (
+    PlanBase,
+    ShardPlan,
+    jagged_lengths,
+    jagged_offsets,
+    shard_index,
+    token_runs,
+    unpadded,
+    unshard_index,
+)
 
 __all__ = ["shard", "shift", "unshard"]
 
@@ -237,12 +246,23 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
             fail(f"parts[{r}]", f"{tuple(part.shape)} {part.dtype} on {part.device}",
                  "must match parts[0]'s trailing shape, dtype and device", "convert the parts to agree")
     rows = math.prod(lead)
-    buf = torch.cat([p.reshape(rows, *p.shape[len(lead):]) for p in parts])
-    return as_nested(token_rows(buf, plan), plan)
+    return as_nested(token_rows([p.reshape(rows, *p.shape[len(lead):]) for p in parts], plan), plan)
 
 
-def token_rows(buf: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """The token rows, in order, of a rank-concatenated buffer (``cat`` of every rank's flat rows)."""
+def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
+    """The batch's token rows, in the caller's order, from every rank's flattened local rows: the
+    rank-concatenated buffer ``(cp * R, ...)`` or a list of the ranks' ``(R, ...)`` rows.
+
+    Copied run by run where the runs are long (``plan.token_runs``: no index to build, no
+    concatenation of the parts first), else one gather from the buffer by ``plan.unshard_index``.
+    """
+    runs = token_runs(plan)
+    if runs is not None:
+        sizes, keep = runs
+        parts = rows.split(math.prod(plan.local_shape)) if isinstance(rows, torch.Tensor) else rows
+        pieces = [piece for part, cut in zip(parts, sizes) for piece in part.split(cut)]
+        return torch.cat([pieces[i] for i in keep])
+    buf = rows if isinstance(rows, torch.Tensor) else torch.cat(list(rows))
     index = unshard_index(plan, buf.device)
     moved = movable(buf, 0, 0)
     if moved is not None:

@@ -718,6 +718,42 @@ def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
     return plan._cache.get(("unshard", device), make)
 
 
+_ROWS_PER_RUN = 512  # token_runs: below this many rows per piece, one gather by an index is cheaper
+
+
+def token_runs(plan: PlanBase) -> tuple[list[list[int]], list[int]] | None:
+    """The restore as runs: ``(sizes, keep)`` such that, with ``pieces`` the concatenation of
+    ``part[r].split(sizes[r])`` over the ranks' flat rows, ``cat([pieces[i] for i in keep])`` is
+    :func:`unshard_index`'s gather; or None where that index is the cheaper way.
+
+    ``sizes[r]`` cut rank ``r``'s rows into each held segment's token rows and pad rows, in local
+    order; ``keep`` lists the token pieces in the caller's (sequence, position) order. Copying runs
+    needs no row-level index (which at a million tokens costs more to build than the copy), but each
+    piece costs about a microsecond: runs are used when the pieces average ``_ROWS_PER_RUN`` rows or
+    more, as under the contiguous layout (about ``B + cp`` segments); zigzag's ``2 B cp`` short chunks
+    take the index.
+    """
+    def make() -> tuple[list[list[int]], list[int]] | None:
+        segs = [plan._segments(r) for r in range(plan.cp_size)]
+        length = np.concatenate([s.length.numpy() for s in segs])
+        held = np.flatnonzero(length)  # contiguous: most (rank, sequence) segments are empty
+        if not held.size or 2 * held.size * _ROWS_PER_RUN > plan.num_tokens:
+            return None
+        rank = np.repeat(np.arange(plan.cp_size), [s.length.numel() for s in segs])[held]
+        length = length[held]
+        seq = np.concatenate([s.seq.numpy() for s in segs])[held]
+        pos = np.concatenate([s.pos.numpy() for s in segs])[held]
+        tokens = np.minimum(np.maximum(plan._lens64().numpy()[seq] - pos, 0), length)
+        caller = seq if plan.order is None else np.array(plan.order, dtype=np.int64)[seq]
+        order = np.argsort(caller * (int((pos + length).max()) + 1) + pos, kind="stable")
+        order = order[tokens[order] > 0]
+        cuts = np.stack([tokens, length - tokens], 1)
+        bounds = np.searchsorted(rank, np.arange(plan.cp_size + 1))
+        sizes = [cuts[a:b].reshape(-1).tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+        return sizes, (2 * order).tolist()
+    return plan._cache.get("token-runs", make)
+
+
 def jagged_offsets(plan: PlanBase, device: torch.device) -> torch.Tensor:
     """The caller's ``cu_seqlens`` as int64 on ``device``: the offsets of the jagged tensors cpshard returns."""
     return plan._cache.get(("offsets", device), lambda: torch.tensor(plan.input_cu_seqlens_py, device=device))
