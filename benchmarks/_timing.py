@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,24 @@ def peak_mib(fn: Callable[[], Any], device: torch.device) -> str:
     fn()
     torch.cuda.synchronize()
     return f"{(torch.cuda.max_memory_allocated() - before) / 2**20:.1f}"
+
+
+def host_syncs(fn: Callable[[], Any], device: torch.device) -> str:
+    """How many times one call of ``fn`` synchronises the host with the GPU (CUDA only), as
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports them: ``.item()``, copies to the host, copies
+    from pageable host memory, explicit synchronisation."""
+    if device.type != "cuda":
+        return "n/a"
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return str(sum("synchroniz" in str(w.message).lower() for w in caught))
 
 
 def add_batch_args(parser: argparse.ArgumentParser) -> None:

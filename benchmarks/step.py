@@ -12,7 +12,12 @@ training; warm: the plan's indices cached), the restore (``unshard`` of every ra
 one ``index_select`` of the token rows, plan build time at 4096 sequences, and the padding table:
 the padding overhead of ``padding="aligned"`` (SPEC's default) against ``padding="minimal"`` for
 short RL-like sequences. With ``--device cuda`` it synchronizes around every call and prints peak
-extra memory. verl's ``preprocess_thd_engine`` is compared in ``benchmarks/verl.py``.
+extra memory and the host synchronisations of one call (``torch.cuda.set_sync_debug_mode``; issue
+10 asks for at most one per batch): the prepared GPU check is ::
+
+    python benchmarks/step.py --device cuda --repeats 50
+
+verl's ``preprocess_thd_engine`` is compared in ``benchmarks/verl.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import add_batch_args, batch_lengths, interleaved_ms, median_ms, peak_mib
+from _timing import add_batch_args, batch_lengths, host_syncs, interleaved_ms, median_ms, peak_mib
 
 from cpshard import ShardPlan, shard, unshard
 
@@ -33,7 +38,7 @@ def _step_table(lens: list[int], args: argparse.Namespace, device: torch.device)
     rank = 1
     print(f"\nstep: {len(lens)} sequences, {n} tokens, cp={args.cp}, tp={args.tp}, rank {rank}, device={device} "
           "(each path timed in turn within every repeat)")
-    print(f"{'layout':<11} {'path':<44} {'ms':>8} {'x floor':>8} {'peak MiB':>9}")
+    print(f"{'layout':<11} {'path':<44} {'ms':>8} {'x floor':>8} {'peak MiB':>9} {'syncs':>6}")
     for layout in ("zigzag", "contiguous"):
         plan = ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout)
         index = plan.global_rows(rank).clamp(max=n - 1).to(device)  # any index of local_len rows
@@ -46,20 +51,25 @@ def _step_table(lens: list[int], args: argparse.Namespace, device: torch.device)
             shard(ids, p, rank), shard(ids, p, rank, shift=1, fill=-100), shard(mask, p, rank, shift=1, fill=False)
 
         base, cold, warm = interleaved_ms([floor, step, lambda: step(plan)], args.repeats, device)
-        rows = [("3x index_select (the floor)", base, peak_mib(floor, device)),
-                ("ShardPlan.build + 3 shards (cold, per step)", cold, peak_mib(step, device)),
-                ("3 shards, plan cached (warm)", warm, peak_mib(lambda: step(plan), device))]
+        rows = [("3x index_select (the floor)", base, peak_mib(floor, device), host_syncs(floor, device)),
+                ("ShardPlan.build + 3 shards (cold, per step)", cold, peak_mib(step, device), host_syncs(step, device)),
+                ("3 shards, plan cached (warm)", warm, peak_mib(lambda: step(plan), device),
+                 host_syncs(lambda: step(plan), device))]
         parts = [torch.randn(plan.local_len, device=device) for _ in range(args.cp)]
         token_index = torch.arange(n, device=device)
-        restore_floor, restore = interleaved_ms(
-            [lambda: torch.cat(parts).index_select(0, token_index),
-             lambda: unshard(parts, ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout))],
-            args.repeats, device)
-        rows += [("restore floor: cat + index_select of tokens", restore_floor, "n/a"),
-                 ("unshard (restore, cold)", restore, "n/a")]
-        for name, ms, peak in rows:
+        def restore_floor_fn() -> None:
+            torch.cat(parts).index_select(0, token_index)
+
+        def restore_fn() -> None:
+            unshard(parts, ShardPlan.build(lens, cp_size=args.cp, tp_size=args.tp, layout=layout))
+
+        restore_floor, restore = interleaved_ms([restore_floor_fn, restore_fn], args.repeats, device)
+        rows += [("restore floor: cat + index_select of tokens", restore_floor, peak_mib(restore_floor_fn, device),
+                  host_syncs(restore_floor_fn, device)),
+                 ("unshard (restore, cold)", restore, peak_mib(restore_fn, device), host_syncs(restore_fn, device))]
+        for name, ms, peak, syncs in rows:
             ref = restore_floor if name.startswith("unshard") else base
-            print(f"{layout:<11} {name:<44} {ms:>8.3f} {ms / ref:>8.2f} {peak:>9}")
+            print(f"{layout:<11} {name:<44} {ms:>8.3f} {ms / ref:>8.2f} {peak:>9} {syncs:>6}")
 
 
 def _build_table(args: argparse.Namespace) -> None:

@@ -49,7 +49,7 @@ class Exchange:
     total_remote: int
 
     def to(self, device: torch.device) -> Exchange:
-        move = {f: getattr(self, f).to(device) for f in
+        move = {f: _index.to_device(getattr(self, f), device) for f in
                 ("local_src", "send_rows", "recv_rows", "pad_rows", "fill_rows")}
         return Exchange(send_splits=self.send_splits, recv_splits=self.recv_splits,
                         total_remote=self.total_remote, **move)

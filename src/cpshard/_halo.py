@@ -72,8 +72,9 @@ class MultiShift:
     total_remote: int
 
     def to(self, device: torch.device) -> MultiShift:
-        return MultiShift(self.shifts, self.send_rows.to(device), self.send_splits, self.recv_splits,
-                          self.source.to(device), self.pad.to(device), self.fill.to(device), self.total_remote)
+        move = _index.to_device
+        return MultiShift(self.shifts, move(self.send_rows, device), self.send_splits, self.recv_splits,
+                          move(self.source, device), move(self.pad, device), move(self.fill, device), self.total_remote)
 
 
 def build_multi_shift(segments: Sequence[_index.Segments], seqlens: torch.Tensor, rank: int,

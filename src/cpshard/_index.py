@@ -101,6 +101,19 @@ class Segments:
         return self.expand(cu_padded[self.seq] + self.pos)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index built on the CPU, on ``device``. To CUDA through pinned memory without blocking: a
+    plain copy from pageable memory synchronises the host with the stream (what
+    ``torch.cuda.set_sync_debug_mode`` reports), once per index and step. The caching host
+    allocator keeps the pinned buffer until the copy is done."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     """``(len(values),)`` int64 CPU tensor of Python ints (through NumPy: about 4x faster than
     ``torch.tensor`` on a list)."""
@@ -185,7 +198,8 @@ class ShardIndex:
     safe: tuple[tuple[int, int], ...] | None = None
 
     def to(self, device: torch.device) -> ShardIndex:
-        return ShardIndex(self.src.to(device), self.pad_rows.to(device), self.fill_rows.to(device), self.shift,
+        return ShardIndex(to_device(self.src, device), to_device(self.pad_rows, device),
+                          to_device(self.fill_rows, device), self.shift,
                           self.safe)
 
 

@@ -664,7 +664,7 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
             begin, length = segs.local_start.numpy(), segs.length.numpy()
             for lo, n in zip(begin[over].tolist(), length[over].tolist()):
                 src[lo:lo + n].clamp_max_(last)
-        return src.to(device)
+        return _index.to_device(src, device)
 
     def safe_ranges() -> tuple[tuple[int, int], ...] | None:
         # Output rows whose unshifted source lies in the input's last `shift` rows (the only ones a
@@ -690,9 +690,9 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
 
     def make() -> _index.ShardIndex:
         src = plan._cache.get(("shard-base", cp_rank, row_stride, device), base)
-        pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.pad_rows(
-            plan._segments(cp_rank), plan._lens64()).to(device))
-        fill = _index.fill_rows(plan._segments(cp_rank), plan._lens64(), shift).to(device)
+        pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.to_device(_index.pad_rows(
+            plan._segments(cp_rank), plan._lens64()), device))
+        fill = _index.to_device(_index.fill_rows(plan._segments(cp_rank), plan._lens64(), shift), device)
         return _index.ShardIndex(src, pad, fill, shift, safe_ranges() if shift else None)
     return plan._cache.get(("shard", cp_rank, shift, row_stride, device), make)
 
@@ -712,9 +712,9 @@ def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
         start = torch.cat([r * rows + s.local_start for r, s in enumerate(segs)])
         seq = torch.cat([s.seq for s in segs])
         caller = seq if plan.order is None else torch.tensor(plan.order)[seq]  # tokens in the caller's order
-        return _index.token_gather_index(
+        return _index.to_device(_index.token_gather_index(
             seq, torch.cat([s.pos for s in segs]), torch.cat([s.length for s in segs]), start, plan._lens64(),
-            plan.num_tokens, caller).to(device)
+            plan.num_tokens, caller), device)
     return plan._cache.get(("unshard", device), make)
 
 
@@ -756,7 +756,8 @@ def token_runs(plan: PlanBase) -> tuple[list[list[int]], list[int]] | None:
 
 def jagged_offsets(plan: PlanBase, device: torch.device) -> torch.Tensor:
     """The caller's ``cu_seqlens`` as int64 on ``device``: the offsets of the jagged tensors cpshard returns."""
-    return plan._cache.get(("offsets", device), lambda: torch.tensor(plan.input_cu_seqlens_py, device=device))
+    return plan._cache.get(("offsets", device),
+                           lambda: _index.to_device(_index.int64_tensor(plan.input_cu_seqlens_py), device))
 
 
 def shift_exchange(plan: PlanBase, cp_rank: int, shift: int, device: torch.device | None = None) -> Exchange:
