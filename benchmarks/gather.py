@@ -8,6 +8,7 @@ one ``index_select``. Both results are checked equal on every rank. Run::
 
     .venv/bin/python benchmarks/gather.py                   # 4 ranks, 8 / 64 / 256 sequences
     .venv/bin/python benchmarks/gather.py --width 64        # (L, 64) rows instead of log-probs (L,)
+    .venv/bin/python benchmarks/gather.py --quick           # 2 ranks, a smoke run
 
 Times are the median over repeats of the slowest rank's time per call. On 2 CPU cores with 4
 ranks the collective's share is mostly scheduling noise; the per-sequence loop is what grows.
@@ -84,7 +85,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--width", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 8 and 64 sequences, 5 repeats: a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.world, args.batches, args.repeats = 2, [8, 64], 5
     every = run_ranks(_rank, args.world, args.batches, args.width, args.repeats, timeout=600)
     print(f"gather vs per-sequence restore, {args.world} gloo ranks, zigzag, lengths U[64, 1024], "
           f"row shape {(args.width,) if args.width else ()}, median of per-call max over ranks")

@@ -5,6 +5,7 @@ index. cpshard adds the pad/fill writes and (on the first call of a plan) buildi
 
     .venv/bin/python benchmarks/shard.py                 # 256 sequences, lengths 128..8192, cp=4, tp=2
     .venv/bin/python benchmarks/shard.py --width 1024    # hidden-state rows instead of token ids
+    .venv/bin/python benchmarks/shard.py --quick         # 64 sequences, a smoke run
 
 Prints, per case, the median of ``--repeats`` timed calls (after a warm-up) and the ratio to the
 baseline; "cold" is the first call on a freshly built plan (``ShardPlan.build`` + index), the cost a
@@ -45,7 +46,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true", help="64 sequences and 5 repeats: a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.seqs, args.repeats = min(args.seqs, 64), min(args.repeats, 5)
     torch.set_num_threads(args.threads)
 
     g = torch.Generator().manual_seed(0)
