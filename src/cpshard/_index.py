@@ -1,5 +1,10 @@
 """Vectorized index math shared by the THD and BSHD plans. CPU int64 tensors in, out; no data.
 
+The arithmetic runs on NumPy views of those tensors (``Tensor.numpy()`` and ``torch.from_numpy``
+share memory, so crossing costs nothing): the arrays here hold a few hundred segments, where
+torch's per-call overhead is several times NumPy's, and NumPy's ``repeat`` is the fastest
+expansion of per-segment values into rows. Indices reach other devices through :func:`to_device`.
+
 Note [Which rows a rank holds]
 ------------------------------
 The global padded buffer concatenates the padded sequences; sequence ``i`` owns rows
@@ -13,8 +18,8 @@ The global padded buffer concatenates the padded sequences; sequence ``i`` owns 
 - ``cp = 1``: the whole padded sequence.
 
 Everything per row (global row, sequence id, position, where a shifted row reads from, which rows
-are pad or fill) is one expansion of per-segment values: ``repeat_interleave`` of the segment value
-plus an ``arange`` offset. The work over rows is a couple of passes, the rest is over segments
+are pad or fill) is one expansion of per-segment values: a ``repeat`` of the segment value plus an
+``arange`` offset (:func:`expand_segments`). The work over rows is a couple of passes, the rest is over segments
 (``2 B`` of them). Padding comes first and permuting second, so short and empty sequences need no
 special case: a zero-length segment expands to nothing.
 """
