@@ -35,6 +35,7 @@ import torch
 from cpshard.layout import Layout
 
 _I64 = torch.int64
+_INT64 = np.dtype(np.int64)
 
 
 def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None,
@@ -49,14 +50,18 @@ def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | No
     jumps, which is what this was before (``benchmarks/step.py``). The result shares memory with
     nothing the caller sees. CPU only, as all of cpshard's index math.
     """
-    length = lengths.numpy()
-    np_dtype = _NP[dtype]
-    begin = np.cumsum(length) - length
-    out = np.repeat((starts.numpy() - begin).astype(np_dtype, copy=False), length)
+    out = expand_np(starts.numpy(), lengths.numpy(), _NP[dtype])
     if total is not None and out.size != total:
         raise AssertionError(f"expand_segments: {out.size} rows, expected {total}")
-    out += _arange(out.size, np_dtype)
     return torch.from_numpy(out)
+
+
+def expand_np(starts: np.ndarray, lengths: np.ndarray, dtype: np.dtype = _INT64) -> np.ndarray:
+    """:func:`expand_segments` on NumPy arrays: ``(sum(lengths),)`` of ``dtype``."""
+    begin = np.cumsum(lengths) - lengths
+    out = np.repeat((starts - begin).astype(dtype, copy=False), lengths)
+    out += _arange(out.size, dtype)
+    return out
 
 
 _NP: dict[torch.dtype, np.dtype] = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)}
@@ -208,36 +213,52 @@ class ShardIndex:
                           self.safe)
 
 
-def _tokens(segs: Segments, seqlens: torch.Tensor, shift: int = 0) -> np.ndarray:
-    """Per segment, its leading token rows that have a source ``shift`` ahead (``shift=0``: its
-    token rows; the rest of the segment is pad)."""
-    pos, length = segs.pos.numpy(), segs.length.numpy()
-    return np.minimum(np.maximum(seqlens.numpy()[segs.seq.numpy()] - shift - pos, 0), length)
+@dataclass(frozen=True)
+class RankRows:
+    """One rank's segments as NumPy arrays with what every row index of ``shard`` derives from them:
+    built once per rank and plan, so the base, pad and fill rows of every shift share the work."""
+
+    seq: np.ndarray  # (K,) sequence id
+    pos: np.ndarray  # (K,) first position inside the padded sequence
+    length: np.ndarray  # (K,) rows
+    begin: np.ndarray  # (K,) local row of the segment's first row
+    remaining: np.ndarray  # (K,) the sequence's length minus pos: token rows from the segment's start on
+    tokens: np.ndarray  # (K,) the segment's leading token rows; the rest of it is pad
+    total: int
+
+    @staticmethod
+    def of(segs: Segments, seqlens: torch.Tensor) -> RankRows:
+        seq, pos, length = segs.seq.numpy(), segs.pos.numpy(), segs.length.numpy()
+        remaining = seqlens.numpy()[seq] - pos
+        tokens = np.minimum(np.maximum(remaining, 0), length)
+        return RankRows(seq, pos, length, np.cumsum(length) - length, remaining, tokens, segs.total)
+
+    def sourced(self, shift: int) -> np.ndarray:
+        """Per segment, its leading token rows whose source ``shift`` ahead exists."""
+        return self.tokens if shift == 0 else np.minimum(np.maximum(self.remaining - shift, 0), self.length)
+
+    def pad_rows(self) -> torch.Tensor:
+        """Local rows past their sequence's end: the same for every shift."""
+        return torch.from_numpy(expand_np(self.begin + self.tokens, self.length - self.tokens))
+
+    def fill_rows(self, shift: int) -> torch.Tensor:
+        """Token rows whose source ``shift`` ahead lies past their sequence's end (a few per sequence)."""
+        if shift == 0:
+            return torch.zeros(0, dtype=_I64)
+        sourced = self.sourced(shift)
+        return torch.from_numpy(expand_np(self.begin + sourced, self.tokens - sourced))
 
 
 def sourced_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per segment: its leading token rows, and how many of those have a source ``shift`` ahead."""
-    return torch.from_numpy(_tokens(segs, seqlens)), torch.from_numpy(_tokens(segs, seqlens, shift))
+    rows = RankRows.of(segs, seqlens)
+    return torch.from_numpy(rows.tokens), torch.from_numpy(rows.sourced(shift))
 
 
 def pad_and_fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Local rows past their sequence's end (pad), and token rows whose source is past it (fill)."""
-    return pad_rows(segs, seqlens), fill_rows(segs, seqlens, shift)
-
-
-def pad_rows(segs: Segments, seqlens: torch.Tensor) -> torch.Tensor:
-    """Local rows past their sequence's end: the same for every shift."""
-    tokens = _tokens(segs, seqlens)
-    start = segs.local_start.numpy() + tokens
-    return expand_segments(torch.from_numpy(start), torch.from_numpy(segs.length.numpy() - tokens))
-
-
-def fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> torch.Tensor:
-    """Token rows whose source ``shift`` ahead lies past their sequence's end (a few per sequence)."""
-    if shift == 0:
-        return torch.zeros(0, dtype=_I64)
-    tokens, sourced = _tokens(segs, seqlens), _tokens(segs, seqlens, shift)
-    return expand_segments(torch.from_numpy(segs.local_start.numpy() + sourced), torch.from_numpy(tokens - sourced))
+    rows = RankRows.of(segs, seqlens)
+    return rows.pad_rows(), rows.fill_rows(shift)
 
 
 def token_gather_index(seq: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, buffer_start: torch.Tensor,

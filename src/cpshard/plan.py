@@ -638,14 +638,17 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
     ``row_stride`` is ``S`` for a padded ``(B, S, ...)`` input (sequence ``b`` starts at row
     ``b * S``), or None for packed token rows (sequence ``b`` starts at ``cu_seqlens[b]``).
     """
-    def first_rows() -> torch.Tensor:  # per segment, the input row its first row reads (unshifted)
-        segs = plan._segments(cp_rank)
+    def rank_rows() -> _index.RankRows:
+        return _index.RankRows.of(plan._segments(cp_rank), plan._lens64())
+
+    def first_rows() -> np.ndarray:  # per segment, the input row its first row reads (unshifted)
+        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
         if row_stride is None:  # packed input in the caller's order: buffer sequence j is input sequence order[j]
             cu = np.array(plan.input_cu_seqlens_py[:-1], dtype=np.int64)
             starts = cu if plan.order is None else cu[np.array(plan.order)]
         else:
             starts = np.arange(plan.num_seqs, dtype=np.int64) * row_stride
-        return torch.from_numpy(starts[segs.seq.numpy()] + segs.pos.numpy())
+        return starts[seg.seq] + seg.pos
 
     rows = plan.num_tokens if row_stride is None else plan.num_seqs * row_stride
 
@@ -653,46 +656,44 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
         # every shift's gather reads this index from a shifted view of the input (ShardIndex). int32
         # (every plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select
         # takes it. Pad rows of the last sequences may point past the input: clamped, segment by segment
-        segs = plan._segments(cp_rank)
+        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
         first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
-        src = _index.expand_segments(first, segs.length, segs.total, dtype=torch.int32)
+        src = _index.expand_np(first, seg.length, np.dtype(np.int32))
         last = max(rows - 1, 0)
-        over = np.flatnonzero(first.numpy() + segs.length.numpy() - 1 > last)
+        over = np.flatnonzero(first + seg.length - 1 > last)
         if over.size > 8:
-            src.clamp_max_(last)
+            np.minimum(src, last, out=src)
         else:
-            begin, length = segs.local_start.numpy(), segs.length.numpy()
-            for lo, n in zip(begin[over].tolist(), length[over].tolist()):
-                src[lo:lo + n].clamp_max_(last)
-        return _index.to_device(src, device)
+            for lo, n in zip(seg.begin[over].tolist(), seg.length[over].tolist()):
+                np.minimum(src[lo:lo + n], last, out=src[lo:lo + n])
+        return _index.to_device(torch.from_numpy(src), device)
 
     def safe_ranges() -> tuple[tuple[int, int], ...] | None:
         # Output rows whose unshifted source lies in the input's last `shift` rows (the only ones a
         # shifted view cannot serve): per segment, from the first such row to the segment's end
         # (its later rows are pad rows, clamped to the last input row). Work over segments only.
-        segs = plan._segments(cp_rank)
-        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows).numpy()
-        length = segs.length.numpy()
+        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
+        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
         start = np.maximum(rows - shift - first, 0)
-        hit = np.flatnonzero(start < length)
+        hit = np.flatnonzero(start < seg.length)
         if not hit.size:
             return None
-        begin = segs.local_start.numpy()[hit]
-        bad = np.stack([begin + start[hit], begin + length[hit]], 1).tolist()
+        begin = seg.begin[hit]
+        bad = np.stack([begin + start[hit], begin + seg.length[hit]], 1).tolist()
         out, at = [], 0
         for lo, hi in sorted(bad):
             if lo > at:
                 out.append((at, lo))
             at = max(at, hi)
-        if at < segs.total:
-            out.append((at, segs.total))
+        if at < seg.total:
+            out.append((at, seg.total))
         return tuple(out)
 
     def make() -> _index.ShardIndex:
         src = plan._cache.get(("shard-base", cp_rank, row_stride, device), base)
-        pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.to_device(_index.pad_rows(
-            plan._segments(cp_rank), plan._lens64()), device))
-        fill = _index.to_device(_index.fill_rows(plan._segments(cp_rank), plan._lens64(), shift), device)
+        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
+        pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.to_device(seg.pad_rows(), device))
+        fill = _index.to_device(seg.fill_rows(shift), device)
         return _index.ShardIndex(src, pad, fill, shift, safe_ranges() if shift else None)
     return plan._cache.get(("shard", cp_rank, shift, row_stride, device), make)
 
