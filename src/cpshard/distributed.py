@@ -292,7 +292,8 @@ def gather(local: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = 
 
     Returns:
         A jagged nested tensor ``(B, j, ...)``, equal on every rank to ``unshard`` of all ranks'
-        ``local``. One all-gather (``all_gather_single``), then one ``index_select``.
+        ``local``. One all-gather (``all_gather_single``), then one copy of the token rows (runs
+        of them under the contiguous layout, one ``index_select`` otherwise).
 
     Autograd:
         The gradient reaches the calling rank's own ``local`` rows exactly once, from the positions

@@ -1,9 +1,12 @@
 """Moving data by a plan: ``shard`` (with shifts) and its exact inverse ``unshard``. No communication.
 
-Each call is one gather (``index_select``) of the input rows by an index the plan caches per rank,
-shift and device, plus ``index_fill_`` of the pad and fill rows; ``unshard`` is one ``cat`` and one
-gather of the token rows (the inverse of sharding). THD and BSHD plans take the same path (a BSHD
-rank's ``(B, M / cp)`` block is its flattened rows). Nothing loops over sequences or tokens.
+Each call is one gather (``index_select``) of the input rows by an index the plan caches per rank
+(every shift reads it from a shifted view of the input), plus ``index_fill_`` of the pad and fill
+rows; rows of 1, 2, 4 or 8 bytes move as one integer each (:func:`as_packed`). ``unshard`` copies
+the token rows back in order: by runs where the plan's segments are long (the contiguous layout,
+``plan.token_runs``), else one ``cat`` and one gather by an index. THD and BSHD plans take the same
+path (a BSHD rank's ``(B, M / cp)`` block is its flattened rows). No Python loop over tokens; the
+only loop over sequences is the run copy, whose pieces average at least 512 rows.
 """
 
 from __future__ import annotations
