@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cpshard import _index
@@ -61,7 +62,8 @@ def build_exchange(segments: list[_index.Segments], seqlens: torch.Tensor, rank:
     local = segments[rank].total
     every = _index.AllSegments.of(segments)
     seg_rank, seq, pos, length, first = every.rank, every.seq, every.pos, every.length, every.first
-    sourced = torch.cat([_index.sourced_rows(s, seqlens, shift)[1] for s in segments])
+    rows = [_index.RankRows.of(s, seqlens) for s in segments]
+    sourced = torch.from_numpy(np.concatenate([r.sourced(shift) for r in rows]))
 
     # Boundary rows: the last `shift` rows of each segment that have a source.
     tail = (length - shift).clamp(min=0)
@@ -88,7 +90,7 @@ def build_exchange(segments: list[_index.Segments], seqlens: torch.Tensor, rank:
     outgoing = torch.nonzero(remote & (src_rank == rank)).flatten()
     outgoing = outgoing[torch.argsort(dst_rank[outgoing] * max(local, 1) + dst_row[outgoing], stable=True)]
 
-    pad_rows, fill_rows = _index.pad_and_fill_rows(segs, seqlens, shift)
+    pad_rows, fill_rows = rows[rank].pad_rows(), rows[rank].fill_rows(shift)
     return Exchange(
         local_src=local_src,
         send_rows=src_row[outgoing],

@@ -231,7 +231,7 @@ class RankRows:
         seq, pos, length = segs.seq.numpy(), segs.pos.numpy(), segs.length.numpy()
         remaining = seqlens.numpy()[seq] - pos
         tokens = np.minimum(np.maximum(remaining, 0), length)
-        return RankRows(seq, pos, length, np.cumsum(length) - length, remaining, tokens, segs.total)
+        return RankRows(seq, pos, length, segs.local_start.numpy(), remaining, tokens, segs.total)
 
     def sourced(self, shift: int) -> np.ndarray:
         """Per segment, its leading token rows whose source ``shift`` ahead exists."""
@@ -247,33 +247,3 @@ class RankRows:
             return torch.zeros(0, dtype=_I64)
         sourced = self.sourced(shift)
         return torch.from_numpy(expand_np(self.begin + sourced, self.tokens - sourced))
-
-
-def sourced_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per segment: its leading token rows, and how many of those have a source ``shift`` ahead."""
-    rows = RankRows.of(segs, seqlens)
-    return torch.from_numpy(rows.tokens), torch.from_numpy(rows.sourced(shift))
-
-
-def pad_and_fill_rows(segs: Segments, seqlens: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local rows past their sequence's end (pad), and token rows whose source is past it (fill)."""
-    rows = RankRows.of(segs, seqlens)
-    return rows.pad_rows(), rows.fill_rows(shift)
-
-
-def token_gather_index(seq: torch.Tensor, pos: torch.Tensor, length: torch.Tensor, buffer_start: torch.Tensor,
-                       seqlens: torch.Tensor, num_tokens: int, output_seq: torch.Tensor | None = None) -> torch.Tensor:
-    """``(N,)``: the row of a gathered buffer holding each token, tokens in sequence order.
-
-    The inputs describe every rank's segments together; ``buffer_start[k]`` is the buffer row of
-    segment ``k``'s first row. Sorted by (sequence, position), the segments' token rows tile the
-    batch's tokens in order, so one expansion gives the inverse of sharding without a permutation
-    of the whole padded buffer. ``output_seq[k]`` is where segment ``k``'s sequence goes in the
-    output's order (default ``seq``: the buffer's order).
-    """
-    tokens = (seqlens[seq] - pos).clamp(min=0).minimum(length)
-    stride = int(pos.max() + length.max()) + 1 if pos.numel() else 1
-    key = seq if output_seq is None else output_seq
-    order = torch.argsort(key * stride + pos, stable=True)
-    # int32: a plan's buffers hold fewer than 2**31 rows (index_select takes it; half the traffic)
-    return expand_segments(buffer_start[order], tokens[order], num_tokens, dtype=torch.int32)

@@ -638,11 +638,8 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
     ``row_stride`` is ``S`` for a padded ``(B, S, ...)`` input (sequence ``b`` starts at row
     ``b * S``), or None for packed token rows (sequence ``b`` starts at ``cu_seqlens[b]``).
     """
-    def rank_rows() -> _index.RankRows:
-        return _index.RankRows.of(plan._segments(cp_rank), plan._lens64())
-
     def first_rows() -> np.ndarray:  # per segment, the input row its first row reads (unshifted)
-        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
+        seg = rank_rows(plan, cp_rank)
         if row_stride is None:  # packed input in the caller's order: buffer sequence j is input sequence order[j]
             cu = np.array(plan.input_cu_seqlens_py[:-1], dtype=np.int64)
             starts = cu if plan.order is None else cu[np.array(plan.order)]
@@ -656,7 +653,7 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
         # every shift's gather reads this index from a shifted view of the input (ShardIndex). int32
         # (every plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select
         # takes it. Pad rows of the last sequences may point past the input: clamped, segment by segment
-        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
+        seg = rank_rows(plan, cp_rank)
         first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
         src = _index.expand_np(first, seg.length, np.dtype(np.int32))
         last = max(rows - 1, 0)
@@ -672,7 +669,7 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
         # Output rows whose unshifted source lies in the input's last `shift` rows (the only ones a
         # shifted view cannot serve): per segment, from the first such row to the segment's end
         # (its later rows are pad rows, clamped to the last input row). Work over segments only.
-        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
+        seg = rank_rows(plan, cp_rank)
         first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
         start = np.maximum(rows - shift - first, 0)
         hit = np.flatnonzero(start < seg.length)
@@ -691,7 +688,7 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
 
     def make() -> _index.ShardIndex:
         src = plan._cache.get(("shard-base", cp_rank, row_stride, device), base)
-        seg = plan._cache.get(("rank-rows", cp_rank), rank_rows)
+        seg = rank_rows(plan, cp_rank)
         pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.to_device(seg.pad_rows(), device))
         fill = _index.to_device(seg.fill_rows(shift), device)
         return _index.ShardIndex(src, pad, fill, shift, safe_ranges() if shift else None)
@@ -704,18 +701,43 @@ def unpadded(plan: PlanBase) -> ShardPlan:
                                                          alignment=1))
 
 
+def rank_rows(plan: PlanBase, cp_rank: int) -> _index.RankRows:
+    """``cp_rank``'s segments as NumPy arrays with their local starts and token counts, once per plan."""
+    return plan._cache.get(("rank-rows", cp_rank), lambda: _index.RankRows.of(plan._segments(cp_rank),
+                                                                                plan._lens64()))
+
+
+def _restore_order(plan: PlanBase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's held segments side by side, rank 0's first: ``(rank, begin, length, tokens,
+    order)``, with ``order`` the segments holding tokens in the caller's (sequence, position) order.
+
+    Sorted so, the segments' token rows tile the batch's tokens in order: what the restore copies
+    (by runs, :func:`token_runs`) or gathers (by an index, :func:`unshard_index`), without a
+    permutation of the whole padded buffer.
+    """
+    def make() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        every = [rank_rows(plan, r) for r in range(plan.cp_size)]
+        rank = np.repeat(np.arange(plan.cp_size), [x.length.size for x in every])
+        begin, length, tokens, seq, pos = (np.concatenate([getattr(x, f) for x in every])
+                                           for f in ("begin", "length", "tokens", "seq", "pos"))
+        held = np.flatnonzero(length)  # contiguous: most (rank, sequence) segments are empty
+        rank, begin, length, tokens, seq, pos = (a[held] for a in (rank, begin, length, tokens, seq, pos))
+        caller = seq if plan.order is None else np.array(plan.order, dtype=np.int64)[seq]
+        stride = int((pos + length).max()) + 1 if pos.size else 1
+        order = np.argsort(caller * stride + pos, kind="stable")
+        return rank, begin, length, tokens, order[tokens[order] > 0]
+    return plan._cache.get("restore-order", make)
+
+
 def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
-    """``(N,)``: the row of the rank-concatenated flat buffer (``cat`` of every rank's flattened local
-    rows) that holds each token, tokens in order."""
+    """``(N,)`` int32: the row of the rank-concatenated flat buffer (``cat`` of every rank's flattened
+    local rows) that holds each token, tokens in the caller's order (one expansion of the segments in
+    :func:`_restore_order`; int32, as a plan's buffers hold fewer than 2**31 rows)."""
     def make() -> torch.Tensor:
-        segs = [plan._segments(r) for r in range(plan.cp_size)]
-        rows = math.prod(plan.local_shape)
-        start = torch.cat([r * rows + s.local_start for r, s in enumerate(segs)])
-        seq = torch.cat([s.seq for s in segs])
-        caller = seq if plan.order is None else torch.tensor(plan.order)[seq]  # tokens in the caller's order
-        return _index.to_device(_index.token_gather_index(
-            seq, torch.cat([s.pos for s in segs]), torch.cat([s.length for s in segs]), start, plan._lens64(),
-            plan.num_tokens, caller), device)
+        rank, begin, _, tokens, order = _restore_order(plan)
+        start = rank * math.prod(plan.local_shape) + begin
+        index = _index.expand_np(start[order], tokens[order], np.dtype(np.int32))
+        return _index.to_device(torch.from_numpy(index), device)
     return plan._cache.get(("unshard", device), make)
 
 
@@ -735,19 +757,9 @@ def token_runs(plan: PlanBase) -> tuple[list[list[int]], list[int]] | None:
     take the index.
     """
     def make() -> tuple[list[list[int]], list[int]] | None:
-        segs = [plan._segments(r) for r in range(plan.cp_size)]
-        length = np.concatenate([s.length.numpy() for s in segs])
-        held = np.flatnonzero(length)  # contiguous: most (rank, sequence) segments are empty
-        if not held.size or 2 * held.size * _ROWS_PER_RUN > plan.num_tokens:
+        rank, _, length, tokens, order = _restore_order(plan)
+        if not length.size or 2 * length.size * _ROWS_PER_RUN > plan.num_tokens:
             return None
-        rank = np.repeat(np.arange(plan.cp_size), [s.length.numel() for s in segs])[held]
-        length = length[held]
-        seq = np.concatenate([s.seq.numpy() for s in segs])[held]
-        pos = np.concatenate([s.pos.numpy() for s in segs])[held]
-        tokens = np.minimum(np.maximum(plan._lens64().numpy()[seq] - pos, 0), length)
-        caller = seq if plan.order is None else np.array(plan.order, dtype=np.int64)[seq]
-        order = np.argsort(caller * (int((pos + length).max()) + 1) + pos, kind="stable")
-        order = order[tokens[order] > 0]
         cuts = np.stack([tokens, length - tokens], 1)
         bounds = np.searchsorted(rank, np.arange(plan.cp_size + 1))
         sizes = [cuts[a:b].reshape(-1).tolist() for a, b in zip(bounds[:-1], bounds[1:])]
