@@ -15,6 +15,7 @@ the function still works (cpshard's own autoscaler, no tracker logging).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from cpshard._errors import fail
 from cpshard.bshd import BshdPlan
 from cpshard.megatron._import import import_megatron, megatron_version
+from cpshard.megatron.packed import offsets_of
 from cpshard.mtp import Counts, MtpLossAutoScaler, Normalization, mtp_loss
 from cpshard.plan import ShardPlan
 
@@ -73,13 +75,10 @@ def plan_for_mtp(labels_shape: tuple[int, ...], cp_size: int, packed_seq_params:
             fail("labels", f"tensor of shape {labels_shape}", f"does not match the zigzag columns of cp = {cp_size} "
                  f"(expected {bshd.local_shape})", "pad the batch to a multiple of 2 * cp")
         return bshd
-    cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-    if cu is None:
-        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
-    if cu is None:
+    offsets = offsets_of(packed_seq_params, "cu_seqlens_q_padded") or offsets_of(packed_seq_params, "cu_seqlens_q")
+    if offsets is None:
         fail("packed_seq_params", "PackedSeqParams without cu_seqlens_q", "must give the packed offsets",
              "set cu_seqlens_q (and cu_seqlens_q_padded) as for attention")
-    offsets = [int(v) for v in torch.as_tensor(cu).tolist()]
     lengths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     layout = getattr(packed_seq_params, "cp_partition_mode", None) or "zigzag"
     plan = ShardPlan.build(lengths, cp_size=cp_size, layout=layout)
@@ -87,10 +86,7 @@ def plan_for_mtp(labels_shape: tuple[int, ...], cp_size: int, packed_seq_params:
         fail("packed_seq_params", f"cu_seqlens {offsets[:8]}{' ...' if len(offsets) > 8 else ''}",
              f"every sequence must already be padded for cp = {cp_size} under the {layout} layout "
              f"(multiples of {plan.alignment})", "pass the padded offsets (cu_seqlens_q_padded), as attention uses")
-    total = 1
-    for d in labels_shape:
-        total *= d
-    if total != plan.local_len:
+    if math.prod(labels_shape) != plan.local_len:
         fail("labels", f"tensor of shape {labels_shape}", f"must hold this rank's {plan.local_len} rows "
              f"(cu_seqlens total {offsets[-1]} / cp {cp_size})", "pass the rank's sharded labels, e.g. [1, L]")
     return plan

@@ -133,7 +133,8 @@ def packed_seq_params(
     )
 
 
-def _offsets(psp: Any, name: str) -> tuple[int, ...] | None:
+def offsets_of(psp: Any, name: str) -> tuple[int, ...] | None:
+    """``psp.<name>`` (a ``cu_seqlens*`` field) as Python ints, checked to be cumulative offsets; None if unset."""
     value = getattr(psp, name, None)
     if value is None:
         return None
@@ -187,7 +188,7 @@ def plan_from_packed_seq_params(
     """
     cp_size = check_int("cp_size", cp_size, minimum=1)
     tp_size = check_int("tp_size", tp_size, minimum=1)
-    q, q_padded = _offsets(psp, "cu_seqlens_q"), _offsets(psp, "cu_seqlens_q_padded")
+    q, q_padded = offsets_of(psp, "cu_seqlens_q"), offsets_of(psp, "cu_seqlens_q_padded")
     cu_padded = q_padded if q_padded is not None else q
     if cu_padded is None or len(cu_padded) < 2:
         fail("psp", type(psp).__name__, "must carry cu_seqlens_q_padded or cu_seqlens_q with at least one sequence",
