@@ -47,7 +47,7 @@ from cpshard import _halo
 from cpshard._errors import check_int, fail, parse_choice
 from cpshard.bshd import BshdPlan
 from cpshard.distributed import group_rank, shift_sharded_multi, sum_over_group
-from cpshard.ops import shard
+from cpshard.ops import check_plan_type, shard
 from cpshard.plan import ShardPlan, halo_exchange
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
@@ -214,9 +214,7 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
 
 
 def _rank(plan: Plan, group: Any) -> int:
-    if not isinstance(plan, (ShardPlan, BshdPlan)):
-        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", "build one with ShardPlan.build",
-             kind=TypeError)
+    check_plan_type(plan)
     if plan.cp_size == 1 and group is None:
         return 0
     return group_rank(plan, group)
