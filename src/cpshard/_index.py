@@ -207,11 +207,6 @@ class ShardIndex:
     shift: int = 0
     safe: tuple[tuple[int, int], ...] | None = None
 
-    def to(self, device: torch.device) -> ShardIndex:
-        return ShardIndex(to_device(self.src, device), to_device(self.pad_rows, device),
-                          to_device(self.fill_rows, device), self.shift,
-                          self.safe)
-
 
 @dataclass(frozen=True)
 class RankRows:
