@@ -7,7 +7,6 @@ The Megatron tests skip, naming the reason, when megatron-core is not importable
 from __future__ import annotations
 
 import inspect
-
 import logging
 from types import SimpleNamespace
 

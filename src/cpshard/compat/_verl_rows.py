@@ -31,7 +31,6 @@ Sources read (not copied): verl 0.9.1's and verl main's (1dda039, 2026-08-22)
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

@@ -1,28 +1,28 @@
-"""verl 0.9.1's sequence-packing helpers (``verl/models/mcore/util.py``), rebuilt on the shard plan.
+"""verl's sequence-packing helpers (``verl/models/mcore/util.py``), rebuilt on the shard plan.
 
 Each function keeps verl's name, positional parameters and return structure, so that
 :func:`patch` can put it where verl's model-forward modules bind the original; each adds
 keyword-only ``tp_size``, ``cp_size``, ``cp_rank`` and ``cp_group`` (read from Megatron's parallel
-state only when not given; see :func:`cpshard.megatron.state.parallel_context`) and ``plan=``: a
+state only when not given; see :func:`cpshard.megatron.state.parallel_context`), ``plan=``: a
 plan built once per micro-batch (:func:`thd_plan`, :func:`bshd_plan`) so that tokens, labels,
-masks, router-replay indices and teacher top-k rows of one step share it.
+masks, router-replay indices and teacher top-k rows of one step share it, and ``verl_version=``
+where verl versions differ.
 
-No index math lives here: every function builds (or takes) a plan and calls ``cpshard.shard`` /
-``unshard`` / ``cpshard.distributed.gather``. On every row that holds a real token the results
-equal verl's; the README's "Differences from verl" lists where verl is wrong and what cpshard
-returns instead. In short:
+A drop-in is verl's contract, bit for bit: every row of every output, pad rows and position ids
+included, equals verl's (the per-row rules are :mod:`cpshard.compat._verl_rows`, over the plan's
+own views), except where verl loses or corrupts a token; the README's "Differences from verl"
+lists those rows:
 
-- ``need_roll``: token ``p`` receives token ``p + 1`` of its own sequence (``shard(..., shift=1)``);
-  each sequence's last token receives 0 (verl fills it with whatever its roll brings, which a loss
-  mask removes), and a zero-length sequence no longer overwrites its neighbour's last label.
+- a sequence of no rows under zigzag ``need_roll`` overwrites the previous row's label with 0;
+  where that row has a label to lose, the drop-in keeps it;
 - ``min_local_rows`` / ``pad_to_length_bucket``: verl's target total is used where it keeps every
   plan invariant (so the buffers equal verl's); where verl's would drop tokens, the total is
-  rounded up as ``ShardPlan.build`` does.
-- position ids: each row's own position (verl's rolled ones under ``need_roll`` are unused by
-  verl and differ between its layouts); pad rows hold their position in the padded sequence.
+  rounded up as ``ShardPlan.build`` does;
+- ``forced_max_seqlen`` shorter than a row is an error, not a silent truncation.
 
-Sources read (not copied): verl 0.9.1 ``verl/models/mcore/util.py``, ``model_forward.py``,
-``model_forward_fused.py``; megatron-core 0.19.2 ``megatron/core/packed_seq_params.py``.
+Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/models/mcore/util.py``,
+``model_forward.py``, ``model_forward_fused.py``, ``tests/utils/test_megatron_bshd_preprocess.py``;
+megatron-core 0.19.2 ``megatron/core/packed_seq_params.py``.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import torch
 
 from cpshard import _index
 from cpshard._errors import check_int, check_tensor, fail
-from cpshard.compat import _verl_rows
 from cpshard.bshd import BshdPlan
+from cpshard.compat import _verl_rows
 from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params, plan_from_padded
@@ -119,7 +119,7 @@ def thd_plan(
 ) -> ShardPlan:
     """The plan ``preprocess_thd_engine`` uses for a micro-batch (pass it as ``plan=`` to share it).
 
-    ``input_ids`` is the jagged nested batch (or its lengths). Padding follows verl 0.9.1: every
+    ``input_ids`` is the jagged nested batch (or its lengths). Padding follows verl: every
     sequence to the layout's alignment (fp8: ``lcm(16, a)`` and the total to ``a * 128``), then the
     total to at least ``cp * min_local_rows``, then to a multiple of ``lcm(pad_to_length_bucket,
     cp)`` (and of the fp8 total), all on the last sequence. Where verl's target keeps every token
@@ -238,8 +238,8 @@ def preprocess_thd_engine(
 
     Args:
         input_ids: jagged nested tensor ``(B, j, ...)``, any dtype (tokens, labels, masks, top-k rows).
-        need_roll: next-token labels: token ``p`` receives token ``p + 1`` of its sequence (0 past
-            the end), on every layout.
+        need_roll: next-token labels: token ``p`` receives token ``p + 1`` of its sequence; the
+            last token and the pad rows what verl's roll gives them (:mod:`cpshard.compat._verl_rows`).
         local_cp_size: verl's dynamic CP: this micro-batch uses a group of that many ranks
             (``cp_group``, else Megatron's dynamic group of that size).
         cp_layout: ``"zigzag"`` or ``"contiguous"``.
@@ -266,7 +266,8 @@ def preprocess_thd_engine(
         plan = _given_plan(plan, ShardPlan, ctx.cp_size, layout)
         if _seqlens(input_ids) != plan.input_seqlens_py:
             fail("input_ids", f"nested tensor with lengths {list(_seqlens(input_ids))}",
-                 f"must match the plan's seqlens {list(plan.input_seqlens_py)}", "pass the batch the plan was built for")
+                 f"must match the plan's seqlens {list(plan.input_seqlens_py)}",
+                 "pass the batch the plan was built for")
     dynamic = local_cp_size is not None
     psp = packed_seq_params(plan, device=input_ids.device, cp_group=ctx.cp_group if dynamic else None,
                             local_cp_size=local_cp_size)
@@ -457,7 +458,8 @@ def preprocess_bshd_engine(
     Args:
         input_ids: jagged nested tensor ``(B, j, ...)``.
         pre_process: accepted for verl's signature; verl 0.9.1 shards whatever it is.
-        need_roll: token ``p`` receives token ``p + 1`` of its row (0 past the end).
+        need_roll: token ``p`` receives token ``p + 1`` of its row; the last column wraps to the
+            row's first token (verl rolls each padded row).
         forced_max_seqlen: pad every row to this length (before alignment); must be >= the longest.
 
     Returns:
@@ -552,7 +554,7 @@ def build_vlm_attn_mask_thd(
     # verl 0.9.0 / main: torch's own padding, whose width is the longest row only where the nested
     # tensor carries it (built from a list); from values and offsets alone torch pads to all the values
     if pad_token_id is None:
-        _padded(input_ids, 0, pad_token_id)
+        return _padded(input_ids, 0, pad_token_id)  # the error
     padded = input_ids.to_padded_tensor(pad_token_id)
     lens = torch.tensor(plan.seqlens_py, device=padded.device)
     return padded, torch.arange(padded.shape[1], device=padded.device) < lens[:, None]
@@ -598,7 +600,8 @@ _DROP_INS: dict[str, Callable[..., Any]] = {
 }
 
 _UTIL = "verl.models.mcore.util"
-# Where verl 0.9.1 binds the functions by name (``from .util import ...``), besides util itself.
+# Where verl binds the functions by name (``from .util import ...``), besides util itself (0.9.1; main binds
+# one name fewer in model_forward_fused: skipped).
 # The first two must import; the others are patched when importable (a module imported later binds
 # util's names as they are then, i.e. the drop-ins while the patch is on).
 _BINDERS: dict[str, tuple[str, ...]] = {
@@ -672,11 +675,15 @@ class VerlPatch:
 def patch() -> VerlPatch:
     """Make a running verl use cpshard's drop-ins; also a context manager that undoes itself.
 
-    Replaces the functions of this module in ``verl.models.mcore.util`` and wherever verl 0.9.1
-    binds them by name (``model_forward``, ``model_forward_fused``, ``model_forward_1f1b_overlap``,
-    ``verl.utils.megatron.router_replay_utils``, ``verl.trainer.distillation.megatron.losses``).
-    Checks first, changing nothing on failure: every name must exist with verl 0.9.1's positional
-    parameters, else a ``ValueError`` names the installed verl version and the function. Logs what
+    Imports megatron-core without Triton first (:mod:`cpshard.megatron._import`), then replaces the
+    functions of this module in ``verl.models.mcore.util`` and at every site where verl binds them by
+    name (``model_forward``, ``model_forward_fused``, ``model_forward_1f1b_overlap``,
+    ``verl.utils.megatron.router_replay_utils``, ``verl.trainer.distillation.megatron.losses``), and
+    routes verl's MTP loss through :func:`cpshard.megatron.process_mtp_loss`. A site that does not
+    bind a name (verl main's ``model_forward_fused`` has no ``build_vlm_attn_mask_thd``) is skipped
+    and logged (``VerlPatch.skipped``). Checks first, changing nothing on failure: every function
+    must exist in util with verl's positional parameters, and no site may bind another object (a
+    wrapper) under the name, else a ``ValueError`` names the verl version and the site. Logs what
     it did (once per process at INFO, then DEBUG).
 
     Example::

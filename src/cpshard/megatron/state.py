@@ -51,8 +51,9 @@ def _group_read(group: Any, name: str, what: str) -> int:
     try:
         return int(getattr(group, what)())
     except (AttributeError, TypeError):
-        fail(name, type(group).__name__, f"must be a process group (torch.distributed.get_{what if what == 'rank' else 'world_size'}"
-             f"(group=...) cannot answer for it, and it has no {what}())",
+        reader_name = "get_rank" if what == "rank" else "get_world_size"
+        fail(name, type(group).__name__, f"must be a process group (torch.distributed.{reader_name}(group=...) "
+             f"cannot answer for it, and it has no {what}())",
              "pass a torch.distributed ProcessGroup", kind=TypeError)
 
 
@@ -109,8 +110,8 @@ def parallel_context(
     ``parallel_state.get_dynamic_data_context_parallel_groups(group_size=local_cp_size)`` (Megatron-LM
     dev; ``get_hybrid_data_context_parallel_groups`` on main and the releases) unless ``cp_group`` is
     passed. A group's size and rank are read as verl reads them, through
-    ``torch.distributed.get_world_size(group=)`` / ``get_rank(group=)``. ``need_group=False`` leaves ``cp_group`` None rather than reading it
-    (for callers that do not communicate).
+    ``torch.distributed.get_world_size(group=)`` / ``get_rank(group=)``. ``need_group=False`` leaves
+    ``cp_group`` None rather than reading it (for callers that do not communicate).
     """
     if local_cp_size is not None:
         local_cp_size = check_int("local_cp_size", local_cp_size, minimum=1)
