@@ -33,10 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from cpshard._dtypes import movable
+from cpshard._index import expand_np
 from cpshard.layout import Layout, alignment, fp8_alignment
-from cpshard.plan import ShardPlan
+from cpshard.ops import shard
+from cpshard.plan import ShardPlan, rank_rows
 
 __all__ = ["Rules", "thd_rows"]
 
@@ -74,80 +78,119 @@ def _verl_align(plan: ShardPlan) -> int:
     return fp8_alignment(a) if plan.fp8 else a
 
 
-def thd_rows(plan: ShardPlan, cp_rank: int, need_roll: bool, rules: Rules) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src, pos)`` for rank ``cp_rank``, both ``(L,)`` int64 on the CPU: the flat input row (in the
-    caller's order of ``plan``'s sequences) each local row receives, -1 for a zero, and its position
-    id, as verl's ``preprocess_thd_engine`` computes them (module docstring)."""
-    seq = plan.sequence_ids(cp_rank)
-    p = plan.position_ids(cp_rank)
-    lens = torch.tensor(plan.seqlens_py, dtype=torch.int64)
-    padded = torch.tensor(plan.padded_seqlens_py, dtype=torch.int64)
+def _put(rows: torch.Tensor, at: np.ndarray, values: torch.Tensor, src: np.ndarray) -> torch.Tensor:
+    """``rows`` with rows ``at`` set to ``values[src]`` (0 where ``src`` is -1); out of place, so a
+    gradient reaches the rows taken. fp8 and unsigned rows move as same-width integers."""
+    if at.size == 0:
+        return rows
+    carried = movable(rows, 0, 0)
+    if carried is not None:
+        return _put(carried[0], at, movable(values, 0, 0)[0], src).view(rows.dtype)  # type: ignore[index]
+    take = torch.from_numpy(np.maximum(src, 0)).to(values.device)
+    new = values.index_select(0, take) if values.shape[0] else rows.new_zeros((at.size, *rows.shape[1:]))
+    zero = torch.from_numpy(src < 0).to(values.device)
+    if bool(zero.any()):
+        new = new.masked_fill(zero.view(-1, *[1] * (new.dim() - 1)), 0)
+    return rows.index_put((torch.from_numpy(at).to(rows.device),), new)
+
+
+def thd_rows(values: torch.Tensor, plan: ShardPlan, cp_rank: int, need_roll: bool,
+             rules: Rules) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, position_ids)`` of rank ``cp_rank``, ``(L, ...)`` and ``(L,)`` int64, as verl's
+    ``preprocess_thd_engine`` computes them from the flat token rows ``values`` (module docstring).
+
+    One ``shard`` of the rows, one roll where verl rolls, and a few rows per sequence written after:
+    the index math is per segment and per sequence (NumPy), never per row."""
+    cp, zigzag = plan.cp_size, plan.layout is Layout.ZIGZAG
+    segs = rank_rows(plan, cp_rank)
+    lens = np.asarray(plan.seqlens_py, dtype=np.int64)
+    padded = np.asarray(plan.padded_seqlens_py, dtype=np.int64)
     in_cu = plan.input_cu_seqlens_py
     order = plan.order if plan.order is not None else range(plan.num_seqs)
-    offsets = torch.tensor([in_cu[i] for i in order], dtype=torch.int64)  # buffer sequence -> its first input row
-    n, big_p, off = lens[seq], padded[seq], offsets[seq]
-    valid = p < n
-    zero = torch.full_like(p, -1)
-    cp, zigzag = plan.cp_size, plan.layout is Layout.ZIGZAG
-    if need_roll and not zigzag:
-        q = (p + 1) % n.clamp(min=1)
-        return torch.where(valid, off + q, zero), torch.where(valid, q, 0)
-    src0 = torch.where(valid, off + p, zero)
-    pos0 = torch.where(valid, p, 0)
+    offsets = np.asarray([in_cu[i] for i in order], dtype=np.int64)  # buffer sequence -> its first input row
+    # position ids before any roll: each row's padded position, 0 on pad rows, except that verl's
+    # zigzag (cp > 1) keeps the padded position on pad rows of a sequence's first half
+    zeroed = segs.tokens < segs.length
     if zigzag and cp > 1:
-        pos0 = torch.where(p < big_p // 2, p, pos0)
-    if not need_roll or p.numel() == 0:
-        return src0, pos0
-    local = p.numel()
-    after = torch.arange(1, local + 1) % local
-    src, pos = src0[after], pos0[after]
+        zeroed &= segs.pos >= padded[segs.seq] // 2
+    pad_rows = torch.from_numpy(expand_np((segs.begin + segs.tokens)[zeroed], (segs.length - segs.tokens)[zeroed]))
+    if need_roll and not zigzag:  # each sequence wraps to its own first token (position id 0)
+        rows = shard(values, plan, cp_rank, shift=1, pad_value=0, fill=0)
+        ends = (segs.tokens > 0) & (segs.pos + segs.tokens == lens[segs.seq])  # holds its sequence's last token
+        at = (segs.begin + segs.tokens - 1)[ends]
+        pos = plan.position_ids(cp_rank).add_(1)
+        pos[pad_rows] = 0
+        pos[torch.from_numpy(at)] = 0
+        return _put(rows, at, values, offsets[segs.seq[ends]]), pos
+    pos = plan.position_ids(cp_rank)
+    pos[pad_rows] = 0
+    rows = shard(values, plan, cp_rank, pad_value=0)
+    if not need_roll or rows.shape[0] == 0:
+        return rows, pos
+    pos0 = pos
+    rows, pos = torch.roll(rows, -1, 0), torch.roll(pos0, -1, 0)
     if cp == 1:
-        return src, pos
-    return _zigzag_fixes(plan, cp_rank, rules, src0, pos0, src, pos, offsets, lens, padded)
+        return rows, pos
+    return _zigzag_fixes(plan, cp_rank, rules, values, rows, pos, pos0, offsets, lens, padded)
 
 
-def _zigzag_fixes(plan: ShardPlan, r: int, rules: Rules, src0: torch.Tensor, pos0: torch.Tensor,
-                  src: torch.Tensor, pos: torch.Tensor, offsets: torch.Tensor, lens: torch.Tensor,
-                  padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cp, local = plan.cp_size, src0.numel()
-    start = torch.tensor(plan.cu_seqlens_padded_py[:-1], dtype=torch.int64) // cp  # local start of each sequence
+def _zigzag_fixes(plan: ShardPlan, r: int, rules: Rules, values: torch.Tensor, rows: torch.Tensor,
+                  pos: torch.Tensor, pos0: torch.Tensor, offsets: np.ndarray, lens: np.ndarray,
+                  padded: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's writes after its roll (zigzag, cp > 1): two rows per sequence, then the empty sequences'."""
+    cp, local = plan.cp_size, rows.shape[0]
+    start = np.asarray(plan.cu_seqlens_padded_py[:-1], dtype=np.int64) // cp  # local start of each sequence
     h = padded // cp // 2
-    a = _verl_align(plan)
     full = padded > 0  # a sequence of no rows (a tokenless one extended by fp8 or a bucket has rows)
-    # the first chunk's last row: the row after the chunk, x_pad[(r + 1) h]; its own position id
+    # the first chunk's last row: x_pad[(r + 1) h], its own position id
     nxt = (r + 1) * h
-    key1 = start + h - 1
-    val1 = torch.where(nxt < lens, offsets + nxt, -1)
-    # the second chunk's last copied row
-    copied = padded if rules.roll_copy_to_padded else torch.maximum(lens, torch.full_like(lens, a))
-    r_start, r_end = padded - h * (r + 1), torch.minimum(padded - h * r, copied)
+    key1 = (start + h - 1)[full]
+    val1 = np.where(nxt < lens, offsets + nxt, -1)[full]
+    # the second chunk's last copied row: the next padded row, or the first token where the chunk
+    # reaches the end of verl's copy of the sequence (position id 0)
+    copied = padded if rules.roll_copy_to_padded else np.maximum(lens, _verl_align(plan))
+    r_start, r_end = padded - h * (r + 1), np.minimum(padded - h * r, copied)
     has2 = full & (r_end > r_start)
-    key2 = start + h + (r_end - r_start) - 1
-    wraps = r_end == copied
-    val2 = torch.where(wraps, torch.where(lens > 0, offsets, -1), torch.where(r_end < lens, offsets + r_end, -1))
-    k1, k2 = key1[full], key2[has2]
-    clean_src, clean_pos = src.clone(), pos.clone()
-    clean_src[k1], clean_pos[k1] = val1[full], pos0[k1]
-    clean_src[k2] = val2[has2]
-    clean_pos[k2] = torch.where(wraps[has2], 0, pos0[k2])
-    empties = (~full).nonzero().flatten().tolist()
-    if not empties:
-        return clean_src, clean_pos
-    # A sequence of no rows writes 0 (and the row's position id as the loop has it then) at the row before
-    # its start, after the fixes above in verl's insertion order, except that a first empty sequence's
-    # key -1 is applied before the last sequence's own fix of the same row.
-    out_src, out_pos = clean_src.clone(), clean_pos.clone()
-    fixed_last = bool((k2 == local - 1).any() or (k1 == local - 1).any())
-    for i in empties:
+    wraps = (r_end == copied)[has2]
+    key2 = (start + h + (r_end - r_start) - 1)[has2]
+    val2 = np.where(r_end == copied, np.where(lens > 0, offsets, -1), np.where(r_end < lens, offsets + r_end, -1))[has2]
+    keys = np.concatenate([key1, key2])
+    pos_values = pos0[torch.from_numpy(keys)]
+    pos_values[key1.size:][torch.from_numpy(wraps)] = 0
+    src = np.concatenate([val1, val2])
+    empties = np.flatnonzero(~full)
+    if empties.size:  # verl's writes for sequences of no rows come after (one dict, insertion order)
+        keys, src, pos_values = _clobbers(empties, start, h, lens, padded, r, local, keys, src, pos_values, pos0)
+    pos = pos.index_put((torch.from_numpy(keys),), pos_values)
+    return _put(rows, keys, values, src), pos
+
+
+def _clobbers(empties: np.ndarray, start: np.ndarray, h: np.ndarray, lens: np.ndarray, padded: np.ndarray,
+              r: int, local: int, keys: np.ndarray, src: np.ndarray, pos_values: torch.Tensor,
+              pos0: torch.Tensor) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """A sequence of no rows writes 0 at the row before its start, with that row's position id as
+    verl's loop has it then; a first one (key -1, the last row, not written yet: position 0) is
+    applied before the last sequence's own write of that row. Where the write would lose a label
+    (the row is a token whose next token exists), the drop-in leaves the row as it was."""
+    full = np.flatnonzero(padded > 0)
+    extra_keys, extra_pos = [], []
+    for i in empties.tolist():
         row = int(start[i]) - 1
         if row < 0:
-            if fixed_last:
-                continue
-            out_src[local - 1], out_pos[local - 1] = -1, 0  # the last row is not written yet then
+            if (keys == local - 1).any():
+                continue  # the last sequence's own write of the last row comes later and stays
+            row, position = local - 1, 0
         else:
-            out_src[row], out_pos[row] = -1, pos0[row]
-    # Where that write loses a token's label (a row whose next token exists), keep the clean value.
-    lost = plan.label_mask(r) & ((out_src != clean_src) | (out_pos != clean_pos))
-    out_src[lost], out_pos[lost] = clean_src[lost], clean_pos[lost]
-    return out_src, out_pos
-
+            position = int(pos0[row])
+        owner = int(full[full < i][-1] if start[i] > 0 else full[-1])  # whose second chunk ends at the row
+        p = int(padded[owner] - h[owner] * r - 1)
+        if p + 1 < lens[owner]:
+            continue  # verl loses this label; cpshard keeps it
+        extra_keys.append(row)
+        extra_pos.append(position)
+    if not extra_keys:
+        return keys, src, pos_values
+    extra = np.asarray(extra_keys, dtype=np.int64)
+    keep = ~np.isin(keys, extra)  # one write per row: the clobber replaces an earlier write of it
+    return (np.concatenate([keys[keep], extra]), np.concatenate([src[keep], np.full(extra.size, -1)]),
+            torch.cat([pos_values[torch.from_numpy(keep)], torch.tensor(extra_pos, dtype=pos_values.dtype)]))

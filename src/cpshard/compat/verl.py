@@ -274,8 +274,7 @@ def preprocess_thd_engine(
     _attach(psp, plan)
     if not pre_process:
         return input_ids, psp, None
-    src, positions = _verl_rows.thd_rows(plan, ctx.cp_rank, bool(need_roll), rules)
-    rows = _rows_of(input_ids.values(), src)
+    rows, positions = _verl_rows.thd_rows(input_ids.values(), plan, ctx.cp_rank, bool(need_roll), rules)
     return rows.unsqueeze(0), psp, positions.to(input_ids.device).unsqueeze(0)
 
 
