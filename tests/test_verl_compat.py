@@ -7,6 +7,7 @@ cpshard's right one (README, "Differences from verl").
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 
@@ -597,6 +598,22 @@ def test_patch_refuses_a_moved_or_changed_name(monkeypatch):
                                          r"not verl\.models\.mcore\.util\.postprocess_thd_engine \(verl wrapped"):
         cv.patch()
     assert vutil.preprocess_thd_engine is not cv.preprocess_thd_engine  # nothing was changed
+
+
+def test_patch_names_the_module_that_is_missing(monkeypatch):
+    """An import failure of verl's Megatron path names the real missing module (not "reinstall verl")."""
+    real = importlib.import_module
+
+    def no_triton(name, *args):
+        if name == "verl.models.mcore.model_forward":
+            raise ModuleNotFoundError("No module named 'triton'", name="triton")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", no_triton)
+    with pytest.raises(ValueError, match=r"cannot import verl\.models\.mcore\.model_forward: the module 'triton' "
+                                         r"is missing .*Fix: install triton"):
+        cv.patch()
+    assert vutil.preprocess_thd_engine is not cv.preprocess_thd_engine
 
 
 def test_patch_skips_a_name_a_module_no_longer_binds(monkeypatch, caplog):
