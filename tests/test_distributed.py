@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange, unshard
-from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded
+from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded, shift_sharded_multi
 from cpshard.spawn import CollectiveCounter, run_ranks
 
 GATHER, ALL_TO_ALL = "allgather_base", "alltoall_base"  # the c10d ops behind all_gather_single, all_to_all_single
@@ -123,6 +123,10 @@ def _odd_dtypes(rank, world):
             out = shift_sharded(local, plan, dist.group.WORLD, shift=2, fill=1, pad_value=0, check=True)
             want = shard(x, plan, rank, shift=2, fill=1, pad_value=0)
             assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+            multi = shift_sharded_multi([local], plan, dist.group.WORLD, shifts=[1, 2], fills=[1], pad_values=[0])[0]
+            for s, k in enumerate((1, 2)):
+                want = shard(x, plan, rank, shift=k, fill=1, pad_value=0)
+                assert multi.dtype == dtype and torch.equal(multi[s].view(torch.uint8), want.view(torch.uint8))
             if dtype.is_complex:  # a conjugate view: its values travel, not its bytes
                 got = gather(local.conj(), plan, dist.group.WORLD, check=True).values()
                 assert torch.equal(got, x.conj())

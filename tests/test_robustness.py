@@ -7,6 +7,7 @@ naming the argument, the rule and the fix.
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import pytest
@@ -321,3 +322,26 @@ def test_parallel_sizes_past_int32_name_the_size(cp, tp):
         with pytest.raises(ValueError, match=rf"^cp_size={cp}: with tp_size={tp} every padded batch has at least "
                                              r"cp_size \* tp_size rows, which must stay below 2\*\*31"):
             build([5, 3], cp_size=cp, tp_size=tp)
+
+
+@pytest.mark.parametrize("dtype, value, ok", [
+    (torch.float16, -1e9, False), (torch.float8_e4m3fn, -1000.0, False), (torch.float8_e5m2, 1e6, False),
+    (torch.complex64, complex(0, 1e300), False), (torch.bfloat16, -1e9, True), (torch.float16, -65504.0, True),
+    (torch.float16, float("-inf"), True), (torch.float32, -1e30, True),
+])
+def test_floating_fill_within_the_dtypes_range(dtype, value, ok):
+    """One rule for every floating dtype: a finite fill or pad value must lie inside the dtype's
+    finite range (float16 raised inside torch; fp8 saturated silently); inside it, it is rounded
+    as the dtype rounds."""
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    x = torch.zeros(8, dtype=dtype)
+    if not ok:
+        with pytest.raises(ValueError, match=rf"^fill={re.escape(repr(value))}: is outside the finite range of rows "):
+            shard(x, plan, 0, shift=1, fill=value)
+        with pytest.raises(ValueError, match=r"^pad_value=.*outside the finite range"):
+            shard(x, plan, 0, pad_value=value)
+        return
+    got = shard(x, plan, 0, shift=1, fill=value)
+    filled = got[~plan.label_mask(0, shift=1)]  # the last tokens and the pad rows
+    want = torch.tensor([value], dtype=torch.float64).to(dtype).expand(filled.shape[0]).contiguous()
+    assert torch.equal(filled.view(torch.uint8), want.view(torch.uint8))  # rounded as the dtype rounds

@@ -7,6 +7,7 @@ as a same-width carrier dtype, and a fill value becomes its bit pattern in that 
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -40,12 +41,21 @@ def check_fill(name: str, value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, complex) and not dtype.is_complex:
         fail(name, repr(value), f"does not fit rows of dtype {dtype}", f"pass a real {name}")
     if dtype.is_floating_point or dtype.is_complex:
-        # one representation per value (0 and 0.0 agree across ranks); rounded as the dtype rounds
+        # one representation per value (0 and 0.0 agree across ranks); rounded as the dtype rounds.
+        # One rule for every floating dtype: a finite value must lie within the dtype's finite range
+        # (float16's 65504, fp8's 448 ...): torch raised for float16 and saturated fp8 silently.
         try:
-            return complex(value) if dtype.is_complex else float(value)  # type: ignore[arg-type]
+            number = complex(value) if dtype.is_complex else float(value)  # type: ignore[arg-type]
         except OverflowError:
             fail(name, repr(value), f"is too large for any floating dtype ({dtype})",
                  f"pass a {name} within the float range")
+        real_dtype = dtype.to_real() if dtype.is_complex else dtype
+        limit = torch.finfo(real_dtype).max
+        parts = (number.real, number.imag) if isinstance(number, complex) else (number,)
+        if any(math.isfinite(v) and abs(v) > limit for v in parts):
+            fail(name, repr(value), f"is outside the finite range of rows of dtype {dtype} (+-{limit:g})",
+                 f"pass a {name} within +-{limit:g} (or inf / nan themselves), or use a wider dtype")
+        return number
     assert not isinstance(value, complex)  # refused above
     if isinstance(value, float) and not value.is_integer():
         fail(name, repr(value), f"does not fit rows of integer dtype {dtype}", f"pass a whole number as {name}")

@@ -38,6 +38,7 @@ from typing import Any, Union
 import torch
 
 from cpshard import _index
+from cpshard._dtypes import movable
 
 _I64 = torch.int64
 Scalar = Union[int, float, bool]
@@ -173,6 +174,11 @@ def apply_multi_shift(ms: MultiShift, local: torch.Tensor, received: torch.Tenso
     ``received`` holds the rows other ranks sent (``None`` or empty when nothing crossed). Values
     are checked by the caller; no gradient flows (labels and masks).
     """
+    moved = movable(local, pad_value, fill)
+    if moved is not None:  # fp8, uintN: no masked_fill; move the bits, fill with the values' bit patterns
+        carried, pad_bits, fill_bits = moved
+        got = None if received is None else received.view(carried.dtype)
+        return apply_multi_shift(ms, carried, got, pad_bits, fill_bits).view(local.dtype)
     base = local if received is None or received.shape[0] == 0 else torch.cat([local, received])
     s, rows = ms.source.shape
     if base.shape[0] == 0:
