@@ -80,3 +80,24 @@ def test_reorder_errors():
         ShardPlan((5, 3), (6, 4), 2, layout="contiguous", order=(0, 0))
     with pytest.raises(ValueError, match="padding='tight': is not a padding mode"):
         ShardPlan.build([5, 3], cp_size=2, padding="tight")
+
+
+@props(60)
+@given(lens=st.lists(st.integers(0, 90), min_size=1, max_size=12), cp=st.integers(1, 6), tp=st.integers(1, 3),
+       layout=st.sampled_from(["zigzag", "contiguous"]), padding=st.sampled_from(["aligned", "minimal"]),
+       reorder=st.booleans())
+def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, padding, reorder):
+    """The THD restore index computed per token (closed form) is the one every rank's segments give:
+    the token's (rank, local row), read from each rank's global rows, in the caller's order."""
+    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=padding,
+                           reorder="balanced" if reorder and layout == "contiguous" else None)
+    index = cpshard.plan.unshard_index(plan, torch.device("cpu")).tolist()
+    # naive: global padded row of each token in buffer order -> where it sits in the rank-concatenated buffer
+    where = {}
+    for r in range(cp):
+        for j, g in enumerate(plan.global_rows(r).tolist()):
+            where[g] = r * plan.local_len + j
+    buffer_of = {caller: j for j, caller in enumerate(plan.order or range(plan.num_seqs))}
+    want = [where[plan.cu_seqlens_padded_py[buffer_of[i]] + p] for i, n in enumerate(plan.input_seqlens_py)
+            for p in range(n)]
+    assert index == want

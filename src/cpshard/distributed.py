@@ -124,12 +124,14 @@ def plan_fingerprint(plan: Plan) -> torch.Tensor:
     ``[kind, cp_size, tp_size, layout, num_seqs, total_len or seq_len, hash, hash]``; the two hash
     words are a BLAKE2b digest of every length, so plans that differ anywhere differ here.
     """
-    key = repr(plan._key()).encode()
-    digest = hashlib.blake2b(key, digest_size=16).digest()
-    h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
-    layout = 0 if plan.layout.value == "zigzag" else 1
-    return torch.tensor([int(isinstance(plan, BshdPlan)), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
-                         plan.total_len, h1, h2], dtype=torch.int64)
+    def make() -> torch.Tensor:  # once per plan: hashing 100k lengths is ~40 ms
+        key = repr(plan._key()).encode()
+        digest = hashlib.blake2b(key, digest_size=16).digest()
+        h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
+        layout = 0 if plan.layout.value == "zigzag" else 1
+        return torch.tensor([int(isinstance(plan, BshdPlan)), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
+                             plan.total_len, h1, h2], dtype=torch.int64)
+    return plan._cache.get("fingerprint", make).clone()  # a copy: callers write the verdict word into it
 
 
 def _describe(fp: Sequence[int]) -> str:

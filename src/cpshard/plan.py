@@ -740,11 +740,43 @@ def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
     local rows) that holds each token, tokens in the caller's order (one expansion of the segments in
     :func:`_restore_order`; int32, as a plan's buffers hold fewer than 2**31 rows)."""
     def make() -> torch.Tensor:
-        rank, begin, _, tokens, order = _restore_order(plan)
-        start = rank * math.prod(plan.local_shape) + begin
-        index = _index.expand_np(start[order], tokens[order], np.dtype(np.int32))
+        if isinstance(plan, ShardPlan):
+            index = _thd_unshard_np(plan)
+        else:
+            rank, begin, _, tokens, order = _restore_order(plan)
+            start = rank * math.prod(plan.local_shape) + begin
+            index = _index.expand_np(start[order], tokens[order], np.dtype(np.int32))
         return _index.to_device(torch.from_numpy(index), device)
     return plan._cache.get(("unshard", device), make)
+
+
+def _thd_unshard_np(plan: ShardPlan) -> np.ndarray:
+    """:func:`unshard_index` of a THD plan in closed form, per token (no segments of every rank).
+
+    With ``P`` a sequence's padded length and ``c = P / cp`` rows on each rank: under contiguous
+    (and at ``cp = 1``) the rank-concatenated buffer is the global padded buffer, so token ``p`` of
+    a sequence is row ``cu_padded + p``. Under zigzag, with ``h = P / (2 cp)``, token ``p`` is in
+    chunk ``k = p // h``, held by rank ``k`` (``k < cp``) or ``2 cp - 1 - k``, at that rank's local
+    row ``cu_padded / cp + p % h`` (plus ``h`` in the second chunk). Built over the tokens at once:
+    100k sequences at cp = 64 in ~0.3 s, where every rank's segments (one per row there) took 4-8 s.
+    """
+    lens = np.asarray(plan.input_seqlens_py, dtype=np.int64)  # caller's order
+    buffer_of = np.arange(plan.num_seqs) if plan.order is None else np.argsort(np.asarray(plan.order))
+    cu_padded = np.asarray(plan.cu_seqlens_padded_py[:-1], dtype=np.int64)[buffer_of]
+    p = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens)  # each token's position
+    cp = plan.cp_size
+    if plan.layout is not Layout.ZIGZAG or cp == 1:
+        p += np.repeat(cu_padded, lens)
+        return p.astype(np.int32)
+    h = np.repeat(np.asarray(plan.padded_seqlens_py, dtype=np.int64)[buffer_of] // (2 * cp), lens)
+    chunk = p // h
+    second = chunk >= cp
+    rank = np.where(second, 2 * cp - 1 - chunk, chunk)
+    p -= chunk * h
+    p += np.where(second, h, 0)
+    p += rank * plan.local_len
+    p += np.repeat(cu_padded // cp, lens)
+    return p.astype(np.int32)
 
 
 _ROWS_PER_RUN = 512  # token_runs: below this many rows per piece, one gather by an index is cheaper
