@@ -227,6 +227,17 @@ def _collectives(rank, world):
                 with CollectiveCounter() as counter:
                     fn(x, m, plan, grp)
                 seen[(b, cp, name)] = (list(counter.calls), counter.bytes)
+    # bad input raises before any collective, naming the argument
+    plan = ShardPlan.build([5, 3, 9], cp_size=world)
+    x, m = torch.zeros(plan.local_len, dtype=F64), plan.label_mask(rank)
+    calls = [("per_token", lambda: token_mean(x[1:], m, plan, group)),
+             ("group", lambda: sequence_mean(x, m, ShardPlan.build([5, 3, 9], cp_size=2), group)),
+             ("grad_reduction", lambda: token_mean(x, m, plan, group, grad_reduction="avg")),
+             ("dp_group", lambda: sequence_mean(x, m, plan, group, dp_group=group))]
+    for argument, call in calls:
+        with CollectiveCounter() as counter, pytest.raises((TypeError, ValueError), match=f"^{argument}="):
+            call()
+        seen[("error", argument)] = list(counter.calls)
     return seen
 
 
@@ -305,6 +316,8 @@ def test_one_small_all_reduce_per_call():
             assert seen[(b, 4, "token_sum_and_count")] == ([], 0)
             for name in ("token_mean", "sequence_mean", "token_sum", "token_sum_and_count"):
                 assert seen[(b, 1, name)] == ([], 0), name
+        for argument in ("per_token", "group", "grad_reduction", "dp_group"):
+            assert seen[("error", argument)] == [], argument
 
 
 def test_dp_group_equals_one_process_holding_both_micro_batches():
