@@ -149,8 +149,9 @@ def test_mtp_grad_reduction_applies_to_global_counts_only():
     from cpshard.mtp import mtp_loss
 
     plan = ShardPlan.build([4, 3], cp_size=1)
-    w = torch.randn(5, 2, dtype=F64)
-    chunks = [torch.randn(plan.local_len, 2, dtype=F64) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)  # not the global generator: other tests' data depend on it
+    w = torch.randn(5, 2, dtype=F64, generator=g)
+    chunks = [torch.randn(plan.local_len, 2, dtype=F64, generator=g) for _ in range(2)]
     labels = torch.zeros(plan.local_len, dtype=torch.long)
     kw = dict(output_layer=lambda h: h @ w.T, loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"))
     with pytest.raises(ValueError, match=r"grad_reduction='sum': does not apply to counts='local'.*"
