@@ -13,6 +13,7 @@ against one process holding both micro-batches.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -212,6 +213,46 @@ def _local_mean_is_wrong(rank, world):
     return report
 
 
+def _megatron_schedule(rank, world):
+    """The README's Megatron rows through megatron-core's own forward_step_calc_loss (its cp factor
+    for a two-value loss_func, its division by the rank's count for a three-value one), then its
+    DDP reduction (averaged over CP; per-token mode: summed, divided by num_tokens summed over CP)."""
+    from cpshard.megatron._import import import_megatron
+
+    try:
+        forward_step_calc_loss = import_megatron("pipeline_parallel.schedules").forward_step_calc_loss
+    except (ImportError, AttributeError) as exc:
+        return {"reason": f"megatron-core's forward_step_calc_loss is not importable ({exc!r})"}
+    group = dist.new_group(list(range(world)))
+    lens = BATCHES["long-short"]
+    ids, mask = _batch(lens, seed=3)
+    _, _, want = _reference_of(ids, mask, "token_mean")
+    report = {"reason": ""}
+    for layout, plan in _plans(lens, world):
+        if layout not in ("zigzag", "contiguous/minimal/balanced"):
+            continue
+        for mode in ("per-token", "two-value", "three-value"):
+            per_token_mode = mode == "per-token"
+            per_token, m, _, leaves = _forward(plan, rank, group, ids, mask,
+                                               normalization="per_token" if per_token_mode else "mean")
+
+            def loss_func(t, mode=mode, m=m):
+                if mode == "two-value":
+                    return token_mean(t, m, plan, group, grad_reduction="sum"), {}
+                return (*token_sum_and_count(t, m, plan, group), {})  # three-value: Megatron divides by n_r
+
+            config = SimpleNamespace(timers=None, calculate_per_token_loss=per_token_mode, num_moe_experts=None,
+                                     mtp_num_layers=None)
+            loss, num_tokens = forward_step_calc_loss(None, per_token, loss_func, config, None, False, 1, [],
+                                                      cp_group_size=world, is_last_stage=True)
+            loss.backward()
+            grads = _reduced(_flat_grads(leaves), group, world, not per_token_mode)
+            if per_token_mode:
+                grads = grads / _reduced(num_tokens, group, world, False).clamp(min=1)
+            report[f"{layout}/{mode}"] = _near(grads, want)
+    return report
+
+
 def _collectives(rank, world):
     """One small all_reduce per call (none for the sums), whatever the number of sequences; none at cp = 1."""
     group = dist.new_group(list(range(world)))
@@ -281,7 +322,7 @@ def _dp_cp(rank, world):
 
 
 _PLAN = {
-    2: ("_exactness", "_local_mean_is_wrong"),
+    2: ("_exactness", "_local_mean_is_wrong", "_megatron_schedule"),
     4: ("_exactness", "_local_mean_is_wrong", "_collectives", "_dp_cp"),
 }
 
@@ -324,3 +365,12 @@ def test_dp_group_equals_one_process_holding_both_micro_batches():
     for checked, calls in (r["_dp_cp"] for r in suites(4)):
         assert checked == 2 * len(LOSSES) * 2
         assert calls == ["allreduce"] * 4  # token_mean and sequence_mean: one over CP, one over DP each
+
+
+def test_the_megatron_rows_through_megatrons_own_schedule():
+    report = suites(2)[0]["_megatron_schedule"]
+    if report["reason"]:
+        pytest.skip(report["reason"])
+    for layout in ("zigzag", "contiguous/minimal/balanced"):
+        assert report[f"{layout}/per-token"] and report[f"{layout}/two-value"], report
+        assert not report[f"{layout}/three-value"], report  # Megatron's rank-local division
