@@ -163,3 +163,43 @@ def test_mtp_grad_reduction_applies_to_global_counts_only():
     a = mtp_loss(chunks, labels, None, plan, None, grad_reduction="sum", **kw)
     b = mtp_loss(chunks, labels, None, plan, None, **kw)
     assert torch.equal(a.losses, b.losses)
+
+
+def test_verl_agg_loss_modes_at_cp1():
+    """verl 0.9.1's agg_loss on the padded (B, S) batch, one process: each mode equals the README's row
+    (seq-mean-token-mean to 1e-7: verl adds 1e-8 to each sequence's count, cpshard divides exactly)."""
+    try:
+        from cpshard.megatron._import import import_megatron
+
+        import_megatron("parallel_state")  # verl imports Megatron: the triton-free import first
+    except ImportError:
+        pass
+    try:
+        from verl.trainer.ppo.core_algos import agg_loss
+    except ImportError as exc:
+        pytest.skip(f"verl is not importable ({exc})")
+    modes = {"token-mean": (token_mean, {}, 1e-12), "token-sum": (token_sum, {}, 1e-12),
+             "seq-mean-token-mean": (sequence_mean, {}, 1e-7),
+             "seq-mean-token-sum": (sequence_mean, {"token_reduction": "sum"}, 1e-12)}
+    g = torch.Generator().manual_seed(5)
+    nan_seen = False
+    for _ in range(20):
+        lens = torch.randint(0, 9, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        values = [torch.randn(n, generator=g, dtype=F64) for n in lens]
+        masks = [(torch.rand(n, generator=g) < 0.6).to(F64) for n in lens]
+        width = max(lens + [1])
+        loss_mat = torch.zeros(len(lens), width, dtype=F64)
+        mask_mat = torch.zeros(len(lens), width, dtype=F64)
+        for i, (v, m) in enumerate(zip(values, masks)):
+            loss_mat[i, :len(v)], mask_mat[i, :len(m)] = v, m
+        plan = ShardPlan.build(lens, cp_size=1, tp_size=2)
+        rows, mask_rows = shard(values, plan, 0), shard(masks, plan, 0)
+        for mode, (fn, kw, tol) in modes.items():
+            theirs = agg_loss(loss_mat, mask_mat, mode)
+            ours = fn(rows, mask_rows, plan, None, **kw)
+            if mask_mat.sum() == 0 and mode != "token-sum":  # no labelled token: verl divides 0 by 0
+                assert ours == 0 and torch.isnan(theirs), (mode, ours, theirs)
+                nan_seen = True
+                continue
+            assert torch.allclose(ours, theirs.to(F64), rtol=tol, atol=1e-300), (mode, lens, ours, theirs)
+    assert nan_seen  # the batches include one without a labelled token
