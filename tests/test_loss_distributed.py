@@ -185,6 +185,12 @@ def _exactness(rank, world):
         assert _near(_reduced(_flat_grads(leaves), group, world, False) / total, want_grads), name
         assert _near(_reduced(loss_sum.detach(), group, world, False) / total, want_loss), name
         checked.append((name, "megatron per-token", "sum"))
+        # per-token normalization under "mean": averaged over CP, then divided by the global count
+        per_token, m, out, leaves = _forward(plan, rank, group, ids, mask, normalization="per_token",
+                                             grad_reduction="mean")
+        token_sum(per_token, m, plan, group).backward()
+        assert _near(_reduced(_flat_grads(leaves), group, world, True) / total, want_grads), name
+        checked.append((name, "per-token", "mean"))
     return len(checked)
 
 
@@ -332,7 +338,7 @@ def suites(world):
     return run_suite(__name__, _PLAN[world], world, timeout=400, collective_timeout=120)
 
 
-SUBCASES = len(BATCHES) * 4 * 2 * (len(LOSSES) * 2 + 1)
+SUBCASES = len(BATCHES) * 4 * 2 * (len(LOSSES) * 2 + 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,6 +1,7 @@
 """Context-parallel layouts, their padding alignment, and the one place a model config picks a layout.
 
-Pure Python; no tensors. See SPEC.md, "Padding" and "Layout choice".
+Pure Python; no tensors. See SPEC.md, "Padding" and "Layout choice"; also the name of the gradient
+convention (``GradReduction``, SPEC.md "Losses and the gradient convention").
 """
 
 from __future__ import annotations
