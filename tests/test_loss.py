@@ -203,3 +203,24 @@ def test_verl_agg_loss_modes_at_cp1():
                 continue
             assert torch.allclose(ours, theirs.to(F64), rtol=tol, atol=1e-300), (mode, lens, ours, theirs)
     assert nan_seen  # the batches include one without a labelled token
+
+
+def test_counts_known_before_the_step():
+    """num_tokens / num_seqs replace the counting (verl's batch_num_tokens / global_batch_size)."""
+    plan = ShardPlan.build([4, 2, 7], cp_size=1)
+    g = torch.Generator().manual_seed(2)
+    values = [torch.randn(n, generator=g, dtype=F64) for n in (4, 2, 7)]
+    masks = [torch.tensor([1.0, 0, 1, 0]), torch.zeros(2), torch.tensor([1.0, 1, 0, 1, 1, 0, 0])]
+    x, m = shard(values, plan, 0), shard(masks, plan, 0)
+    assert _close(token_mean(x, m, plan, None, num_tokens=40), ref_token_sum(values, masks) / 40)
+    assert _close(token_mean(x, m, plan, None, num_tokens=torch.tensor(40)), ref_token_sum(values, masks) / 40)
+    assert _close(sequence_mean(x, m, plan, None, num_seqs=5), ref_sequence_mean(values, masks) * 2 / 5)
+    assert _close(sequence_mean(x, m, plan, None, token_reduction="sum", num_seqs=5),
+                  ref_sequence_mean(values, masks, "sum") * 2 / 5)
+    assert token_mean(x, torch.zeros_like(m), plan, None, num_tokens=0) == 0
+    with pytest.raises(ValueError, match=r"num_tokens=-1: must be a count >= 0\. Fix: pass num_tokens as the total"):
+        token_mean(x, m, plan, None, num_tokens=-1)
+    with pytest.raises(TypeError, match=r"num_seqs='5': must be a number or a one-element tensor"):
+        sequence_mean(x, m, plan, None, num_seqs="5")
+    with pytest.raises(TypeError, match=r"num_tokens=True"):
+        token_mean(x, m, plan, None, num_tokens=True)

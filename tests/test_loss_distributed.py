@@ -6,8 +6,10 @@ For each gradient convention, the ranks' parameter gradients reduced that way (a
 of their size: cp 2 and 4, zigzag (tp 1 and 2, aligned and minimal padding), contiguous (aligned,
 and minimal with reorder="balanced"), BSHD; an empty sequence, a one-token sequence, a sequence with
 no labelled token, a rank with no labelled token, an all-padding micro-batch. Then: a rank-local token
-mean is wrong (what users report), the collectives per call, and a 2 x 2 DP x CP world with dp_group
-against one process holding both micro-batches.
+mean is wrong (what users report), Megatron's own schedule on the README's rows, the collectives
+per call, a 2 x 2 DP x CP world with dp_group against one process holding both micro-batches, and
+gradient accumulation with counts known before the step. One spawned world of 4 ranks runs it all
+(cp = 2 as two CP groups of 2).
 """
 
 from __future__ import annotations
@@ -152,17 +154,36 @@ def _reduced(t, group, world, mean):
     return t / world if mean else t
 
 
+def _reduced_together(*tensors, group):
+    """Each tensor summed over ``group``, in one all_reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
 def _cases(world):
+    """Every plan on "mixed", with and without a rank that holds no labelled token; fewer elsewhere."""
     for batch, lens in BATCHES.items():
         ids, base = _batch(lens, seed=len(lens))
-        for layout, plan in _plans(lens, world):
-            for variant in ("random", "rank 0 unlabelled"):
+        for i, (layout, plan) in enumerate(_plans(lens, world)):
+            if batch == "all-padding" and i >= 2:
+                continue
+            for variant in ("random", "rank 0 unlabelled") if batch == "mixed" else ("random",):
                 mask = base if variant == "random" else _without_rank0(base, plan)
                 yield f"{batch}/{layout}/{variant}", plan, ids, mask
 
 
-def _exactness(rank, world):
-    group = dist.new_group(list(range(world)))
+CASES = 4 * 2 + 4 + 2
+
+
+def _cp_groups(rank, world, cp):
+    """Split the world into CP groups of ``cp`` ranks (every rank creates every group, in one order):
+    (this rank's CP rank, cp, its group). cp = 2 runs in the cp = 4 world: one spawn for both."""
+    groups = [dist.new_group(list(range(start, start + cp))) for start in range(0, world, cp)]
+    return rank % cp, cp, groups[rank // cp]
+
+
+def _exactness(rank, world, group):
     checked = []
     for name, plan, ids, mask in _cases(world):
         for loss_name, (fn, _) in LOSSES.items():
@@ -172,9 +193,11 @@ def _exactness(rank, world):
                 loss = fn(per_token, m, plan, group, grad_reduction=gr)
                 loss.backward()
                 case = (name, loss_name, gr)
-                assert _near(_reduced(_flat_grads(leaves), group, world, gr == "mean"), want_grads), case
-                assert _near(_reduced(loss.detach(), group, world, gr == "mean"), want_loss), case
-                assert _near(_reduced(out.losses, group, world, True), want_logged), case  # Megatron's MTP log
+                grads, loss, logged = _reduced_together(_flat_grads(leaves), loss.detach(), out.losses,
+                                                         group=group)
+                unit = world if gr == "mean" else 1
+                assert _near(grads / unit, want_grads) and _near(loss / unit, want_loss), case
+                assert _near(logged / world, want_logged), case  # its mean over CP: Megatron's MTP log
                 checked.append(case)
         # Megatron's calculate_per_token_loss: (sum, own count); it sums both over DP x CP and divides
         want_loss, want_logged, want_grads = _reference_of(ids, mask, "token_mean")
@@ -194,10 +217,9 @@ def _exactness(rank, world):
     return len(checked)
 
 
-def _local_mean_is_wrong(rank, world):
+def _local_mean_is_wrong(rank, world, group):
     """The rank-local token mean (Megatron 0.19's three-value loss without per-token mode divides
     each rank's sum by its own count) differs from cp = 1 where ranks hold unequal counts."""
-    group = dist.new_group(list(range(world)))
     lens = BATCHES["long-short"]
     ids, mask = _batch(lens, seed=3)
     _, _, want = _reference(ids, mask, ref_token_mean)
@@ -219,7 +241,7 @@ def _local_mean_is_wrong(rank, world):
     return report
 
 
-def _megatron_schedule(rank, world):
+def _megatron_schedule(rank, world, group):
     """The README's Megatron rows through megatron-core's own forward_step_calc_loss (its cp factor
     for a two-value loss_func, its division by the rank's count for a three-value one), then its
     DDP reduction (averaged over CP; per-token mode: summed, divided by num_tokens summed over CP)."""
@@ -229,7 +251,6 @@ def _megatron_schedule(rank, world):
         forward_step_calc_loss = import_megatron("pipeline_parallel.schedules").forward_step_calc_loss
     except (ImportError, AttributeError) as exc:
         return {"reason": f"megatron-core's forward_step_calc_loss is not importable ({exc!r})"}
-    group = dist.new_group(list(range(world)))
     lens = BATCHES["long-short"]
     ids, mask = _batch(lens, seed=3)
     _, _, want = _reference_of(ids, mask, "token_mean")
@@ -324,38 +345,93 @@ def _dp_cp(rank, world):
         token_sum(per_token, m, plan, cp_group, dp_group=dp_group)
     with pytest.raises(ValueError, match=r"dp_group=the CP group: must be the data-parallel group"):
         token_mean(per_token, m, plan, cp_group, dp_group=cp_group)
-    return checked, counter.calls
+    return checked, counter.calls, _accumulated(rank, world, cp_group, dp_group)
 
 
-_PLAN = {
-    2: ("_exactness", "_local_mean_is_wrong", "_megatron_schedule"),
-    4: ("_exactness", "_local_mean_is_wrong", "_collectives", "_dp_cp"),
-}
+def _accumulated(rank, world, cp_group, dp_group):
+    """Gradient accumulation as verl does it: two micro-batches per DP rank, each normalized by counts
+    known before the step (num_tokens, num_seqs over all four), gradients added, then averaged over
+    the four ranks: one process holding all four micro-batches. No DP collective."""
+    batches = [BATCHES["mixed"], BATCHES["long-short"], [4, 7], [0, 1, 12]]
+    data = [_batch(lens, seed=20 + i) for i, lens in enumerate(batches)]
+    all_ids = [x for ids, _ in data for x in ids]
+    all_mask = [x for _, mask in data for x in mask]
+    totals = {"token_mean": {"num_tokens": float(sum(m.sum() for m in all_mask))},
+              "sequence_mean": {"num_seqs": float(sum(1 for m in all_mask if m.sum() > 0))}}
+    totals["seq-mean-token-sum"] = totals["sequence_mean"]
+    calls, checked = {}, 0
+    for loss_name, known in totals.items():
+        fn = LOSSES[loss_name][0]
+        want_loss, _, want_grads = _reference_of(all_ids, all_mask, loss_name, mtp=False)
+        for gr in ("mean", "sum"):
+            leaves = [p.clone().requires_grad_(True) for p in _params()]
+            E, W, _ = leaves
+            loss_total = torch.zeros((), dtype=F64)
+            for i in (rank // 2, 2 + rank // 2):  # DP rank k holds micro-batches k and k + 2
+                ids, mask = data[i]
+                plan = ShardPlan.build(batches[i], cp_size=2, layout="contiguous" if i % 2 else "zigzag")
+                x, m = shard(ids, plan, rank % 2), shard(mask, plan, rank % 2, pad_value=0)
+                per_token = _ce(shard(ids, plan, rank % 2, shift=1, fill=0), E[x] @ W.T)
+                with CollectiveCounter() as counter:
+                    loss = fn(per_token, m, plan, cp_group, grad_reduction=gr, dp_group=dp_group, **known)
+                calls[loss_name] = list(counter.calls)
+                loss.backward()
+                loss_total = loss_total + loss.detach()
+            mean = gr == "mean"
+            assert _near(_reduced(_flat_grads(leaves), dist.group.WORLD, world, mean), want_grads), (loss_name, gr)
+            assert _near(_reduced(loss_total, dist.group.WORLD, world, mean), want_loss), (loss_name, gr)
+            checked += 1
+    return checked, calls
+
+
+def _exactness_cp2(rank, world):
+    return _exactness(*_cp_groups(rank, world, 2))
+
+
+def _exactness_cp4(rank, world):
+    return _exactness(*_cp_groups(rank, world, 4))
+
+
+def _local_mean_cp2(rank, world):
+    return _local_mean_is_wrong(*_cp_groups(rank, world, 2))
+
+
+def _local_mean_cp4(rank, world):
+    return _local_mean_is_wrong(*_cp_groups(rank, world, 4))
+
+
+def _megatron_cp2(rank, world):
+    return _megatron_schedule(*_cp_groups(rank, world, 2))
+
+
+# one spawned world of 4 ranks runs every sub-case (starting processes is the slow part)
+_NAMES = ("_exactness_cp2", "_exactness_cp4", "_local_mean_cp2", "_local_mean_cp4", "_megatron_cp2",
+          "_collectives", "_dp_cp")
 
 
 @functools.cache
-def suites(world):
-    return run_suite(__name__, _PLAN[world], world, timeout=400, collective_timeout=120)
+def suites():
+    return run_suite(__name__, _NAMES, 4, timeout=400, collective_timeout=120)
 
 
-SUBCASES = len(BATCHES) * 4 * 2 * (len(LOSSES) * 2 + 2)
+SUBCASES = CASES * (len(LOSSES) * 2 + 2)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_loss_with_mtp_equals_cp1_under_both_conventions(world):
-    assert [r["_exactness"] for r in suites(world)] == [SUBCASES] * world
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_loss_with_mtp_equals_cp1_under_both_conventions(cp):
+    assert [r[f"_exactness_cp{cp}"] for r in suites()] == [SUBCASES] * 4
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_local_token_mean_is_wrong(world):
-    for report in (r["_local_mean_is_wrong"] for r in suites(world)):
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_rank_local_token_mean_is_wrong(cp):
+    for report in (r[f"_local_mean_cp{cp}"] for r in suites()):
         for layout, r in report.items():
             assert r["unequal counts"] and r["exact"], (layout, r)
             assert not r["local exact"] and r["local error"] > 1e-3, (layout, r)
 
 
 def test_one_small_all_reduce_per_call():
-    for seen in (r["_collectives"] for r in suites(4)):
+    for seen in (r["_collectives"] for r in suites()):
         for b in (4, 64):
             assert seen[(b, 4, "token_mean")] == (["allreduce"], 8)  # one float64 count
             assert seen[(b, 4, "sequence_mean")] == (["allreduce"], 8 * b)  # every sequence's count at once
@@ -368,13 +444,20 @@ def test_one_small_all_reduce_per_call():
 
 
 def test_dp_group_equals_one_process_holding_both_micro_batches():
-    for checked, calls in (r["_dp_cp"] for r in suites(4)):
+    for checked, calls, _ in (r["_dp_cp"] for r in suites()):
         assert checked == 2 * len(LOSSES) * 2
         assert calls == ["allreduce"] * 4  # token_mean and sequence_mean: one over CP, one over DP each
 
 
+def test_gradient_accumulation_with_counts_known_before_the_step():
+    for _, _, (checked, calls) in (r["_dp_cp"] for r in suites()):
+        assert checked == 3 * 2
+        # no DP collective; sequence_mean still sums each sequence's count over CP for its token mean
+        assert calls == {"token_mean": [], "sequence_mean": ["allreduce"], "seq-mean-token-sum": []}
+
+
 def test_the_megatron_rows_through_megatrons_own_schedule():
-    report = suites(2)[0]["_megatron_schedule"]
+    report = suites()[0]["_megatron_cp2"]
     if report["reason"]:
         pytest.skip(report["reason"])
     for layout in ("zigzag", "contiguous/minimal/balanced"):

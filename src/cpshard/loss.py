@@ -38,6 +38,7 @@ in one tensor), none at ``cp = 1`` and none for the sums (:func:`token_sum`,
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Union
 
 import torch
@@ -125,6 +126,19 @@ class _Local:
     def over_dp(self, counts: torch.Tensor) -> torch.Tensor:
         return sum_over(counts, self.dp_group) if self.dp_group is not None else counts
 
+    def given(self, name: str, value: Any) -> torch.Tensor | None:
+        """A count the caller knows already, as a float64 scalar on the rows' device (``None``: not given)."""
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            return value.detach().reshape(()).to(device=self.values.device, dtype=_F64)
+        fix = f"pass {name} as the total over every rank and micro-batch it covers, or None to count here"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            fail(name, repr(value), "must be a number or a one-element tensor", fix, kind=TypeError)
+        if not float(value) >= 0:
+            fail(name, repr(value), "must be a count >= 0", fix)
+        return torch.tensor(float(value), dtype=_F64, device=self.values.device)
+
     def divide(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """``factor * summed / count``, with a zero count taken as one (the sum is then zero too)."""
         count = torch.where(count > 0, count, torch.ones_like(count)).to(summed.dtype)
@@ -132,7 +146,8 @@ class _Local:
 
 
 def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
-               grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None) -> torch.Tensor:
+               grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None,
+               num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the mean over every labelled token of the micro-batch (Note [Gradient convention]).
 
     Args:
@@ -146,6 +161,10 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
             micro-batches). Given, the mean runs over every labelled token of all of them (verl's
             global ``token-mean``); ``None``: over this micro-batch only (each replica's own mean,
             what Megatron's ``calculate_per_token_loss=False`` takes).
+        num_tokens: ``N`` when it is known before the step, e.g. verl's ``batch_num_tokens`` (every
+            labelled token of the mini-batch's micro-batches, over the DP group: gradient
+            accumulation then adds up to their mean): no collective at all. Pass ``dp_group`` too
+            when ``N`` spans DP ranks (only its size is read, for ``f``).
 
     Returns:
         A scalar: ``f * s_r / N`` (``s_r`` this rank's masked sum, ``N`` the token count of the
@@ -157,10 +176,13 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
     ``dp_group``) under ``"sum"``; then every gradient equals ``cp = 1``'s, and the loss reduced
     the same way is ``cp = 1``'s loss.
 
-    One ``all_reduce`` of one count over ``group`` (none at ``cp = 1``); one more over ``dp_group``.
+    One ``all_reduce`` of one count over ``group`` (none at ``cp = 1``); one more over ``dp_group``;
+    none with ``num_tokens``.
     """
     local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
-    count = local.over_dp(local.over_cp(local.mask.sum(dtype=_F64)))
+    count = local.given("num_tokens", num_tokens)
+    if count is None:
+        count = local.over_dp(local.over_cp(local.mask.sum(dtype=_F64)))
     return local.divide(local.values.sum(), count)
 
 
@@ -201,7 +223,7 @@ _TOKEN_REDUCTIONS = ("mean", "sum")
 
 def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
                   token_reduction: str = "mean", grad_reduction: GradReduction | str = GradReduction.MEAN,
-                  dp_group: Any = None) -> torch.Tensor:
+                  dp_group: Any = None, num_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
     """This rank's share of the mean over sequences of each sequence's token mean, though every
     sequence's tokens sit on several ranks (verl's ``seq-mean-token-mean``; Note [Gradient convention]).
 
@@ -215,6 +237,9 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
             ``seq-mean-token-sum``).
         dp_group: the data-parallel group: given, the mean runs over the sequences of every DP
             rank's micro-batch (one more ``all_reduce`` over it, of one number).
+        num_seqs: ``S`` when it is known before the step (verl's ``global_batch_size``): no
+            ``all_reduce`` over ``dp_group`` (give it for ``f``), and none at all with
+            ``token_reduction="sum"``.
 
     Returns:
         A scalar: ``f * sum_i (s_ri / n_i) / S`` (``s_ri`` this rank's masked sum of sequence ``i``,
@@ -230,10 +255,13 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
     seq = to_device(plan.sequence_ids(local.rank), device).reshape(-1)
     b = plan.num_seqs
     sums = local.values.new_zeros(b).index_add(0, seq, local.values.reshape(-1))
+    given = local.given("num_seqs", num_seqs)
+    if given is not None and token_reduction == "sum":
+        return local.divide(sums.sum(), given)
     counts = local.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)))
     labelled = counts > 0
     if token_reduction == "mean":
         sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
-    num_seqs = local.over_dp(labelled.sum(dtype=_F64))
-    return local.divide(sums.sum(), num_seqs)
+    total = given if given is not None else local.over_dp(labelled.sum(dtype=_F64))
+    return local.divide(sums.sum(), total)
 
