@@ -274,6 +274,12 @@ def mtp_loss(
     Returns:
         :class:`MtpLoss`: the main chunk with the gradients attached, per-depth losses and the counts.
 
+    After the main loss's ``backward()``: under ``"mean"`` average the gradients over the CP (and
+    DP) group, as Megatron's DDP and FSDP do; under ``"sum"`` sum them over CP, and in per-token
+    mode divide them by the global token count (Megatron's ``finalize_model_grads`` does both).
+    Every gradient then equals ``cp = 1``'s. Combine it with ``cpshard.loss`` losses of the same
+    ``grad_reduction``.
+
     Communication: at most two collectives per call (one exchange of labels and masks for every
     depth, when they exist only sharded; one ``all_reduce`` of all counts); none at ``cp = 1``.
     """
