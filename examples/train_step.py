@@ -1,10 +1,14 @@
-"""A whole training step with cpshard on real ranks: ids, labels, loss mask, positions, the loss
-normalised over the CP group, and the per-token log-probs restored per sequence.
+"""A whole training step with cpshard on real ranks: ids, labels, loss mask, positions, the token-mean
+loss and a multi-token-prediction loss exact under CP, and the per-token log-probs restored per sequence.
 
 Run it: ``python examples/train_step.py`` (2 gloo processes on this machine). It checks that the
 loss, every parameter gradient and the restored log-probs equal the single-process step's. The
-model is a toy that treats tokens independently (embedding, then the output layer): a real model
-also hands its attention kernel ``plan.cu_seqlens_padded`` and ``plan.max_seqlen``.
+model is a toy that treats tokens independently (embedding, two MTP heads, the output layer): a real
+model also hands its attention kernel ``plan.cu_seqlens_padded`` and ``plan.max_seqlen``.
+
+The gradient convention is cpshard's default, ``grad_reduction="mean"`` (Note [Gradient convention]
+in ``cpshard/loss.py``): gradients are averaged over the CP group after backward, as Megatron's
+DDP / FSDP and PyTorch's DDP do; ``token_mean`` and ``mtp_loss`` carry the factor ``cp`` for it.
 """
 
 from __future__ import annotations
@@ -15,14 +19,30 @@ import torch.nn.functional as F
 
 from cpshard import ShardPlan, layout_for, shard
 from cpshard.distributed import gather
+from cpshard.loss import token_mean
+from cpshard.mtp import mtp_loss
 from cpshard.spawn import run_ranks
 
-VOCAB, HIDDEN = 50, 8
+VOCAB, HIDDEN, DEPTHS = 50, 8, 2
+
+
+class Toy(torch.nn.Module):
+    """Embedding, one small head per MTP depth, the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.mtp = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(DEPTHS))
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        hidden = self.embed(ids)
+        return [hidden] + [torch.tanh(layer(hidden)) for layer in self.mtp]  # main, then depths 1..N
 
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB)).double()
+    return Toy().double()
 
 
 def make_batch() -> list[torch.Tensor]:
@@ -38,24 +58,26 @@ def train_step(model, batch, config, cp_rank, cp_size, cp_group):
     loss_mask = plan.label_mask(cp_rank, shift=1)                  # (L,) True where a label exists
     position_ids = plan.position_ids(cp_rank)                      # (L,) for RoPE (unused by this toy)
 
-    logits = model(input_ids)                                      # (L, V); attention would take
-    logp = F.log_softmax(logits, -1)                               # plan.cu_seqlens_padded, plan.max_seqlen
-    token_logp = logp.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * loss_mask
+    def per_token_ce(labels, logits):                              # -100 rows give 0
+        return F.cross_entropy(logits, labels, reduction="none")
 
-    # normalise by the CP group's token count: each rank's loss is its share of the batch mean
-    count = loss_mask.sum().to(logp.dtype)
-    if cp_group is not None:
-        dist.all_reduce(count, group=cp_group)
-    loss = -token_logp.sum() / count
-    loss.backward()
+    chunks = model(input_ids)                                      # [(L, H) main, (L, H) per MTP depth]
+    mtp = mtp_loss(chunks, labels, loss_mask, plan, cp_group, output_layer=model.head,
+                   loss_fn=per_token_ce, scaling_factor=0.1)       # depth d: labels and mask shifted by d
+    per_token = per_token_ce(labels, model.head(mtp.hidden))       # (L,) attention would take
+    loss = token_mean(per_token, loss_mask, plan, cp_group)        # plan.cu_seqlens_padded, plan.max_seqlen
+    loss.backward()                                                # the MTP gradient rides on mtp.hidden
+
+    # grad_reduction="mean" (the default of token_mean and mtp_loss): average over CP, as DDP / FSDP do
     loss = loss.detach().clone()
-    if cp_group is not None:  # the batch's loss and gradient are the sums of the ranks' (as DP x CP reduction does)
-        dist.all_reduce(loss, group=cp_group)
-        for p in model.parameters():
-            dist.all_reduce(p.grad, group=cp_group)
+    if cp_group is not None:
+        for t in [loss] + [p.grad for p in model.parameters()]:
+            dist.all_reduce(t, group=cp_group)
+            t /= cp_size
 
     # per-token log-probs restored per sequence, on every rank (RL's old/ref log-probs)
-    restored = gather(token_logp.detach(), plan, cp_group) if cp_group is not None else token_logp.detach()
+    token_logp = -per_token.detach()
+    restored = gather(token_logp, plan, cp_group) if cp_group is not None else token_logp
     return loss, restored, position_ids
 # --- end of the step ------------------------------------------------------------------------------
 

@@ -385,3 +385,60 @@ def ref_to_padded(seqs, side: str = "right", length=None, pad_value=0):
     x = _build(rows, len(rows), trailing, dtype).reshape(len(lens), S, *trailing)
     m = torch.tensor(mrows, dtype=torch.bool).reshape(len(lens), S)
     return x, m
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses (SPEC "Losses and the gradient convention"): the whole batch in one process, cp = 1
+# --------------------------------------------------------------------------------------------------
+# ``losses[i]`` / ``masks[i]``: sequence i's per-token loss (a tensor, may carry autograd) and its
+# 0/1 mask (a Python list or tensor). One token at a time, Python numbers for the counts.
+
+
+def _weights(mask) -> list:
+    return [float(m) for m in (mask.tolist() if isinstance(mask, torch.Tensor) else mask)]
+
+
+def ref_token_sum(losses, masks):
+    total = 0.0
+    for loss, mask in zip(losses, masks):
+        for p, m in enumerate(_weights(mask)):
+            if m != 0:
+                total = total + loss[p] * m
+    return total if isinstance(total, torch.Tensor) else torch.tensor(0.0, dtype=torch.float64)
+
+
+def ref_token_count(masks) -> float:
+    return sum(sum(_weights(mask)) for mask in masks)
+
+
+def ref_token_mean(losses, masks):
+    count = ref_token_count(masks)
+    total = ref_token_sum(losses, masks)
+    return total / count if count != 0 else total * 0.0
+
+
+def ref_sequence_mean(losses, masks, token_reduction: str = "mean"):
+    """verl's seq-mean-token-mean (or -token-sum): sequences without a labelled token are left out."""
+    per_seq = []
+    for loss, mask in zip(losses, masks):
+        count = sum(_weights(mask))
+        if count == 0:
+            continue
+        total = ref_token_sum([loss], [mask])
+        per_seq.append(total / count if token_reduction == "mean" else total)
+    if not per_seq:
+        return torch.tensor(0.0, dtype=torch.float64)
+    out = per_seq[0]
+    for x in per_seq[1:]:
+        out = out + x
+    return out / len(per_seq)
+
+
+def ref_mtp_depth_loss(depth_losses, masks, d: int, scale: float):
+    """Depth d of SPEC's MTP loss: row p is scored under mask[p + d] (0 past the sequence's end),
+    normalized by the depth's token count over the whole batch."""
+    shifted = []
+    for mask in masks:
+        w = _weights(mask)
+        shifted.append([w[p + d] if p + d < len(w) else 0.0 for p in range(len(w))])
+    return scale * ref_token_mean(depth_losses, shifted)

@@ -9,6 +9,7 @@ Public API (documented in the README):
 - :func:`shift`: SPEC's ``shift(x, k)`` on unsharded sequences.
 - :func:`shift_exchange`: the pure index math behind ``cpshard.distributed.shift_sharded``.
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
+- :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
 - :class:`Layout`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
 
 The package keeps pure index math (``plan``, ``bshd``, ``layout``, ``_index``, ``_exchange``) apart
@@ -18,7 +19,7 @@ that uses ``torch.distributed``); framework adapters live in ``cpshard.megatron`
 
 from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
-from cpshard.layout import Layout, alignment, layout_for, register_layout_rule
+from cpshard.layout import GradReduction, Layout, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
 from cpshard.padded import from_padded, to_padded
 from cpshard.plan import DeviceTensors, ShardPlan, shift_exchange
@@ -29,6 +30,7 @@ __all__ = [
     "BshdPlan",
     "DeviceTensors",
     "Exchange",
+    "GradReduction",
     "Layout",
     "ShardPlan",
     "alignment",

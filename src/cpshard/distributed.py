@@ -401,7 +401,7 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
 
 # -- several shifts in one exchange; sums over the group (cpshard.mtp) -------------------------
 
-__all__ += ["group_rank", "shift_sharded_multi", "sum_over_group"]
+__all__ += ["group_rank", "group_size", "shift_sharded_multi", "sum_over", "sum_over_group"]
 
 
 def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any, *, shifts: Sequence[int],
@@ -473,9 +473,32 @@ def sum_over_group(values: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor
     """
     values = check_tensor("values", values)
     _group_rank(plan, group)
+    return _summed(values, group)
+
+
+def sum_over(values: torch.Tensor, group: Any) -> torch.Tensor:
+    """``values`` summed over the ranks of any ``group`` (one ``all_reduce``), as a new tensor.
+
+    For totals over the data-parallel group (``cpshard.loss``'s ``dp_group``). No gradient flows.
+    """
+    values = check_tensor("values", values)
+    _require_group(group)
+    return _summed(values, group)
+
+
+def _summed(values: torch.Tensor, group: Any) -> torch.Tensor:
     out = values.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def group_size(group: Any, name: str = "group") -> int:
+    """The number of ranks in ``group``, after checking it holds this process. No communication."""
+    try:
+        _require_group(group)
+    except (TypeError, ValueError) as exc:  # name the caller's argument, keep the rest of the message
+        raise type(exc)(str(exc).replace("group=", f"{name}=", 1)) from None
+    return dist.get_world_size(group)
 
 
 def group_rank(plan: Plan, group: Any) -> int:

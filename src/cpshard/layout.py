@@ -1,6 +1,7 @@
 """Context-parallel layouts, their padding alignment, and the one place a model config picks a layout.
 
-Pure Python; no tensors. See SPEC.md, "Padding" and "Layout choice".
+Pure Python; no tensors. See SPEC.md, "Padding" and "Layout choice"; also the name of the gradient
+convention (``GradReduction``, SPEC.md "Losses and the gradient convention").
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 from cpshard._errors import check_int, parse_choice
 
-__all__ = ["Layout", "Padding", "alignment", "layout_for", "register_layout_rule"]
+__all__ = ["GradReduction", "Layout", "Padding", "alignment", "layout_for", "register_layout_rule"]
 
 
 class Layout(str, enum.Enum):
@@ -57,6 +58,30 @@ class Padding(str, enum.Enum):
     def parse(cls, value: Any, name: str = "padding") -> Padding:
         """Accept a ``Padding`` or its string value; anything else is a clear error."""
         return parse_choice(cls, value, name, "padding mode", "cpshard.layout.Padding")
+
+
+class GradReduction(str, enum.Enum):
+    """How the caller reduces parameter gradients over ranks after backward (SPEC.md, "Losses and the
+    gradient convention"; Note [Gradient convention] in ``cpshard/loss.py``).
+
+    ``MEAN`` (the default everywhere): gradients are averaged over the CP group, and over the DP
+    group too, as Megatron-core's DDP and FSDP (and PyTorch's DDP) do; a loss then carries the
+    factor ``cp`` (times ``dp`` where it is normalized over the DP group). ``SUM``: gradients are
+    summed over the CP group (and over the DP group where the loss is normalized over it), no
+    factor. Either way the reduced gradient equals the one computed on the whole micro-batch (or on
+    the DP group's micro-batches) in one process at ``cp = 1``.
+    """
+
+    MEAN = "mean"
+    SUM = "sum"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, name: str = "grad_reduction") -> GradReduction:
+        """Accept a ``GradReduction`` or its string value; anything else is a clear error."""
+        return parse_choice(cls, value, name, "gradient reduction", "cpshard.GradReduction")
 
 
 def alignment(cp_size: int, tp_size: int, layout: Layout | str, padding: Padding | str = Padding.ALIGNED) -> int:

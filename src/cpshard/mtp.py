@@ -22,6 +22,14 @@ mask. With ``s = scaling_factor / N`` a rank contributes, per depth,
 
 So every hidden row's gradient (under "mean": divided by ``cp``, the average still to come) and
 the weight gradient reduced over CP that way equal those of ``cp = 1``, for any ``cp`` and layout.
+
+Those are Megatron's gradient conventions, the defaults. ``grad_reduction`` (the one convention of
+``cpshard.loss``, Note [Gradient convention] there) states the caller's reduction instead:
+``"mean"`` (gradients averaged over CP) puts the factor ``cp`` on either normalization, ``"sum"``
+(gradients summed over CP) none. Its default follows ``normalization``: ``"mean"`` for
+``"mean"``, ``"sum"`` for ``"per_token"`` (Megatron's per-token mode sums). So a step that sums
+gradients over CP combines ``mtp_loss(..., grad_reduction="sum")`` with ``cpshard.loss``'s
+``grad_reduction="sum"`` losses, and one that averages (the default) leaves both at ``"mean"``.
 Where every rank holds the same counts, ``orig_g / n_g = orig / n`` and ``cp / n_g = 1 / n``: the
 result is Megatron's. ``counts="local"`` uses the rank's own counts and no ``cp`` factor, which is
 Megatron's behaviour, kept for comparison. A count of zero is clamped to one; the masked loss is
@@ -46,8 +54,10 @@ import torch
 from cpshard import _halo
 from cpshard._errors import check_int, fail, parse_choice
 from cpshard.bshd import BshdPlan
-from cpshard.distributed import group_rank, shift_sharded_multi, sum_over_group
-from cpshard.ops import check_plan_type, shard
+from cpshard.distributed import shift_sharded_multi, sum_over_group
+from cpshard.layout import GradReduction
+from cpshard.loss import masked_rows, rank_of
+from cpshard.ops import shard
 from cpshard.plan import ShardPlan, halo_exchange
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
@@ -180,7 +190,7 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
     base = 0 if labels is not None else 1
     shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
-    rank = _rank(plan, group)
+    rank = rank_of(plan, group)
 
     sharded: list[tuple[str, torch.Tensor]] = []
     out: dict[str, torch.Tensor] = {}
@@ -213,13 +223,6 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
     return labels_all[1:], out["loss_mask"]
 
 
-def _rank(plan: Plan, group: Any) -> int:
-    check_plan_type(plan)
-    if plan.cp_size == 1 and group is None:
-        return 0
-    return group_rank(plan, group)
-
-
 def mtp_loss(
     hidden_states: torch.Tensor | Sequence[torch.Tensor],
     labels: Rows | None,
@@ -233,6 +236,7 @@ def mtp_loss(
     scaling_factor: float = 1.0,
     normalization: Normalization | str = Normalization.MEAN,
     counts: Counts | str = Counts.GLOBAL,
+    grad_reduction: GradReduction | str | None = None,
     input_ids: Rows | None = None,
     label_fill: int = 0,
     autoscaler: AutoScaler | None = None,
@@ -254,6 +258,12 @@ def mtp_loss(
         scaling_factor: Megatron's ``mtp_loss_scaling_factor``; each depth is scaled by it over ``N``.
         normalization: ``"mean"`` or ``"per_token"`` (Megatron's ``calculate_per_token_loss``).
         counts: ``"global"`` (exact) or ``"local"`` (Megatron's per-rank counts, for comparison).
+        grad_reduction: how you reduce gradients over the CP group after ``backward()``:
+            ``"mean"`` (averaged, as Megatron's DDP and FSDP do) or ``"sum"``; ``None`` (default):
+            ``"mean"`` under ``normalization="mean"``, ``"sum"`` under ``"per_token"`` (Megatron's
+            own). Then every gradient equals ``cp = 1``'s (under ``"per_token"``: before Megatron's
+            division by the global token count, which is the same at every ``cp``). ``counts="local"``
+            takes only the default (it reproduces Megatron, not ``cp = 1``).
         autoscaler: ``(main_chunk, loss) -> main_chunk`` attaching the loss's gradient;
             default :class:`MtpLossAutoScaler`. Pass ``MTPLossAutoScaler.apply`` from Megatron to
             keep the scale Megatron's schedules set.
@@ -264,11 +274,18 @@ def mtp_loss(
     Returns:
         :class:`MtpLoss`: the main chunk with the gradients attached, per-depth losses and the counts.
 
+    After the main loss's ``backward()``: under ``"mean"`` average the gradients over the CP (and
+    DP) group, as Megatron's DDP and FSDP do; under ``"sum"`` sum them over CP, and in per-token
+    mode divide them by the global token count (Megatron's ``finalize_model_grads`` does both).
+    Every gradient then equals ``cp = 1``'s. Combine it with ``cpshard.loss`` losses of the same
+    ``grad_reduction``.
+
     Communication: at most two collectives per call (one exchange of labels and masks for every
     depth, when they exist only sharded; one ``all_reduce`` of all counts); none at ``cp = 1``.
     """
     normalization = Normalization.parse(normalization)
     counts = Counts.parse(counts)
+    reduction = _grad_reduction(grad_reduction, normalization, counts)
     if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real):
         fail("scaling_factor", repr(scaling_factor), "must be a real number", "pass e.g. scaling_factor=0.1",
              kind=TypeError)
@@ -282,7 +299,8 @@ def mtp_loss(
         totals = sum_over_group(local_counts, plan, group)
     else:
         totals = local_counts
-    factor = plan.cp_size if global_counts else 1
+    factor = plan.cp_size if global_counts else 1  # the logged losses' (their mean over CP is the depth's)
+    grad_factor = plan.cp_size if global_counts and reduction is GradReduction.MEAN else 1
     scale = float(scaling_factor) / n
     orig = totals[0]
     total: torch.Tensor | None = None
@@ -296,13 +314,13 @@ def mtp_loss(
                  f"{plan.local_shape})", "return the unreduced per-token loss")
         mask = masks[d]
         loss = loss.reshape(mask.shape)
-        masked = torch.where(mask != 0, loss * mask, torch.zeros((), dtype=loss.dtype, device=loss.device))
+        masked = masked_rows(loss, mask)
         num = totals[d].clamp(min=1)
         summed = masked.sum()
         if normalization is Normalization.PER_TOKEN:
-            part = scale * summed * (orig / num)
+            part = scale * grad_factor * summed * (orig / num)
         else:
-            part = scale * factor * summed / num
+            part = scale * grad_factor * summed / num
         total = part if total is None else total + part
         logged = (factor * summed.detach() / num).to(loss.dtype)
         losses.append(logged)
@@ -312,6 +330,18 @@ def mtp_loss(
     attach = autoscaler if autoscaler is not None else MtpLossAutoScaler.apply
     hidden = attach(chunks[0], total)
     return MtpLoss(hidden=hidden, losses=torch.stack(losses), counts=totals.detach())
+
+
+def _grad_reduction(value: Any, normalization: Normalization, counts: Counts) -> GradReduction:
+    megatrons = GradReduction.SUM if normalization is Normalization.PER_TOKEN else GradReduction.MEAN
+    if value is None:
+        return megatrons
+    reduction = GradReduction.parse(value)
+    if counts is Counts.LOCAL and reduction is not megatrons:
+        fail("grad_reduction", repr(reduction.value), f"does not apply to counts='local', which reproduces "
+             f"megatron-core (gradients {'summed' if megatrons is GradReduction.SUM else 'averaged'} under "
+             f"normalization={normalization.value!r})", "drop grad_reduction, or pass counts='global'")
+    return reduction
 
 
 def _chunks(hidden: Any, num_depths: int | None) -> list[torch.Tensor]:
