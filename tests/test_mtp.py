@@ -241,7 +241,7 @@ def test_no_valid_token_adds_exactly_zero():
 
 def test_autoscaler_scale_applies():
     plan = ShardPlan.build([4], cp_size=1)
-    w = torch.randn(3, 2, dtype=F64, requires_grad=True)
+    w = torch.randn(3, 2, dtype=F64, generator=torch.Generator().manual_seed(1), requires_grad=True)
 
     def grad_with(scale):
         MtpLossAutoScaler.set_loss_scale(torch.tensor(scale))
