@@ -345,3 +345,23 @@ def test_floating_fill_within_the_dtypes_range(dtype, value, ok):
     filled = got[~plan.label_mask(0, shift=1)]  # the last tokens and the pad rows
     want = torch.tensor([value], dtype=torch.float64).to(dtype).expand(filled.shape[0]).contiguous()
     assert torch.equal(filled.view(torch.uint8), want.view(torch.uint8))  # rounded as the dtype rounds
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ShardPlan.build([5, 3], cp_size=torch.tensor(2.0)),
+     r"^cp_size=torch\.float32 tensor 2\.0: must be an integer"),
+    (lambda: ShardPlan.build([5, 3], cp_size=2, tp_size=torch.tensor(True)), r"^tp_size=torch\.bool tensor True: must"),
+    (lambda: ShardPlan.build([5, 3], cp_size=torch.tensor([2, 2])),
+     r"^cp_size=tensor of shape \(2,\): must be one int"),
+    (lambda: shard(torch.arange(8), ShardPlan.build([5, 3], cp_size=2), torch.tensor(1.0)),
+     r"^cp_rank=torch\.float32 tensor 1\.0: must be an integer"),
+    (lambda: ShardPlan(None, (8, 4), 2), r"^seqlens_py=None: must be a sequence of non-negative ints"),
+    (lambda: shard(torch.zeros(8, dtype=torch.bits8), ShardPlan.build([5, 3], cp_size=2), 0),
+     r"^x=tensor of dtype torch\.bits8: holds bits, not numbers.*Fix: pass x\.view\(torch\.uint8\)"),
+])
+def test_unclear_inputs_get_clear_type_errors(call, message):
+    """0-d float and bool tensors as sizes and ranks, a plan of None, bits dtypes: each was a
+    message from inside torch or Python; each names the argument now."""
+    with pytest.raises(TypeError, match=message):
+        call()
+    assert ShardPlan.build([5, 3], cp_size=torch.tensor(2)).cp_size == 2  # an integer tensor is an integer

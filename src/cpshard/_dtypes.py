@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cpshard._errors import fail
+from cpshard._errors import BITS, fail
 
 OPAQUE = frozenset(getattr(torch, name) for name in (
     "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -57,6 +57,9 @@ def check_fill(name: str, value: Any, dtype: torch.dtype) -> Any:
                  f"pass a {name} within +-{limit:g} (or inf / nan themselves), or use a wider dtype")
         return number
     assert not isinstance(value, complex)  # refused above
+    if dtype in BITS:
+        fail(name, repr(value), f"cannot be written into rows of {dtype}, which hold bits, not numbers",
+             f"view the rows as torch.uint8 (x.view(torch.uint8)) and pass an integer {name}", kind=TypeError)
     if isinstance(value, float) and not value.is_integer():
         fail(name, repr(value), f"does not fit rows of integer dtype {dtype}", f"pass a whole number as {name}")
     info = torch.iinfo(dtype)

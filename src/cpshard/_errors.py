@@ -29,9 +29,16 @@ def _short(value: Any) -> str:
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """Return ``value`` as a Python int; reject bools, floats and anything without ``__index__``."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        fail(name, repr(value), "must be an integer", f"pass an int, e.g. {name}=2", kind=TypeError)
-    value = operator.index(value)
+    if isinstance(value, bool) or not hasattr(type(value), "__index__") or (
+            isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_floating_point())):
+        shown = f"{value.dtype} tensor {value.tolist() if value.numel() == 1 else tuple(value.shape)}" \
+            if isinstance(value, torch.Tensor) else repr(value)
+        fail(name, shown, "must be an integer", f"pass an int, e.g. {name}=2", kind=TypeError)
+    try:
+        value = operator.index(value)
+    except TypeError:  # a tensor of several elements
+        fail(name, f"tensor of shape {tuple(value.shape)}", "must be one integer", f"pass an int, e.g. {name}=2",
+             kind=TypeError)
     if minimum is not None and value < minimum:
         fail(name, value, f"must be >= {minimum}", f"pass {name} >= {minimum}")
     if maximum is not None and value > maximum:
@@ -47,16 +54,23 @@ def check_rank(cp_rank: Any, cp_size: int) -> int:
     return cp_rank
 
 
+# torch's "bits" dtypes: opaque bytes with no arithmetic (no iinfo, no fill)
+BITS = frozenset(getattr(torch, n) for n in ("bits8", "bits16", "bits1x8", "bits2x4", "bits4x2") if hasattr(torch, n))
+
+
 def check_tensor(name: str, value: Any) -> torch.Tensor:
     """``value`` if it is a dense (strided) tensor or a jagged nested one; else a ``TypeError``.
 
-    Quantized tensors (whose rows index_select would read as garbage or crash on), sparse ones
-    and other layouts are refused here, before anything reads them."""
+    Quantized tensors (whose rows index_select would read as garbage or crash on), sparse ones,
+    other layouts and torch's bits dtypes are refused here, before anything reads them."""
     if not isinstance(value, torch.Tensor):
         fail(name, type(value).__name__, "must be a torch.Tensor", f"pass {name} as a tensor", kind=TypeError)
     if value.is_quantized:
         fail(name, f"quantized tensor ({value.dtype})", "cannot be moved row by row",
              f"pass {name}.dequantize() or its int_repr()", kind=TypeError)
+    if value.dtype in BITS:
+        fail(name, f"tensor of dtype {value.dtype}", "holds bits, not numbers: no pad or fill value can be "
+             "written into it", f"pass {name}.view(torch.uint8) (same bytes) and view the result back", kind=TypeError)
     if value.layout not in (torch.strided, torch.jagged):
         fail(name, f"tensor with layout {value.layout}", "must be dense (strided) or a jagged nested tensor",
              f"pass {name}.to_dense()", kind=TypeError)

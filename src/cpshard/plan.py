@@ -375,6 +375,9 @@ def _plain_ints(values: Sequence[Any]) -> bool:
 
 def _int_tuple(name: str, values: Sequence[Any]) -> tuple[int, ...]:
     """``values`` as a tuple of ints >= 0; a fast path for plain ints (plans of thousands of sequences)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        fail(name, repr(values), "must be a sequence of non-negative ints", f"pass {name} as a tuple of ints",
+             kind=TypeError)
     out = tuple(values)
     if _plain_ints(out):
         return out
