@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -138,11 +139,25 @@ def describe_bshd(plan: BshdPlan) -> str:
     return "\n".join(out)
 
 
-def _lengths(text: str) -> list[int]:
+def _split(flag: str, text: str, example: str) -> list[int]:
+    """Comma-separated integers of ``flag``, or an argparse error in the flag's terms."""
     try:
         return [int(t) for t in text.replace(" ", "").split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--lengths={text!r}: expected comma-separated ints, e.g. 5,3") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. {flag} {example}") from None
+
+
+def _check_lengths(lengths: list[int], where: str) -> list[int]:
+    """Lengths are token counts: a negative one is named by its place (1-based, as a user counts)."""
+    for number, n in enumerate(lengths, 1):
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{where}: length {number} is {n}; a sequence length is a token "
+                                             "count >= 0 (e.g. --lengths 5,3,0)")
+    return lengths
+
+
+def _lengths(text: str) -> list[int]:
+    return _check_lengths(_split("--lengths", text, "5,3"), repr(text))
 
 
 def read_lengths_file(path: str) -> list[int]:
@@ -159,7 +174,7 @@ def read_lengths_file(path: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: not a JSON list ({exc})") from None
         if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: the JSON list must hold integers only")
-        return values
+        return _check_lengths(values, f"--lengths-file={path!r}")
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -170,7 +185,7 @@ def read_lengths_file(path: str) -> list[int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {line!r}, expected one "
                                              "integer length per line (or a JSON list)") from None
-    return out
+    return _check_lengths(out, f"--lengths-file={path!r}")
 
 
 def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: str) -> None:
@@ -181,11 +196,74 @@ def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: st
                        help="sequence lengths from a file: one per line, or a JSON list")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. 2,4") from None
+def _positive_ints(flag: str, example: str) -> Any:
+    """An argparse type: comma-separated integers >= 1 for ``flag``."""
+    def parse(text: str) -> list[int]:
+        values = _split(flag, text, example)
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]} is not a size; every value must be an integer "
+                                             f">= 1, e.g. {flag} {example}")
+        return values
+    return parse
+
+
+def _at_least(flag: str, minimum: int, example: str) -> Any:
+    """An argparse type: one integer >= ``minimum`` for ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer, e.g. {flag} {example}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small; {flag} must be >= {minimum}, e.g. "
+                                             f"{flag} {example}")
+        return value
+    return parse
+
+
+def _names(flag: str, enum_cls: Any, example: str) -> Any:
+    """An argparse type: comma-separated values of the string enum ``enum_cls`` (any case) for ``flag``."""
+    valid = [m.value for m in enum_cls]
+
+    def parse(text: str) -> list[str]:
+        values = [x.lower() for x in text.replace(" ", "").split(",") if x]
+        for x in values:
+            if x not in valid:
+                raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(valid)} (comma-separated, e.g. "
+                                                 f"{flag} {example})")
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected one or more of {', '.join(valid)}, e.g. "
+                                             f"{flag} {example}")
+        return list(dict.fromkeys(values))
+    return parse
+
+
+#: the Python names in library messages, as the flags a CLI user typed (plan and verify)
+_FLAGS = {"seqlens": "--lengths", "lengths": "--lengths", "cp_size": "--cp", "tp_size": "--tp",
+          "min_local_rows": "--min-local-rows", "length_bucket": "--length-bucket", "max_seqlen": "--max-seqlen"}
+
+
+def _in_flags(message: str) -> str:
+    """A library error (``name=value: rule. Fix: pass name ...``) with its argument names as CLI flags."""
+    message = message.replace(" or leave it None", " or drop the flag")
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b(?=[=\[ ]|$)", lambda m: _FLAGS[m.group(1)], message)
+
+
+def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
+    """``--lengths -3,5`` as ``--lengths=-3,5``: argparse takes a value that starts with '-' and is
+    not one plain number for an option, and answers "expected one argument"; joined, the value
+    reaches its parser and gets a message about the value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _VALUE_FLAGS and re.match(r"-\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+_VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to"}
 
 
 def _verify_parser(sub: Any) -> argparse.ArgumentParser:
@@ -196,12 +274,17 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
                        "transformer's loss, per-token log-probs, MTP loss and every gradient at each cp, tp and "
                        "layout, against cp=1 (exit status 1 on any mismatch).")
     _add_lengths(v, verify.DEFAULT_LENGTHS, "97,23,1,5")
-    v.add_argument("--cp", type=_ints, default=None, help="context-parallel sizes (default 2,4; under torchrun "
-                   "the world size)")
-    v.add_argument("--tp", type=_ints, default=[1, 2], help="tensor-parallel alignments (default 1,2)")
-    v.add_argument("--layouts", default="zigzag,contiguous", help="layouts (default zigzag,contiguous)")
-    v.add_argument("--padding", default="aligned", help="plan paddings: aligned (default), minimal, or both as "
-                   "aligned,minimal")
+    v.add_argument("--scale-to", type=_at_least("--scale-to", 2, "8192"), default=None, metavar="TOKENS",
+                   help="scale the lengths down to TOKENS in all, keeping the shape of their distribution (every "
+                   f"length times one factor, rounded; at most {verify.MAX_TOKENS})")
+    v.add_argument("--cp", type=_positive_ints("--cp", "2,4"), default=None,
+                   help="context-parallel sizes (default 2,4; under torchrun the world size)")
+    v.add_argument("--tp", type=_positive_ints("--tp", "1,2"), default=[1, 2],
+                   help="tensor-parallel alignments (default 1,2)")
+    v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"),
+                   default=[m.value for m in Layout], help="layouts (default zigzag,contiguous)")
+    v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=[Padding.ALIGNED.value],
+                   help="plan paddings: aligned (default), minimal, or both as aligned,minimal")
     v.add_argument("--reorder", action="store_true", help="also run every contiguous configuration with "
                    "reorder='balanced' (sequences permuted to even out causal work)")
     v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
@@ -214,12 +297,47 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
     return v
 
 
+def _verify_lengths(args: argparse.Namespace, v: argparse.ArgumentParser) -> list[int]:
+    """The batch to verify: the lengths given, scaled by --scale-to; checked in the flags' terms."""
+    from cpshard import verify
+
+    flag = "--lengths-file" if args.lengths_file is not None else "--lengths"
+    lengths = list(args.lengths_file if args.lengths_file is not None else args.lengths)
+    cap = verify.MAX_TOKENS
+    if args.scale_to is not None:
+        if args.scale_to > cap:
+            v.error(f"argument --scale-to: {args.scale_to} is more than the {cap} tokens verify takes; pass "
+                    f"--scale-to {cap} or less")
+        nonempty = sum(1 for n in lengths if n)
+        if nonempty > args.scale_to:
+            v.error(f"argument --scale-to: {args.scale_to} tokens cannot hold the batch's {nonempty} non-empty "
+                    f"sequences (each keeps at least one token); pass --scale-to {min(cap, max(nonempty, 2))} or more, "
+                    "or verify part of the batch")
+        scaled = verify.scale_lengths(lengths, args.scale_to)
+        if scaled != lengths:
+            total = sum(lengths)
+            ranked = sorted(zip(lengths, scaled))
+            longest, median = ranked[-1], ranked[len(ranked) // 2]
+            print(f"cpshard verify: --scale-to {args.scale_to}: {len(lengths)} lengths, {total} tokens, each times "
+                  f"{args.scale_to / total:.4g} and rounded (the shape of their distribution kept; non-empty ones "
+                  f"keep at least one token): longest {longest[0]} -> {longest[1]}, median {median[0]} -> "
+                  f"{median[1]}", file=sys.stderr)
+        lengths = scaled
+    total = sum(lengths)
+    if total > cap:
+        v.error(f"argument {flag}: {total} tokens, more than the {cap} that verify takes (its reference attention "
+                f"is exact, not fast); add --scale-to {cap} to scale the batch down keeping the shape of its lengths")
+    if all(n < 2 for n in lengths):
+        v.error(f"argument {flag}: no sequence has 2 tokens, so no token has a label to check; add a longer one, "
+                "e.g. --lengths 9,1,4")
+    return lengths
+
+
 def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
     from cpshard import verify
 
-    lengths = args.lengths_file if args.lengths_file is not None else args.lengths
-    layouts = [x for x in args.layouts.replace(" ", "").split(",") if x]
-    paddings = [x for x in args.padding.replace(" ", "").split(",") if x]
+    lengths = _verify_lengths(args, v)
+    layouts, paddings = args.layouts, args.padding
     reorders: list[str | None] = [None, "balanced"] if args.reorder else [None]
     try:
         if verify.launched():
@@ -239,7 +357,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                                    attention=args.attention, paddings=paddings, reorders=reorders,
                                    progress=args.progress)
     except (ValueError, TypeError) as exc:
-        print(f"cpshard verify: {exc}", file=sys.stderr)
+        print(f"cpshard verify: {_in_flags(str(exc))}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_json()) if args.json else verify.format_table(report), flush=True)
     return 0 if report.ok else 1
@@ -250,8 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print which rows each context-parallel rank holds")
     _add_lengths(p, [5, 3], "5,3")
-    p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--cp", type=_at_least("--cp", 1, "2"), default=2, help="context-parallel size (default 2)")
+    p.add_argument("--tp", type=_at_least("--tp", 1, "2"), default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout] + ["both"],
                    help="'both': zigzag and contiguous, one after the other (side by side with --png)")
     p.add_argument("--fp8", action="store_true", help="fp8 padding (lcm(16, a) per sequence, a * 128 total)")
@@ -259,16 +377,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="'minimal': pad each sequence only as far as the layout needs (default 'aligned', SPEC's)")
     p.add_argument("--reorder", action="store_true", default=None,
                    help="contiguous layout: permute the sequences to even out causal work (reorder='balanced')")
-    p.add_argument("--min-local-rows", type=int, default=None)
-    p.add_argument("--length-bucket", type=int, default=None)
+    p.add_argument("--min-local-rows", type=_at_least("--min-local-rows", 0, "64"), default=None, metavar="N",
+                   help="every rank holds at least N rows (the last sequence's padding is extended)")
+    p.add_argument("--length-bucket", type=_at_least("--length-bucket", 1, "1024"), default=None, metavar="N",
+                   help="the padded total is a multiple of lcm(N, cp) (the last sequence's padding is extended)")
     p.add_argument("--bshd", action="store_true", help="plan a padded (B, S) batch instead of a packed one")
-    p.add_argument("--max-seqlen", type=int, default=None, help="with --bshd: the forced padded length")
+    p.add_argument("--max-seqlen", type=_at_least("--max-seqlen", 1, "4096"), default=None,
+                   help="with --bshd: the forced padded length")
     p.add_argument("--picture", action=argparse.BooleanOptionalAction, default=None,
                    help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows; else a summary)")
     p.add_argument("--png", default=None, metavar="PATH", help="also draw the token-to-rank map and the per-rank "
                    "causal work as a PNG (needs matplotlib: pip install 'cpshard[plot]')")
     v = _verify_parser(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_values_may_be_negative(sys.argv[1:] if argv is None else list(argv)))
     if args.command == "verify":
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
@@ -308,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             draw_plans(plans, args.png)
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"cpshard plan: {exc}", file=sys.stderr)
+        print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
         return 2
     try:
         print(text, flush=True)
