@@ -153,3 +153,34 @@ def test_duration_text():
     assert [_duration(s) for s in (0.2, 42.4, 90, 462, 4000)] == ["1 s", "42 s", "1 min 30 s", "7 min 42 s",
                                                                    "1 h 06 min"]
     assert re.fullmatch(r"\d+ s", _duration(3.5))
+
+
+# -- the summary and the figure, public -----------------------------------------------------------------------
+
+
+def test_padding_and_the_summary_functions_are_public():
+    import cpshard
+    from cpshard import Padding, describe_bshd, describe_plan, draw_plans  # noqa: F401
+
+    assert Padding("minimal") is Padding.MINIMAL and ShardPlan.build([5, 3], cp_size=2, padding=Padding.MINIMAL)
+    assert {"Padding", "describe_plan", "describe_bshd", "draw_plans"} <= set(cpshard.__all__)
+    assert describe_plan.__doc__ and draw_plans.__doc__ and describe_bshd.__doc__
+
+
+def test_summary_stays_small_with_many_ranks_and_names_the_busiest():
+    from cpshard import describe_plan
+    from cpshard.attention import attention_work
+
+    lens = [3000, *([5] * 500), 1]
+    plan = ShardPlan.build(lens, cp_size=64, layout="contiguous")
+    text = describe_plan(plan)
+    work = attention_work(plan)
+    busiest = max(range(64), key=work.__getitem__)
+    assert len(text) < 6000, len(text)
+    rows = [line.split() for line in text.splitlines() if line.strip() and line.split()[0].isdigit()]
+    shown = [int(r[0]) for r in rows]
+    assert busiest in shown and shown[:6] == list(range(6)) and shown[-2:] == [62, 63] and len(shown) <= 9
+    assert all(int(r[4]) == work[int(r[0])] for r in rows)  # the work column is attention_work's
+    assert "ranks, 6 .. " in text and "left out" in text
+    small = describe_plan(ShardPlan.build(lens, cp_size=16))
+    assert "left out" not in small and sum(1 for line in small.splitlines() if line.startswith("rank ")) == 16

@@ -9,7 +9,9 @@ Public API (documented in the README):
 - :func:`shift`: SPEC's ``shift(x, k)`` on unsharded sequences.
 - :func:`shift_exchange`: the pure index math behind ``cpshard.distributed.shift_sharded``.
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
-- :class:`Layout`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
+- :class:`Layout`, :class:`Padding`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
+- :func:`describe_plan` / :func:`describe_bshd`: the text ``cpshard plan`` prints (which rows each rank
+  holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
 The package keeps pure index math (``plan``, ``bshd``, ``layout``, ``_index``, ``_exchange``) apart
 from data movement (``ops``, ``padded``) and from communication (``distributed``, the only module
@@ -18,10 +20,12 @@ that uses ``torch.distributed``); framework adapters live in ``cpshard.megatron`
 
 from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
-from cpshard.layout import Layout, alignment, layout_for, register_layout_rule
+from cpshard.cli import describe_bshd, describe_plan
+from cpshard.layout import Layout, Padding, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
 from cpshard.padded import from_padded, to_padded
 from cpshard.plan import DeviceTensors, ShardPlan, shift_exchange
+from cpshard.plot import draw_plans  # matplotlib is imported only when it draws
 
 __version__ = "0.2.0.dev0"
 
@@ -30,8 +34,12 @@ __all__ = [
     "DeviceTensors",
     "Exchange",
     "Layout",
+    "Padding",
     "ShardPlan",
     "alignment",
+    "describe_bshd",
+    "describe_plan",
+    "draw_plans",
     "from_padded",
     "layout_for",
     "register_layout_rule",

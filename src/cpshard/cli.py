@@ -26,6 +26,25 @@ from cpshard.plan import ShardPlan
 __all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
 
 _PICTURE_MAX_ROWS = 96
+_MAX_RANK_LINES = 16  # past this many ranks the summary and the balance show the first, the last and the busiest
+
+
+def _ranks_shown(cp: int, busiest: int) -> list[int]:
+    """Which ranks get a line: all up to ``_MAX_RANK_LINES``, else the first six, the busiest and the last two."""
+    if cp <= _MAX_RANK_LINES:
+        return list(range(cp))
+    return sorted({*range(6), busiest, cp - 2, cp - 1})
+
+
+def _with_gaps(lines: dict[int, str]) -> list[str]:
+    """Rank lines in order, with a line saying how many ranks were left out wherever some were."""
+    out, last = [], -1
+    for r, line in lines.items():
+        if r > last + 1:
+            out.append(f"  ... ({r - last - 1} ranks, {last + 1} .. {r - 1}, left out)")
+        out.append(line)
+        last = r
+    return out
 
 
 def _row_label(seq: int, pos: int, n: int) -> str:
@@ -61,11 +80,11 @@ def _picture(plan: ShardPlan) -> list[str]:
             for name, line in zip(names, cells)]
 
 
-def _summary(plan: ShardPlan) -> list[str]:
+def _summary(plan: ShardPlan, ranks: list[int]) -> list[str]:
     """The picture's content for long batches: each rank's runs of consecutive rows, ``s<seq>:<first>-<last>``
     (positions inside the padded sequence, inclusive), capped."""
-    lines = ["rows per rank as runs s<sequence>:<first position>-<last position>:"]
-    for r in range(plan.cp_size):
+    lines = {}
+    for r in ranks:
         seq, pos = plan.sequence_ids(r), plan.position_ids(r)
         new = torch.ones_like(seq, dtype=torch.bool)
         new[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
@@ -73,21 +92,21 @@ def _summary(plan: ShardPlan) -> list[str]:
         last = torch.cat([first[1:] - 1, torch.tensor([seq.numel() - 1])])
         runs = [f"s{s}:{a}-{b}" for s, a, b in zip(seq[first].tolist(), pos[first].tolist(), pos[last].tolist())]
         shown = runs if len(runs) <= 9 else runs[:6] + ["..."] + runs[-2:] + [f"({len(runs)} runs)"]
-        lines.append(f"rank {r} : {' '.join(shown)}")
-    return lines
+        lines[r] = f"rank {r} : {' '.join(shown)}"
+    return ["rows per rank as runs s<sequence>:<first position>-<last position>:"] + _with_gaps(lines)
 
 
-def _balance(plan: ShardPlan) -> list[str]:
+def _balance(plan: ShardPlan, work: list[int], ranks: list[int]) -> list[str]:
     """Per rank: rows, token rows, and causal-attention work (sum over token rows of keys seen)."""
-    lines = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"]
-    work = attention_work(plan)
-    for r, w in enumerate(work):
+    lines = {}
+    for r in ranks:
         tokens = int(plan.token_mask(r).sum())
-        lines.append(f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {w:>14}")
+        lines[r] = f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {work[r]:>14}"
+    out = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"] + _with_gaps(lines)
     mean = sum(work) / len(work)
     ratio = max(work) / mean if mean else 1.0
-    lines.append(f"causal work max/mean = {ratio:.3f} (1.000 is perfectly balanced)")
-    return lines
+    out.append(f"causal work max/mean = {ratio:.3f} (1.000 is perfectly balanced)")
+    return out
 
 
 def _cap(values: Sequence[object], head: int = 8, tail: int = 2) -> str:
@@ -100,7 +119,19 @@ def _cap(values: Sequence[object], head: int = 8, tail: int = 2) -> str:
 
 
 def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
-    """The text ``cpshard plan`` prints for ``plan``."""
+    """The text ``cpshard plan`` prints for ``plan``: its sizes and padding, which rows each rank holds,
+    and each rank's causal-attention work (max / mean: 1.000 is balanced).
+
+    ``picture=None`` draws SPEC.md's picture (every row, as below) up to 96 rows and else summarises
+    each rank's runs of consecutive rows (``s<sequence>:<first>-<last>``); ``True`` / ``False`` force
+    either. Long lists are cut to their ends and a count, and past 16 ranks only the first six, the
+    busiest and the last two get a line, so the text stays a few kilobytes at any scale::
+
+        >>> print(describe_plan(ShardPlan.build([5, 3], cp_size=2)).split("\n\n")[1])
+        global : s0p0 s0p1 s0p2 s0p3 s0p4 pad  pad  pad  | s1p0 s1p1 s1p2 pad
+        rank 0 : s0p0 s0p1 | pad  pad  | s1p0 | pad
+        rank 1 : s0p2 s0p3 | s0p4 pad  | s1p1 | s1p2
+    """
     out = [
         repr(plan),
         f"alignment a = {plan.alignment}; padded_seqlens = {_cap(plan.padded_seqlens_py)}",
@@ -109,16 +140,18 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
         f"(L / tp = {plan.local_len // plan.tp_size}); padding overhead = {100 * plan.padding_overhead:.1f}%",
         "",
     ]
+    work = attention_work(plan)
+    ranks = _ranks_shown(plan.cp_size, max(range(plan.cp_size), key=work.__getitem__))
     if plan.order is not None:  # s<i> below is the buffer's i-th sequence
         out[-1:] = [f"order = {_cap(plan.order)} (buffer position -> your sequence; s<i> is buffer position i)", ""]
     if picture is None and plan.total_len > _PICTURE_MAX_ROWS:
         out += [f"(picture omitted: {plan.total_len} rows > {_PICTURE_MAX_ROWS}; pass --picture to force it)", ""]
-        out += _summary(plan) + [""]
+        out += _summary(plan, ranks) + [""]
     elif picture is False:
         out += ["(picture omitted: --no-picture)", ""]
     else:
         out += _picture(plan) + [""]
-    out += _balance(plan)
+    out += _balance(plan, work, ranks)
     return "\n".join(out)
 
 
@@ -426,7 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = "\n\n".join(texts)
         if args.png is not None:
             from cpshard.plot import draw_plans
-            draw_plans(plans, args.png)
+            notes = ", ".join(f"{flag}={value}" for flag, value in (("min_local_rows", args.min_local_rows),
+                                                                   ("length_bucket", args.length_bucket))
+                              if value is not None)
+            draw_plans(plans, args.png, notes=notes)
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
         print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
