@@ -127,7 +127,9 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
     either. Long lists are cut to their ends and a count, and past 16 ranks only the first six, the
     busiest and the last two get a line, so the text stays a few kilobytes at any scale::
 
-        >>> print(describe_plan(ShardPlan.build([5, 3], cp_size=2)).split("\n\n")[1])
+        >>> text = describe_plan(ShardPlan.build([5, 3], cp_size=2))
+        >>> for line in text.splitlines()[5:8]:
+        ...     print(line)
         global : s0p0 s0p1 s0p2 s0p3 s0p4 pad  pad  pad  | s1p0 s1p1 s1p2 pad
         rank 0 : s0p0 s0p1 | pad  pad  | s1p0 | pad
         rank 1 : s0p2 s0p3 | s0p4 pad  | s1p1 | s1p2
