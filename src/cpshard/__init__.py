@@ -18,6 +18,7 @@ from data movement (``ops``, ``padded``) and from communication (``distributed``
 that uses ``torch.distributed``); framework adapters live in ``cpshard.megatron``.
 """
 
+from cpshard import _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
 from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
 from cpshard.cli import describe_bshd, describe_plan

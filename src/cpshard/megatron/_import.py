@@ -53,7 +53,9 @@ def _preload_paged_stash() -> None:
         return
     spec = importlib.util.find_spec("megatron")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("megatron-core is not installed; see cpshard/megatron/_import.py for the pip commands")
+        raise ImportError("megatron-core is not installed (cpshard.megatron and the verl drop-ins need it). Install "
+                          "it without letting pip touch torch: pip install numpy 'packaging>=24.2' && pip install "
+                          "--no-deps --ignore-requires-python megatron-core==0.19.2 (README, Install)")
     path = f"{list(spec.submodule_search_locations)[0]}/core/transformer/moe/ops/paged_stash.py"
     if not os.path.exists(path):  # older releases (0.14, 0.16) have no such file and import fine
         return
