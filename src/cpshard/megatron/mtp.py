@@ -120,7 +120,10 @@ def process_mtp_loss(
     summed over ``cp_group`` (``counts="local"`` keeps Megatron's per-rank counts), the layout comes
     from ``packed_seq_params.cp_partition_mode`` (so contiguous is shifted right), and labels and
     masks of all depths cross ranks in one collective. The gradient is attached through Megatron's
-    ``MTPLossAutoScaler`` when megatron-core imports (its scale applies), else cpshard's.
+    ``MTPLossAutoScaler`` when megatron-core imports (its scale applies), else cpshard's. With
+    ``is_training=True`` and megatron-core installed, each depth's loss is logged through Megatron's
+    tracker, which reads Megatron's parallel state: initialise it first (also on one CPU process,
+    gloo), or pass ``is_training=False`` (no logging; the same loss and gradients).
     """
     num_depths = int(config.mtp_num_layers)
     if labels is None and input_ids is None:
