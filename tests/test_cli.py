@@ -27,7 +27,8 @@ def _refused(capsys, argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["plan", "--lengths", "-3,5"], "argument --lengths: '-3,5': length 1 is -3; a sequence length is a token count >= 0"),
+    (["plan", "--lengths", "-3,5"],
+     "argument --lengths: '-3,5': length 1 is -3; a sequence length is a token count >= 0"),
     (["plan", "--lengths", "5,-3"], "length 2 is -3"),
     (["plan", "--lengths", "-3"], "length 1 is -3"),
     (["plan", "--cp", "0"], "argument --cp: 0 is too small; --cp must be >= 1"),

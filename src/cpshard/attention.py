@@ -208,8 +208,8 @@ def _blocks(plan: Plan, cp_rank: int, max_scores: int) -> list[_Block]:
     """Cover ``cp_rank``'s flattened query rows with consecutive blocks of at most ``max_scores``
     (query, key) pairs each (a block of one row may exceed it: it sees every key it needs)."""
     q_seq, q_pos, q_tok = (t.numpy() for t in _row_meta(plan, cp_rank))
-    keys = [_row_meta(plan, s) for s in range(plan.cp_size)]
-    k_seq, k_pos, k_tok = (torch.cat(parts).numpy() for parts in zip(*keys))
+    metas = [_row_meta(plan, s) for s in range(plan.cp_size)]
+    k_seq, k_pos, k_tok = (torch.cat(parts).numpy() for parts in zip(*metas))
     # per sequence, the positions of its token keys, sorted: how many keys a query at position p sees
     token_keys = np.flatnonzero(k_tok)
     order = np.lexsort((k_pos[token_keys], k_seq[token_keys]))
