@@ -54,6 +54,13 @@ def test_messages_name_flags_and_values(capsys, argv, message):
     assert message in _refused(capsys, [*argv, *(["--no-progress"] if argv[0] == "verify" else [])])
 
 
+def test_scale_to_refuses_more_sequences_than_the_cap_holds(capsys, tmp_path):
+    path = tmp_path / "many.txt"
+    path.write_text("\n".join(["3"] * (MAX_TOKENS + 1)))
+    line = _refused(capsys, ["verify", "--lengths-file", str(path), "--scale-to", "100", "--no-progress"])
+    assert f"argument --lengths-file: {MAX_TOKENS + 1} non-empty sequences, more than the {MAX_TOKENS} tokens" in line
+
+
 def test_lengths_file_with_a_negative_length(capsys, tmp_path):
     path = tmp_path / "lengths.txt"
     path.write_text("5\n-2\n")

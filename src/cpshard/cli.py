@@ -285,6 +285,9 @@ def _in_flags(message: str) -> str:
     return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b(?=[=\[ ]|$)", lambda m: _FLAGS[m.group(1)], message)
 
 
+_VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to"}
+
+
 def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
     """``--lengths -3,5`` as ``--lengths=-3,5``: argparse takes a value that starts with '-' and is
     not one plain number for an option, and answers "expected one argument"; joined, the value
@@ -296,9 +299,6 @@ def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
         else:
             out.append(arg)
     return out
-
-
-_VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to"}
 
 
 def _verify_parser(sub: Any) -> argparse.ArgumentParser:
@@ -344,12 +344,15 @@ def _verify_lengths(args: argparse.Namespace, v: argparse.ArgumentParser) -> lis
             v.error(f"argument --scale-to: {args.scale_to} is more than the {cap} tokens verify takes; pass "
                     f"--scale-to {cap} or less")
         nonempty = sum(1 for n in lengths if n)
+        if nonempty > cap:
+            v.error(f"argument {flag}: {nonempty} non-empty sequences, more than the {cap} tokens verify takes "
+                    "can hold (each keeps at least one token); verify part of the batch")
         if nonempty > args.scale_to:
             v.error(f"argument --scale-to: {args.scale_to} tokens cannot hold the batch's {nonempty} non-empty "
-                    f"sequences (each keeps at least one token); pass --scale-to {min(cap, max(nonempty, 2))} or more, "
+                    f"sequences (each keeps at least one token); pass --scale-to {max(nonempty, 2)} or more, "
                     "or verify part of the batch")
         scaled = verify.scale_lengths(lengths, args.scale_to)
-        if scaled != lengths:
+        if scaled != lengths and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 tells
             total = sum(lengths)
             ranked = sorted(zip(lengths, scaled))
             longest, median = ranked[-1], ranked[len(ranked) // 2]
