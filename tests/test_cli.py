@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cpshard import ShardPlan
 from cpshard.cli import main as cli_main
-from cpshard.verify import MAX_TOKENS, estimate_seconds, scale_lengths
+from cpshard.verify import MAX_TOKENS, RANK_OVERHEAD, estimate_seconds, scale_lengths
 
 PYTHON_TERMS = ("cpshard.Layout", "cpshard.layout.Padding", "member", "None", "cp_size", "seqlens", "expected one "
                 "argument")
@@ -148,11 +148,17 @@ def test_estimate_follows_its_rule():
     5+6+7+8 = 26, the busiest 26/36."""
     zigzag = ShardPlan.build([8], cp_size=2)
     contiguous = ShardPlan.build([8], cp_size=2, layout="contiguous")
-    assert estimate_seconds(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0)
-    assert estimate_seconds(10.0, {2: [contiguous]}, 2, startup=0.0) == pytest.approx(10.0 * 26 / 36)
-    assert estimate_seconds(10.0, {2: [zigzag]}, 1, startup=0.0) == pytest.approx(10.0)  # two ranks, one core
-    assert estimate_seconds(10.0, {2: [zigzag, contiguous]}, 1, startup=3.0) == pytest.approx(2 * 3.0 + 2 * 10.0)
-    assert estimate_seconds(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0) == pytest.approx(10.0)
+    def rule(*args, **kwargs):
+        return estimate_seconds(*args, **kwargs, overhead=1.0)
+
+    assert rule(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0)
+    assert rule(10.0, {2: [contiguous]}, 2, startup=0.0) == pytest.approx(10.0 * 26 / 36)
+    assert rule(10.0, {2: [zigzag]}, 1, startup=0.0) == pytest.approx(10.0)  # two ranks, one core
+    assert rule(10.0, {2: [zigzag, contiguous]}, 1, startup=3.0) == pytest.approx(2 * 3.0 + 2 * 10.0)
+    assert rule(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0) == pytest.approx(10.0)
+    # across ranks the default overhead applies; in the cp=1 process it does not
+    assert estimate_seconds(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0 * RANK_OVERHEAD)
+    assert estimate_seconds(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2) == pytest.approx(10.0)
 
 
 def test_duration_text():

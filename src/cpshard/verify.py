@@ -55,8 +55,8 @@ from cpshard.ops import shard, unshard
 from cpshard.plan import ShardPlan
 from cpshard.spawn import run_ranks
 
-__all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "Config", "Report", "Result", "TinyDecoder", "estimate_seconds",
-           "format_table", "scale_lengths", "verify", "verify_launched"]
+__all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Report", "Result", "TinyDecoder",
+           "estimate_seconds", "format_table", "scale_lengths", "verify", "verify_launched"]
 
 #: long, short, one token, shorter than the alignment of cp = 4 (2 * cp * tp = 8 or 16), empty
 DEFAULT_LENGTHS: tuple[int, ...] = (97, 23, 1, 5, 0, 40, 3)
@@ -397,8 +397,13 @@ class Progress:
 #: seconds to start one spawned rank (a Python process importing torch, and its gloo rendezvous) where
 #: this process cannot time its own start (see _startup_seconds)
 STARTUP_SECONDS = 5.0
+#: measured on a shared two-core machine (a long-tailed batch of 2000 tokens at cp = 2 and 4): a step across
+#: spawned ranks takes about twice its share of the cp = 1 time (the gathers, first calls building the
+#: plan's indices, ranks contending), and ranks that start together take about twice this process's start-up
+RANK_OVERHEAD = 2.0
 _ESTIMATE_RULE = ("each configuration: the cp=1 step's time times its busiest rank's share of the causal "
-                  "attention work, or 1/cores when ranks outnumber the cores; plus the ranks' start-up")
+                  "attention work, or 1/cores when ranks outnumber the cores, times 2 across ranks; plus the "
+                  "ranks' start-up")
 
 
 def _startup_seconds() -> float:
@@ -425,18 +430,19 @@ def _cpus() -> int:
 
 
 def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[ShardPlan]], cpus: int, *,
-                     startup: float | None = None) -> float:
+                     startup: float | None = None, overhead: float = RANK_OVERHEAD) -> float:
     """A rough run time for the configurations after the ``cp = 1`` step, which took ``reference_seconds``.
 
     The step's time is mostly the reference attention's, which scales with the causal work (the
     (query, key) pairs scored). A configuration's ranks run at once, so it takes the cp=1 time times
     its busiest rank's share of the work (:func:`cpshard.attention.attention_work`), but no less than
-    ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them); each spawned group of
-    ``cp`` ranks adds ``startup * cp / min(cp, cpus)`` seconds (default: this process's own start-up,
-    timed). ``plans_by_cp``: every configuration's plan by its ``cp``; configurations at ``cp = 1`` run
-    in this process and start nothing.
+    ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them), times ``overhead`` at
+    ``cp > 1`` (``RANK_OVERHEAD``); each spawned group of ``cp`` ranks adds ``startup * cp / min(cp,
+    cpus)`` seconds (default: ``RANK_OVERHEAD`` times this process's own start-up, timed).
+    ``plans_by_cp``: every configuration's plan by its ``cp``; configurations at ``cp = 1`` run in this
+    process and start nothing. A guide, not a promise: a loaded machine runs slower.
     """
-    startup = _STARTED if startup is None else startup
+    startup = RANK_OVERHEAD * _STARTED if startup is None else startup
     total = 0.0
     for cp, plans in plans_by_cp.items():
         cores = max(1, min(cp, cpus))
@@ -445,7 +451,7 @@ def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[Shard
         for plan in plans:
             work = attention_work(plan)
             share = max(work) / sum(work) if sum(work) else 1.0 / cp
-            total += reference_seconds * max(share, 1.0 / cores)
+            total += reference_seconds * max(share, 1.0 / cores) * (overhead if cp > 1 else 1.0)
     return total
 
 
