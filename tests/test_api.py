@@ -120,6 +120,19 @@ def test_layout_for_config():
     assert layout_for(object()) is Layout.ZIGZAG
 
 
+@pytest.mark.parametrize("field", ["cp_partition_mode", "attention_cp_layout"])
+def test_layout_for_reads_the_layout_the_config_declares(field):
+    """Megatron-LM dev's TransformerConfig.cp_partition_mode (and attention_cp_layout) decide, except
+    that DeepSeek-V4's dsv4_hybrid is contiguous whatever they say (zigzag corrupts it)."""
+    assert layout_for(types.SimpleNamespace(**{field: "contiguous"})) is Layout.CONTIGUOUS
+    assert layout_for(types.SimpleNamespace(**{field: "zigzag"})) is Layout.ZIGZAG
+    assert layout_for(types.SimpleNamespace(**{field: None})) is Layout.ZIGZAG
+    dsv4 = types.SimpleNamespace(experimental_attention_variant="dsv4_hybrid", **{field: "zigzag"})
+    assert layout_for(dsv4) is Layout.CONTIGUOUS
+    with pytest.raises(ValueError, match=rf"^config\.{field}='ring': is not a known layout"):
+        layout_for(types.SimpleNamespace(**{field: "ring"}))
+
+
 def test_registered_layout_rule_wins(monkeypatch):
     monkeypatch.setattr(cpshard.layout, "_RULES", list(cpshard.layout._RULES))
 

@@ -123,6 +123,11 @@ def _odd_dtypes(rank, world):
             out = shift_sharded(local, plan, dist.group.WORLD, shift=2, fill=1, pad_value=0, check=True)
             want = shard(x, plan, rank, shift=2, fill=1, pad_value=0)
             assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+            if dtype.is_complex:  # a conjugate view: its values travel, not its bytes
+                got = gather(local.conj(), plan, dist.group.WORLD, check=True).values()
+                assert torch.equal(got, x.conj())
+                out = shift_sharded(local.conj(), plan, dist.group.WORLD, shift=2, fill=1, pad_value=0)
+                assert torch.equal(out, want.conj())
     return True
 
 

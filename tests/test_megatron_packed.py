@@ -130,6 +130,26 @@ def test_megatron_convention_real_and_padded_offsets():
     assert plan_from_packed_seq_params(only_q, cp_size=2).seqlens_py == (8, 4)
 
 
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_real_lengths_beside_the_padded_offsets(layout, with_mode):
+    """real_lengths=True: cu_seqlens_q/kv hold the tokens, the *_padded fields the rows, and
+    pad_between_seqs says so (what TransformerEngine needs to skip pad rows); read back exactly."""
+    plan = ShardPlan.build([5, 0, 3, 9], cp_size=2, tp_size=2, layout=layout, reorder=None)
+    psp = packed_seq_params(plan, real_lengths=True)
+    want_real = [0, 5, 5, 8, 17]
+    assert psp.cu_seqlens_q.tolist() == want_real and psp.cu_seqlens_kv.tolist() == want_real
+    assert psp.cu_seqlens_q_padded.tolist() == list(plan.cu_seqlens_padded_py)
+    assert psp.cu_seqlens_kv_padded.tolist() == list(plan.cu_seqlens_padded_py)
+    assert psp.cu_seqlens_q.dtype == torch.int32 and psp.pad_between_seqs is True
+    assert psp.max_seqlen_q == plan.max_seqlen
+    assert plan_from_packed_seq_params(psp, cp_size=2, tp_size=2) == plan
+    assert packed_seq_params(plan).pad_between_seqs is None  # verl's form: every field padded
+    on_device = packed_seq_params(plan, device="cpu", real_lengths=True)
+    assert on_device.cu_seqlens_q.tolist() == want_real
+    with pytest.raises(TypeError, match=r"real_lengths=1: must be a bool"):
+        packed_seq_params(plan, real_lengths=1)
+
+
 def test_padding_the_builder_does_not_produce_is_kept():
     # another framework padded the first sequence further; the rows stay exactly those
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=torch.tensor([0, 16, 20], dtype=torch.int32))
@@ -200,6 +220,28 @@ def test_parallel_context_prefers_what_is_given(monkeypatch):
         parallel_context(cp_size=3, local_cp_size=2)
     with pytest.raises(TypeError, match=r"pg_collection.cp=NoneType: must be a process group"):
         parallel_context(pg_collection=types.SimpleNamespace(tp=_Group(1, 0), cp=None))
+
+
+def test_dynamic_cp_groups_on_every_megatron(monkeypatch):
+    """verl's dynamic CP: Megatron-LM dev's get_dynamic_data_context_parallel_groups, else main's and
+    the releases' get_hybrid_data_context_parallel_groups; the rank read through
+    torch.distributed.get_rank(group=) as verl reads it (here faked: torch does not know the group)."""
+    mpu = import_megatron("parallel_state")
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1 if group == ("hybrid", 2) else -7)
+    monkeypatch.delattr(mpu, "get_dynamic_data_context_parallel_groups", raising=False)
+    monkeypatch.setattr(mpu, "get_hybrid_data_context_parallel_groups", lambda group_size: ("hybrid", group_size),
+                        raising=False)
+    assert parallel_context(local_cp_size=2) == ParallelContext(1, 2, 1, ("hybrid", 2))
+    monkeypatch.setattr(mpu, "get_dynamic_data_context_parallel_groups", lambda group_size: ("dev", group_size),
+                        raising=False)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0 if group == ("dev", 2) else -7)
+    assert parallel_context(local_cp_size=2) == ParallelContext(1, 2, 0, ("dev", 2))
+    monkeypatch.delattr(mpu, "get_dynamic_data_context_parallel_groups")
+    monkeypatch.delattr(mpu, "get_hybrid_data_context_parallel_groups")
+    with pytest.raises(ValueError, match=r"^local_cp_size=2: needs a dynamic context-parallel group.*neither "
+                                         r"get_dynamic_data_context_parallel_groups nor get_hybrid"):
+        parallel_context(local_cp_size=2)
 
 
 def test_parallel_context_before_megatron_is_initialized():

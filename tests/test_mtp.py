@@ -6,6 +6,7 @@ The Megatron tests skip, naming the reason, when megatron-core is not importable
 
 from __future__ import annotations
 
+import inspect
 import logging
 from types import SimpleNamespace
 
@@ -395,12 +396,43 @@ def test_drop_in_equals_megatron_process_mtp_loss(lens, packed, n, per_token, wi
     if not hasattr(mod, "process_mtp_loss"):
         pytest.skip(f"megatron-core {megatron_version()} has no process_mtp_loss (0.19 has); "
                     "test_drop_in_equals_loop_on_megatron_roll covers this version")
+    # (dev reads cross_entropy_loss_fusion too; off, as on the CPU)
     config = SimpleNamespace(mtp_num_layers=n, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=per_token,
-                             mtp_detach_heads=detach)
+                             mtp_detach_heads=detach, cross_entropy_loss_fusion=False)
     case = make_case(seed, lens, packed, n, with_mask, derived)
     kw = dict(shared_weight=shared_weight, scale_logits=scale_logits)
-    assert_same(run_drop_in(process_mtp_loss, case, config, **kw),
-                run_drop_in(mod.process_mtp_loss, case, config, **kw))
+    theirs = {}
+    if "sequence_roll_context" in inspect.signature(mod.process_mtp_loss).parameters:  # Megatron-LM dev
+        theirs["sequence_roll_context"] = None  # what dev's GPTModel passes at cp = 1
+    # the drop-in takes dev's context and does not need it: any value gives the same result
+    assert_same(run_drop_in(process_mtp_loss, case, config, sequence_roll_context=_RollContext(), **kw),
+                run_drop_in(mod.process_mtp_loss, case, config, **theirs, **kw))
+
+
+class _RollContext:
+    """A stand-in for Megatron-LM dev's MTPSequenceRollContext (nothing in it is read)."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the drop-in read sequence_roll_context.{name}")
+
+
+# process_mtp_loss's parameters in megatron-core 0.19.2 and in Megatron-LM dev (d48bd6b, 2026-08-21),
+# which added sequence_roll_context; main (d98e8a6) and 0.19 have the first fourteen.
+_DEV_PARAMS = ("hidden_states", "labels", "loss_mask", "output_layer", "output_weight", "runtime_gather_output",
+               "is_training", "compute_language_model_loss", "config", "cp_group", "tp_group",
+               "packed_seq_params", "scale_logits_fn", "input_ids", "sequence_roll_context")
+
+
+def test_drop_in_takes_every_parameter_of_every_megatron():
+    """Positional parameters in Megatron's order, so that a caller passing dev's fifteen (GPTModel,
+    HybridModel) or a release's fourteen, by position or keyword, reaches the drop-in unchanged."""
+    ours = [p.name for p in inspect.signature(process_mtp_loss).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert tuple(ours) == _DEV_PARAMS
+    mod = megatron_module()
+    if hasattr(mod, "process_mtp_loss"):  # the installed one (0.19.2 in CI; dev's tree by hand)
+        theirs = [p.name for p in inspect.signature(mod.process_mtp_loss).parameters.values()]
+        assert ours[:len(theirs)] == theirs
 
 
 def megatron_loop(mod):
@@ -450,7 +482,8 @@ def test_drop_in_equals_loop_on_megatron_roll(lens, packed, n, per_token, with_m
     mod = megatron_module()
     if packed and not hasattr(mod, "_roll_tensor_packed_seq"):
         packed = False  # 0.14/0.15: no packed roll to compare with
-    config = SimpleNamespace(mtp_num_layers=n, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=per_token)
+    config = SimpleNamespace(mtp_num_layers=n, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=per_token,
+                             cross_entropy_loss_fusion=False)
     case = make_case(seed, lens, packed, n, with_mask, derived)
     assert_same(run_drop_in(process_mtp_loss, case, config, shared_weight=True),
                 run_drop_in(megatron_loop(mod), case, config, shared_weight=True))

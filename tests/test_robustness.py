@@ -278,3 +278,46 @@ def test_cli_plans_minimal_padding_and_balanced_order(capsys):
     with pytest.raises(SystemExit):
         cli_main(["plan", "--bshd", "--padding", "minimal"])
     assert "--padding does not apply with --bshd" in capsys.readouterr().err
+
+
+# -- issue 17: inputs that once gave a silent wrong result or a crash ---------------------------------
+
+@pytest.mark.parametrize("stride", [2**31 - 8, 2**31, 2**32, 2**32 + 3])
+def test_bshd_index_never_wraps_past_int32(stride):
+    """A padded (B, S) input wider than the plan: row b starts at b * S, which passes 2**31 when the
+    input is wide enough; the index must hold it (it wrapped in int32: rank 1's second row read the
+    first row's data). Checked on the row stride alone, without allocating the input."""
+    from cpshard.plan import shard_index
+
+    plan = BshdPlan.build([5, 3], cp_size=2)
+    for rank in range(2):
+        index = shard_index(plan, rank, 0, torch.device("cpu"), stride)
+        cols = plan.columns(rank).tolist()
+        want = [b * stride + c for b in range(plan.num_seqs) for c in cols]
+        token = plan.token_mask(rank).reshape(-1)
+        assert index.src[token].tolist() == [w for w, t in zip(want, token.tolist()) if t]
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda n: torch.quantize_per_tensor(torch.randn(n), 0.1, 0, torch.qint8), "quantized tensor"),
+    (lambda n: torch.randn(n, 2).to_sparse(), "layout torch.sparse_coo"),
+])
+def test_quantized_and_sparse_rows_are_refused(make, what):
+    """A quantized tensor crashed the process inside index_select; a sparse one has no rows to move."""
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(TypeError, match=rf"^x=.*{what}.*Fix: "):
+        shard(make(8), plan, 0)
+    with pytest.raises(TypeError, match=rf"^x\[1\]=.*{what}"):
+        shard([torch.randn(5), make(3)], plan, 0)
+    with pytest.raises(TypeError, match=rf"^parts\[0\]=.*{what}"):
+        unshard([make(6), torch.zeros(6)], plan)
+
+
+@pytest.mark.parametrize("cp, tp", [(2**62, 1), (2**40, 1), (2**20, 2**12), (10**20, 1)])
+def test_parallel_sizes_past_int32_name_the_size(cp, tp):
+    """cp_size * tp_size >= 2**31 cannot be planned: a clear error naming cp_size (it was NumPy's
+    OverflowError, or a message about seqlens)."""
+    for build in (ShardPlan.build, BshdPlan.build):
+        with pytest.raises(ValueError, match=rf"^cp_size={cp}: with tp_size={tp} every padded batch has at least "
+                                             r"cp_size \* tp_size rows, which must stay below 2\*\*31"):
+            build([5, 3], cp_size=cp, tp_size=tp)

@@ -76,9 +76,11 @@ def wire(t: torch.Tensor) -> torch.Tensor:
 
     Every backend moves uint8 (gloo has no int16, uintN, bool or fp8), and an all-gather or
     all-to-all never looks at values, so every dtype travels as its bytes; the leading row
-    dimension, and with it the splits counted in rows, is unchanged. ``t`` must be contiguous.
+    dimension, and with it the splits counted in rows, is unchanged. ``t`` must be contiguous. A
+    conjugate or negative view (complex ``x.conj()``) is materialized first: its bytes are not its
+    values (an output buffer never is one, so writes still land in it).
     """
-    return t.unsqueeze(-1).view(torch.uint8)
+    return t.resolve_conj().resolve_neg().unsqueeze(-1).view(torch.uint8)
 
 
 def movable(t: torch.Tensor, pad_value: Any, fill: Any) -> tuple[torch.Tensor, int, int] | None:

@@ -48,8 +48,18 @@ def check_rank(cp_rank: Any, cp_size: int) -> int:
 
 
 def check_tensor(name: str, value: Any) -> torch.Tensor:
+    """``value`` if it is a dense (strided) tensor or a jagged nested one; else a ``TypeError``.
+
+    Quantized tensors (whose rows index_select would read as garbage or crash on), sparse ones
+    and other layouts are refused here, before anything reads them."""
     if not isinstance(value, torch.Tensor):
         fail(name, type(value).__name__, "must be a torch.Tensor", f"pass {name} as a tensor", kind=TypeError)
+    if value.is_quantized:
+        fail(name, f"quantized tensor ({value.dtype})", "cannot be moved row by row",
+             f"pass {name}.dequantize() or its int_repr()", kind=TypeError)
+    if value.layout not in (torch.strided, torch.jagged):
+        fail(name, f"tensor with layout {value.layout}", "must be dense (strided) or a jagged nested tensor",
+             f"pass {name}.to_dense()", kind=TypeError)
     return value
 
 

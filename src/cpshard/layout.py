@@ -113,6 +113,18 @@ def register_layout_rule(rule: _LayoutRule) -> _LayoutRule:
 
 
 @register_layout_rule
+def _declared(config: Any) -> Layout | None:
+    # What the config itself declares: Megatron-LM dev's TransformerConfig.cp_partition_mode, or
+    # attention_cp_layout (the name Megatron-LM main gives the attention layers' layout). Asked after
+    # the rules below: a dsv4_hybrid model is contiguous whatever the field says.
+    for name in ("cp_partition_mode", "attention_cp_layout"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return Layout.parse(value, f"config.{name}")
+    return None
+
+
+@register_layout_rule
 def _dsv4_hybrid(config: Any) -> Layout | None:
     # DeepSeek-V4's hybrid attention addresses rows through one rank-local global_start:
     # zigzag silently gives wrong attention there, so it needs the contiguous layout.
@@ -125,7 +137,8 @@ def layout_for(config: Any) -> Layout:
     """The context-parallel layout a model config needs (SPEC.md, "Layout choice").
 
     ``CONTIGUOUS`` when ``config.experimental_attention_variant == "dsv4_hybrid"`` (or when a
-    registered rule says so), else ``ZIGZAG``. Decide once per step and shard every tensor of
+    registered rule says so), else the layout the config declares (Megatron-LM dev's
+    ``cp_partition_mode``, or ``attention_cp_layout``), else ``ZIGZAG``. Decide once per step and shard every tensor of
     that step (tokens, labels, masks, router indices, value-head outputs) with the same plan.
     """
     for rule in _RULES:

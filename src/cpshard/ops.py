@@ -19,7 +19,7 @@ import torch
 
 from cpshard import _index
 from cpshard._dtypes import check_fill, movable
-from cpshard._errors import check_int, check_rank, fail
+from cpshard._errors import check_int, check_rank, check_tensor, fail
 from cpshard.bshd import BshdPlan
 from cpshard.plan import (
     PlanBase,
@@ -52,6 +52,8 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
     ``(n_i, *trailing)`` tensors (one ``cat``), or the flat tensor.
     """
     lens = plan.input_seqlens_py
+    if isinstance(x, torch.Tensor):
+        check_tensor(name, x)
     if isinstance(x, torch.Tensor) and x.is_nested:
         got = jagged_lengths(x, name)
         if got != lens:
@@ -74,8 +76,7 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
             fail(name, f"list of {len(x)} tensors", f"must hold the plan's {len(lens)} sequences",
                  "pass one tensor per sequence")
         for i, (t, n) in enumerate(zip(x, lens)):
-            if not isinstance(t, torch.Tensor):
-                fail(f"{name}[{i}]", type(t).__name__, "must be a torch.Tensor", "pass tensors", kind=TypeError)
+            check_tensor(f"{name}[{i}]", t)
             if t.dim() == 0 or t.shape[0] != n:
                 fail(f"{name}[{i}]", f"tensor of shape {tuple(t.shape)}", f"must have seqlens[{i}] = {n} rows",
                      "build the plan from this batch's lengths")
@@ -202,7 +203,7 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
     cp_rank = check_rank(cp_rank, plan.cp_size)
     shift = check_shift(shift)
     stride: int | None = None
-    if isinstance(plan, BshdPlan) and isinstance(x, torch.Tensor) and not x.is_nested:
+    if isinstance(plan, BshdPlan) and isinstance(x, torch.Tensor) and not check_tensor("x", x).is_nested:
         b, longest = plan.num_seqs, max(plan.seqlens_py)
         if x.dim() < 2 or x.shape[0] != b or x.shape[1] < longest:
             fail("x", f"tensor of shape {tuple(x.shape)}",
@@ -239,8 +240,7 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
     lead = plan.local_shape
     first = parts[0]
     for r, part in enumerate(parts):
-        if not isinstance(part, torch.Tensor):
-            fail(f"parts[{r}]", type(part).__name__, "must be a torch.Tensor", "pass tensors", kind=TypeError)
+        check_tensor(f"parts[{r}]", part)
         if tuple(part.shape[:len(lead)]) != lead or part.dim() < len(lead):
             fail(f"parts[{r}]", f"tensor of shape {tuple(part.shape)}",
                  f"must lead with the plan's local_shape = {lead}", "pass each rank's full local output for this plan")

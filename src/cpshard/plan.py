@@ -112,6 +112,10 @@ def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,
     layout = Layout.parse(layout)
     if not isinstance(fp8, bool):
         fail("fp8", repr(fp8), "must be a bool", "pass fp8=True or fp8=False", kind=TypeError)
+    if cp_size * tp_size >= 2**31:  # before any NumPy arithmetic on them (int64 would overflow first)
+        fail("cp_size", cp_size, f"with tp_size={tp_size} every padded batch has at least cp_size * tp_size rows, "
+             "which must stay below 2**31 (cu_seqlens are int32, as Megatron and TransformerEngine take them)",
+             "pass the sizes of your context- and tensor-parallel groups")
     return lens, cp_size, tp_size, layout, fp8
 
 
@@ -651,11 +655,13 @@ def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
 
     def base() -> torch.Tensor:
         # every shift's gather reads this index from a shifted view of the input (ShardIndex). int32
-        # (every plan has fewer than 2**31 rows): half the memory traffic of int64, and index_select
-        # takes it. Pad rows of the last sequences may point past the input: clamped, segment by segment
+        # where the input has fewer than 2**31 rows (every packed input: a plan's offsets are int32):
+        # half the memory traffic of int64, and index_select takes it. A padded (B, S) input wider
+        # than the plan can have more rows (B * S): int64 there, never a wrapped index. Pad rows of
+        # the last sequences may point past the input: clamped, segment by segment
         seg = rank_rows(plan, cp_rank)
         first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
-        src = _index.expand_np(first, seg.length, np.dtype(np.int32))
+        src = _index.expand_np(first, seg.length, np.dtype(np.int32 if rows < 2**31 else np.int64))
         last = max(rows - 1, 0)
         over = np.flatnonzero(first + seg.length - 1 > last)
         if over.size > 8:

@@ -99,6 +99,35 @@ def _portable(value: Any) -> Any:
     return value
 
 
+def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _ResultPickler(pickle.Pickler):
+    """Pickles a strided tensor as its bytes, dtype and shape, rebuilt by this module alone.
+
+    torch pickles a tensor's storage through ``torch.storage._load_from_bytes``, by reference; a
+    library the rank imported may have replaced that function (megatron-core does, with its own in
+    ``megatron.core.safe_globals``), and the parent would then have to import that library to read
+    the result (on a CPU machine Megatron's import needs Triton). Bytes need nothing."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.layout is torch.strided and not obj.is_quantized:
+            flat = obj.resolve_conj().resolve_neg().contiguous().reshape(-1)
+            return _tensor_from_bytes, (flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"",
+                                        obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def _dumps(value: Any) -> bytes:
+    import io
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
             results: Any, collective_timeout: float) -> None:
     import torch.distributed as dist
@@ -113,7 +142,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         finally:
             dist.destroy_process_group()
         try:  # pickle here, so that an unpicklable result is reported, not lost in the queue's thread
-            payload = pickle.dumps(_portable(value))
+            payload = _dumps(_portable(value))
         except Exception as exc:  # noqa: BLE001 - any pickling failure is reported the same way
             results.put((rank, False, time.time(), f"rank {rank} returned a value that cannot leave its process "
                          f"({type(value).__name__}): {exc!r}. Fix: return tensors, numbers, strings or "

@@ -1,33 +1,34 @@
-"""verl 0.9.1's sequence-packing helpers (``verl/models/mcore/util.py``), rebuilt on the shard plan.
+"""verl's sequence-packing helpers (``verl/models/mcore/util.py``), rebuilt on the shard plan.
 
 Each function keeps verl's name, positional parameters and return structure, so that
 :func:`patch` can put it where verl's model-forward modules bind the original; each adds
 keyword-only ``tp_size``, ``cp_size``, ``cp_rank`` and ``cp_group`` (read from Megatron's parallel
-state only when not given; see :func:`cpshard.megatron.state.parallel_context`) and ``plan=``: a
+state only when not given; see :func:`cpshard.megatron.state.parallel_context`), ``plan=``: a
 plan built once per micro-batch (:func:`thd_plan`, :func:`bshd_plan`) so that tokens, labels,
-masks, router-replay indices and teacher top-k rows of one step share it.
+masks, router-replay indices and teacher top-k rows of one step share it, and ``verl_version=``
+where verl versions differ.
 
-No index math lives here: every function builds (or takes) a plan and calls ``cpshard.shard`` /
-``unshard`` / ``cpshard.distributed.gather``. On every row that holds a real token the results
-equal verl's; the README's "Differences from verl" lists where verl is wrong and what cpshard
-returns instead. In short:
+A drop-in is verl's contract, bit for bit: every row of every output, pad rows and position ids
+included, equals verl's (the per-row rules are :mod:`cpshard.compat._verl_rows`, over the plan's
+own views), except where verl loses or corrupts a token; the README's "Differences from verl"
+lists those rows:
 
-- ``need_roll``: token ``p`` receives token ``p + 1`` of its own sequence (``shard(..., shift=1)``);
-  each sequence's last token receives 0 (verl fills it with whatever its roll brings, which a loss
-  mask removes), and a zero-length sequence no longer overwrites its neighbour's last label.
+- a sequence of no rows under zigzag ``need_roll`` overwrites the previous row's label with 0;
+  where that row has a label to lose, the drop-in keeps it;
 - ``min_local_rows`` / ``pad_to_length_bucket``: verl's target total is used where it keeps every
   plan invariant (so the buffers equal verl's); where verl's would drop tokens, the total is
-  rounded up as ``ShardPlan.build`` does.
-- position ids: each row's own position (verl's rolled ones under ``need_roll`` are unused by
-  verl and differ between its layouts); pad rows hold their position in the padded sequence.
+  rounded up as ``ShardPlan.build`` does;
+- ``forced_max_seqlen`` shorter than a row is an error, not a silent truncation.
 
-Sources read (not copied): verl 0.9.1 ``verl/models/mcore/util.py``, ``model_forward.py``,
-``model_forward_fused.py``; megatron-core 0.19.2 ``megatron/core/packed_seq_params.py``.
+Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/models/mcore/util.py``,
+``model_forward.py``, ``model_forward_fused.py``, ``tests/utils/test_megatron_bshd_preprocess.py``;
+megatron-core 0.19.2 ``megatron/core/packed_seq_params.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -40,13 +41,15 @@ from typing import Any
 
 import torch
 
+from cpshard import _index
 from cpshard._errors import check_int, check_tensor, fail
 from cpshard.bshd import BshdPlan
+from cpshard.compat import _verl_rows
 from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params, plan_from_padded
 from cpshard.megatron.state import ParallelContext, parallel_context
-from cpshard.ops import shard, unshard
+from cpshard.ops import gather_rows, shard, unshard
 from cpshard.padded import to_padded
 from cpshard.plan import ShardPlan, jagged_lengths
 
@@ -74,6 +77,29 @@ _PLAN_ATTR = "_cpshard_plan"
 
 # -- plans ---------------------------------------------------------------------------------------
 
+def _cp_layout(value: Any) -> Layout:
+    """verl's check of ``cp_layout``, in its words (its tests match them), with cpshard's fix."""
+    if isinstance(value, Layout) or value in ("zigzag", "contiguous"):
+        return Layout.parse(value, "cp_layout")
+    raise ValueError(f"Unsupported context parallel layout: {value} (cp_layout={value!r}; valid: 'zigzag', "
+                     "'contiguous'). Fix: pass cp_layout='zigzag' (balanced causal attention) or 'contiguous' "
+                     "(kernels such as DeepSeek-V4's dsv4_hybrid)")
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_rules() -> _verl_rows.Rules:
+    return _verl_rows.rules_for(_verl_version(default=_WRITTEN_FOR))
+
+
+def _rules(verl_version: str | None) -> _verl_rows.Rules:
+    if verl_version is None:
+        return _installed_rules()
+    if not isinstance(verl_version, str):
+        fail("verl_version", repr(verl_version), "must be a version string", "pass e.g. '0.9.1', or None",
+             kind=TypeError)
+    return _verl_rows.rules_for(verl_version)
+
+
 def _ctx(tp_size: int | None, cp_size: int | None, cp_rank: int | None, cp_group: Any,
          local_cp_size: int | None = None, need_group: bool = False) -> ParallelContext:
     return parallel_context(tp_size=tp_size, cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group,
@@ -93,7 +119,7 @@ def thd_plan(
 ) -> ShardPlan:
     """The plan ``preprocess_thd_engine`` uses for a micro-batch (pass it as ``plan=`` to share it).
 
-    ``input_ids`` is the jagged nested batch (or its lengths). Padding follows verl 0.9.1: every
+    ``input_ids`` is the jagged nested batch (or its lengths). Padding follows verl: every
     sequence to the layout's alignment (fp8: ``lcm(16, a)`` and the total to ``a * 128``), then the
     total to at least ``cp * min_local_rows``, then to a multiple of ``lcm(pad_to_length_bucket,
     cp)`` (and of the fp8 total), all on the last sequence. Where verl's target keeps every token
@@ -206,41 +232,58 @@ def preprocess_thd_engine(
     cp_rank: int | None = None,
     cp_group: Any = None,
     plan: ShardPlan | None = None,
+    verl_version: str | None = None,
 ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
     """Pack a jagged batch into this CP rank's rows (verl's ``preprocess_thd_engine``).
 
     Args:
         input_ids: jagged nested tensor ``(B, j, ...)``, any dtype (tokens, labels, masks, top-k rows).
-        need_roll: next-token labels: token ``p`` receives token ``p + 1`` of its sequence (0 past
-            the end), on every layout.
+        need_roll: next-token labels: token ``p`` receives token ``p + 1`` of its sequence; the
+            last token and the pad rows what verl's roll gives them (:mod:`cpshard.compat._verl_rows`).
         local_cp_size: verl's dynamic CP: this micro-batch uses a group of that many ranks
             (``cp_group``, else Megatron's dynamic group of that size).
         cp_layout: ``"zigzag"`` or ``"contiguous"``.
         tp_size, cp_size, cp_rank, cp_group: parallel state; read from Megatron when not given.
         plan: the micro-batch's plan (:func:`thd_plan`); built from the arguments when None.
+        verl_version: whose rows to reproduce where verl versions differ (the roll at a sequence's
+            end, see :mod:`cpshard.compat._verl_rows`); default the installed verl's.
+
+    Every row equals verl's, pad rows and position ids included, except where verl loses a token
+    (README, "Differences from verl").
 
     Returns:
         ``(rows, packed_seq_params, position_ids)``: ``(1, L, ...)``, Megatron's ``PackedSeqParams``
         (:func:`cpshard.megatron.packed_seq_params`) and ``(1, L)`` int64 positions;
         ``(input_ids, packed_seq_params, None)`` when ``pre_process`` is False.
     """
-    layout = Layout.parse(cp_layout, "cp_layout")
+    layout = _cp_layout(cp_layout)
+    rules = _rules(verl_version)
     ctx = _ctx(tp_size, cp_size, cp_rank, cp_group, local_cp_size, need_group=local_cp_size is not None)
     if plan is None:  # one host copy of the lengths; the rows are then the batch's values as they are
         plan = thd_plan(_seqlens(input_ids), use_fp8_padding, min_local_rows, pad_to_length_bucket, layout,
                         tp_size=ctx.tp_size, cp_size=ctx.cp_size)
-        source = input_ids.values()
     else:  # checked against the plan (one host copy)
-        plan, source = _given_plan(plan, ShardPlan, ctx.cp_size, layout), input_ids
+        plan = _given_plan(plan, ShardPlan, ctx.cp_size, layout)
+        if _seqlens(input_ids) != plan.input_seqlens_py:
+            fail("input_ids", f"nested tensor with lengths {list(_seqlens(input_ids))}",
+                 f"must match the plan's seqlens {list(plan.input_seqlens_py)}",
+                 "pass the batch the plan was built for")
     dynamic = local_cp_size is not None
     psp = packed_seq_params(plan, device=input_ids.device, cp_group=ctx.cp_group if dynamic else None,
                             local_cp_size=local_cp_size)
     _attach(psp, plan)
     if not pre_process:
         return input_ids, psp, None
-    rows = shard(source, plan, ctx.cp_rank, shift=int(bool(need_roll)), pad_value=0, fill=0)
-    positions = plan.position_ids(ctx.cp_rank).to(input_ids.device)
-    return rows.unsqueeze(0), psp, positions.unsqueeze(0)
+    rows, positions = _verl_rows.thd_rows(input_ids.values(), plan, ctx.cp_rank, bool(need_roll), rules)
+    return rows.unsqueeze(0), psp, positions.to(input_ids.device).unsqueeze(0)
+
+
+def _rows_of(values: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``values[src]``, zero where ``src`` is -1: one gather (any dtype, differentiable)."""
+    src = src.to(values.device)
+    zeros = (src < 0).nonzero().flatten()
+    index = _index.ShardIndex(src.clamp(min=0), zeros, zeros.new_zeros(0))
+    return gather_rows(values, index, 0, 0)
 
 
 def _thd_restore_plan(psp: Any, seqlens: Any, layout: Layout, cp_size: int | None, tp_size: int | None,
@@ -286,7 +329,7 @@ def postprocess_thd_engine(
         group (none at ``cp = 1``). The gradient reaches this rank's own rows once (as verl's, whose
         other ranks' rows are detached).
     """
-    layout = Layout.parse(cp_layout, "cp_layout")
+    layout = _cp_layout(cp_layout)
     if not post_process:
         return output
     local = _local_rows(output)
@@ -414,7 +457,8 @@ def preprocess_bshd_engine(
     Args:
         input_ids: jagged nested tensor ``(B, j, ...)``.
         pre_process: accepted for verl's signature; verl 0.9.1 shards whatever it is.
-        need_roll: token ``p`` receives token ``p + 1`` of its row (0 past the end).
+        need_roll: token ``p`` receives token ``p + 1`` of its row; the last column wraps to the
+            row's first token (verl rolls each padded row).
         forced_max_seqlen: pad every row to this length (before alignment); must be >= the longest.
 
     Returns:
@@ -428,7 +472,14 @@ def preprocess_bshd_engine(
         plan = _given_plan(plan, BshdPlan, ctx.cp_size, Layout.ZIGZAG)
     x = shard(input_ids, plan, ctx.cp_rank, shift=int(bool(need_roll)), pad_value=0, fill=0)
     mask = plan.token_mask(ctx.cp_rank).to(x.device)
-    positions = plan.position_ids(ctx.cp_rank).to(x.device)
+    positions = plan.position_ids(ctx.cp_rank)
+    if need_roll:  # verl rolls each padded row: its last column takes the row's first token
+        last = (positions == plan.max_seqlen - 1).nonzero()
+        if last.numel():
+            starts = torch.tensor([c if n else -1 for c, n in zip(plan.input_cu_seqlens_py, plan.input_seqlens_py)])
+            b = last[:, 0] if plan.order is None else torch.tensor(plan.order)[last[:, 0]]
+            x = x.index_put((last[:, 0].to(x.device), last[:, 1].to(x.device)), _rows_of(_values(input_ids), starts[b]))
+    positions = positions.to(x.device)
     _attach(mask, plan)
     return x, mask, positions
 
@@ -487,14 +538,25 @@ def build_vlm_attn_mask_thd(
     *,
     tp_size: int | None = None,
     cp_size: int | None = None,
+    verl_version: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The jagged batch padded to the longest row aligned for TP/CP, and its mask (verl's function).
+    """The jagged batch padded to the longest row, and its mask (verl's function).
 
-    Returns ``(input_ids (B, M), attention_mask (B, M) bool)`` with ``M`` the BSHD plan's aligned
-    length (``2 * cp * tp`` at ``cp > 1``, else ``tp``), unsharded (the vision model packs later).
+    Returns ``(input_ids (B, M), attention_mask (B, M) bool)``, unsharded (the vision model packs
+    later). verl 0.9.1 rounds ``M`` up to the BSHD plan's alignment (``2 * cp * tp`` at ``cp > 1``,
+    else ``tp``); verl 0.9.0 and main do not (``verl_version``: whose to follow, default the
+    installed verl's).
     """
     plan = bshd_plan(input_ids, tp_size=tp_size, cp_size=cp_size)
-    return _padded(input_ids, plan, pad_token_id)
+    if _rules(verl_version).vlm_thd_aligned:
+        return _padded(input_ids, plan.max_seqlen, pad_token_id)
+    # verl 0.9.0 / main: torch's own padding, whose width is the longest row only where the nested
+    # tensor carries it (built from a list); from values and offsets alone torch pads to all the values
+    if pad_token_id is None:
+        return _padded(input_ids, 0, pad_token_id)  # the error
+    padded = input_ids.to_padded_tensor(pad_token_id)
+    lens = torch.tensor(plan.seqlens_py, device=padded.device)
+    return padded, torch.arange(padded.shape[1], device=padded.device) < lens[:, None]
 
 
 def build_vlm_attn_mask_bshd(
@@ -509,14 +571,18 @@ def build_vlm_attn_mask_bshd(
     """As :func:`build_vlm_attn_mask_thd`, padded to ``forced_max_seqlen`` (aligned) when given."""
     plan = bshd_plan(input_ids, forced_max_seqlen=forced_max_seqlen, tp_size=tp_size, cp_size=cp_size)
     _check_batch(batch_size, plan.num_seqs)
-    return _padded(input_ids, plan, pad_token_id)
+    return _padded(input_ids, plan.max_seqlen, pad_token_id)
 
 
-def _padded(input_ids: torch.Tensor, plan: BshdPlan, pad_token_id: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(input_ids: torch.Tensor, length: int, pad_token_id: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if pad_token_id is None:
         fail("pad_token_id", None, "is needed to fill the padding", "pass the tokenizer's pad token id",
              kind=TypeError)
-    return to_padded(input_ids, length=plan.max_seqlen, pad_value=pad_token_id)
+    return to_padded(input_ids, length=length, pad_value=pad_token_id)
+
+
+def _values(x: torch.Tensor) -> torch.Tensor:
+    return x.values() if isinstance(x, torch.Tensor) and x.is_nested else x
 
 
 # -- patch() -------------------------------------------------------------------------------------------
@@ -533,7 +599,8 @@ _DROP_INS: dict[str, Callable[..., Any]] = {
 }
 
 _UTIL = "verl.models.mcore.util"
-# Where verl 0.9.1 binds the functions by name (``from .util import ...``), besides util itself.
+# Where verl binds the functions by name (``from .util import ...``), besides util itself (0.9.1; main binds
+# one name fewer in model_forward_fused: skipped).
 # The first two must import; the others are patched when importable (a module imported later binds
 # util's names as they are then, i.e. the drop-ins while the patch is on).
 _BINDERS: dict[str, tuple[str, ...]] = {
@@ -551,11 +618,11 @@ _WRITTEN_FOR = "0.9.1"
 _logged = False
 
 
-def _verl_version() -> str:
+def _verl_version(default: str = "unknown") -> str:
     try:
         return importlib.metadata.version("verl")
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        return default
 
 
 def _positional(fn: Callable[..., Any]) -> list[str]:
@@ -568,6 +635,7 @@ class VerlPatch:
 
     def __init__(self) -> None:
         self.replaced: list[str] = []  # "module.name", in the order they were replaced
+        self.skipped: list[str] = []  # "module.name" sites this verl does not bind (nothing to replace)
         self._saved: list[tuple[ModuleType, str, Any, Any]] = []
         self._originals: dict[str, Any] = {}
         self.active = False
@@ -606,11 +674,15 @@ class VerlPatch:
 def patch() -> VerlPatch:
     """Make a running verl use cpshard's drop-ins; also a context manager that undoes itself.
 
-    Replaces the functions of this module in ``verl.models.mcore.util`` and wherever verl 0.9.1
-    binds them by name (``model_forward``, ``model_forward_fused``, ``model_forward_1f1b_overlap``,
-    ``verl.utils.megatron.router_replay_utils``, ``verl.trainer.distillation.megatron.losses``).
-    Checks first, changing nothing on failure: every name must exist with verl 0.9.1's positional
-    parameters, else a ``ValueError`` names the installed verl version and the function. Logs what
+    Imports megatron-core without Triton first (:mod:`cpshard.megatron._import`), then replaces the
+    functions of this module in ``verl.models.mcore.util`` and at every site where verl binds them by
+    name (``model_forward``, ``model_forward_fused``, ``model_forward_1f1b_overlap``,
+    ``verl.utils.megatron.router_replay_utils``, ``verl.trainer.distillation.megatron.losses``), and
+    routes verl's MTP loss through :func:`cpshard.megatron.process_mtp_loss`. A site that does not
+    bind a name (verl main's ``model_forward_fused`` has no ``build_vlm_attn_mask_thd``) is skipped
+    and logged (``VerlPatch.skipped``). Checks first, changing nothing on failure: every function
+    must exist in util with verl's positional parameters, and no site may bind another object (a
+    wrapper) under the name, else a ``ValueError`` names the verl version and the site. Logs what
     it did (once per process at INFO, then DEBUG).
 
     Example::
@@ -623,13 +695,16 @@ def patch() -> VerlPatch:
     version = _verl_version()
     result = VerlPatch()
     modules: dict[str, ModuleType] = {}
+    _import_megatron_for_verl(version)
     for name in _BINDERS:
         try:
             modules[name] = importlib.import_module(name)
         except ImportError as exc:
             if name in _REQUIRED:
-                fail("verl", version, f"cannot import {name} ({exc})",
-                     f"install verl=={_WRITTEN_FOR} with its Megatron dependencies")
+                missing = f"the module {exc.name!r} is missing" if exc.name else "an import failed"
+                fail("verl", version, f"cannot import {name}: {missing} ({exc})",
+                     f"install {exc.name or 'the missing package'} (verl's Megatron path needs megatron-core; "
+                     "see the README's install section), then patch again")
             logger.debug("cpshard.compat.verl: %s not importable (%s); it binds the patched names if "
                          "imported later", name, exc)
     util = modules[_UTIL]
@@ -648,15 +723,23 @@ def patch() -> VerlPatch:
                  f"for verl {_WRITTEN_FOR}'s ({', '.join(want)})",
                  f"install verl=={_WRITTEN_FOR}, or call cpshard.compat.verl.{name} yourself")
         originals[name] = original
+    sites: list[tuple[ModuleType, str]] = []
     for module_name, module in modules.items():
         for name in _BINDERS[module_name]:
-            if getattr(module, name, None) is not originals[name]:
-                fail("verl", version, f"{module_name}.{name} is not {_UTIL}.{name} (verl moved or wrapped it)",
-                     f"install verl=={_WRITTEN_FOR}, or patch that module yourself")
+            bound = getattr(module, name, _MISSING)
+            if bound is _MISSING:  # this verl no longer binds it there (verl main's model_forward_fused)
+                result.skipped.append(f"{module_name}.{name}")
+                continue
+            if bound is not originals[name]:
+                fail("verl", version, f"{module_name}.{name} is {_describe(bound)}, not {_UTIL}.{name} (verl "
+                     "wrapped or replaced it; cpshard would not know what the wrapper adds)",
+                     "patch that module yourself, or call cpshard.compat.verl's functions from the wrapper")
+            sites.append((module, name))
     mtp_patch = _mtp_patch_module(version)
-    for module_name, module in modules.items():
-        for name in _BINDERS[module_name]:
-            result._replace(module, name, _DROP_INS[name])
+    for module, name in sites:
+        result._replace(module, name, _DROP_INS[name])
+    if result.skipped:
+        logger.info("cpshard.compat.verl: verl %s does not bind %s; left alone", version, ", ".join(result.skipped))
     result._originals = originals
     result.active = True
     if mtp_patch is not None:
@@ -670,6 +753,25 @@ def patch() -> VerlPatch:
 
 _MISSING = object()
 _MTP_PATCH = "verl.models.mcore.mtp_patch"
+
+
+def _describe(obj: Any) -> str:
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    return f"{module}.{name}" if module and name else repr(obj)
+
+
+def _import_megatron_for_verl(version: str) -> None:
+    """Import megatron-core the way cpshard does on a machine without Triton, before verl's modules
+    import it themselves (verl's util imports ``megatron.core``; the Triton stand-in exists only
+    while the one file that needs it runs: :mod:`cpshard.megatron._import`)."""
+    from cpshard.megatron._import import INSTALL_HINT, import_megatron
+
+    try:
+        import_megatron("parallel_state")
+        import_megatron("packed_seq_params")
+    except ImportError as exc:
+        fail("verl", version, f"needs megatron-core for its Megatron path, and importing it failed: {exc}",
+             INSTALL_HINT.replace("megatron-core is not installed. ", "install it: "))
 
 
 def _mtp_patch_module(version: str) -> ModuleType | None:

@@ -29,6 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+INSTALL_HINT = ("megatron-core is not installed. On a CPU machine, without letting pip touch torch: "
+                "pip install numpy 'packaging>=24.2' && "
+                "pip install --no-deps --ignore-requires-python megatron-core==0.19.2")
 
 
 def _fake_triton() -> dict[str, types.ModuleType]:
@@ -51,12 +54,17 @@ def _fake_triton() -> dict[str, types.ModuleType]:
 def _preload_paged_stash() -> None:
     if _PAGED_STASH in sys.modules:
         return
-    spec = importlib.util.find_spec("megatron")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("megatron-core is not installed (cpshard.megatron and the verl drop-ins need it). Install "
-                          "it without letting pip touch torch: pip install numpy 'packaging>=24.2' && pip install "
-                          "--no-deps --ignore-requires-python megatron-core==0.19.2 (README, Install)")
-    path = f"{list(spec.submodule_search_locations)[0]}/core/transformer/moe/ops/paged_stash.py"
+    loaded = sys.modules.get("megatron")
+    if loaded is not None:  # imported already, perhaps a stand-in without __spec__ (a test's stub)
+        locations = list(getattr(loaded, "__path__", None) or ())
+    else:
+        spec = importlib.util.find_spec("megatron")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError(INSTALL_HINT)
+        locations = list(spec.submodule_search_locations)
+    if not locations:  # a stand-in module: nothing to preload, its submodules are what it provides
+        return
+    path = f"{locations[0]}/core/transformer/moe/ops/paged_stash.py"
     if not os.path.exists(path):  # older releases (0.14, 0.16) have no such file and import fine
         return
     fakes = _fake_triton()

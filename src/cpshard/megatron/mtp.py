@@ -107,6 +107,7 @@ def process_mtp_loss(
     packed_seq_params: Any = None,
     scale_logits_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     input_ids: torch.Tensor | None = None,
+    sequence_roll_context: Any = None,
     *,
     counts: Counts | str = Counts.GLOBAL,
 ) -> torch.Tensor:
@@ -120,10 +121,17 @@ def process_mtp_loss(
     summed over ``cp_group`` (``counts="local"`` keeps Megatron's per-rank counts), the layout comes
     from ``packed_seq_params.cp_partition_mode`` (so contiguous is shifted right), and labels and
     masks of all depths cross ranks in one collective. The gradient is attached through Megatron's
-    ``MTPLossAutoScaler`` when megatron-core imports (its scale applies), else cpshard's. With
-    ``is_training=True`` and megatron-core installed, each depth's loss is logged through Megatron's
-    tracker, which reads Megatron's parallel state: initialise it first (also on one CPU process,
-    gloo), or pass ``is_training=False`` (no logging; the same loss and gradients).
+    ``MTPLossAutoScaler`` when megatron-core imports (its scale applies), else cpshard's.
+
+    ``sequence_roll_context`` (Megatron-LM dev, which its GPT and hybrid models pass): dev's
+    per-micro-batch state for rolling contiguous packed CP rows, built from ``packed_seq_params``
+    and ``cp_group`` (sequence boundaries, neighbour ranks, optionally prefetched successor rows).
+    Accepted and not read: the plan built here from the same two arguments holds the same
+    boundaries for every layout, and the labels of all depths cross ranks in cpshard's one
+    collective, so the result is the same with or without it (``tests/test_mtp.py``).
+
+    On the CPU without Megatron's parallel state initialized, pass ``is_training=False``: training
+    mode logs each depth through Megatron's tracker, which reads the data-parallel group.
     """
     num_depths = int(config.mtp_num_layers)
     if labels is None and input_ids is None:

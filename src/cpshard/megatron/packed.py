@@ -54,11 +54,17 @@ def supports_cp_partition_mode(cls: type | None = None) -> bool:
     A dataclass field or an ``__init__`` parameter of that name counts, and so does an ``__init__``
     taking ``**kwargs`` (a stand-in that accepts any field), as verl 0.9.1 decides.
     """
-    cls = packed_seq_params_class() if cls is None else cls
-    if dataclasses.is_dataclass(cls) and "cp_partition_mode" in {f.name for f in dataclasses.fields(cls)}:
+    return _has_field(packed_seq_params_class() if cls is None else cls, "cp_partition_mode")
+
+
+def _has_field(cls: type, name: str) -> bool:
+    """Whether ``cls(name=...)`` is accepted: a dataclass field, an ``__init__`` parameter, or ``**kwargs``."""
+    if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
         return True
-    params = inspect.signature(getattr(cls, "__init__")).parameters  # noqa: B009 (mypy: __init__ on a type)
-    return "cp_partition_mode" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if dataclasses.is_dataclass(cls):
+        return name in {f.name for f in dataclasses.fields(cls)}
+    params = inspect.signature(getattr(cls, "__init__")).parameters  # noqa: B009
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _installed() -> str:
@@ -72,6 +78,7 @@ def packed_seq_params(
     device: torch.device | str | None = None,
     cp_group: Any = None,
     local_cp_size: int | None = None,
+    real_lengths: bool = False,
 ) -> Any:
     """Megatron-core's own ``PackedSeqParams`` for a THD plan.
 
@@ -82,6 +89,11 @@ def packed_seq_params(
         cp_group, local_cp_size: for verl's dynamic CP (a per-micro-batch group of
             ``local_cp_size`` ranks): set on the result as verl sets them; ``local_cp_size`` must
             equal ``plan.cp_size``.
+        real_lengths: put the real lengths (``plan.cu_seqlens``) in ``cu_seqlens_q`` / ``_kv``
+            beside the padded offsets in ``cu_seqlens_*_padded``, and ``pad_between_seqs=True``
+            where the class has that field: the form in which TransformerEngine skips each
+            sequence's pad rows and MoE routers do not count them. Default False: every field the
+            padded offsets, as verl 0.9.1 fills them (the pad rows are attended inside their sequence).
 
     Returns:
         ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -120,11 +132,19 @@ def packed_seq_params(
     if cp_group is not None:
         extra["cp_group"] = cp_group
     # a copy: the plan's own offsets are built once and must not be edited by whoever holds the params
-    cu = (plan.cu_seqlens_padded if device is None else plan.device_tensors(device).cu_seqlens_padded).clone()
+    on = None if device is None else plan.device_tensors(device)
+    cu = (plan.cu_seqlens_padded if on is None else on.cu_seqlens_padded).clone()
+    real = cu
+    if not isinstance(real_lengths, bool):
+        fail("real_lengths", repr(real_lengths), "must be a bool", "pass True or False", kind=TypeError)
+    if real_lengths:
+        real = (plan.cu_seqlens if on is None else on.cu_seqlens).clone()
+        if _has_field(cls, "pad_between_seqs"):
+            extra["pad_between_seqs"] = True
     return cls(
         qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
+        cu_seqlens_q=real,
+        cu_seqlens_kv=real,
         cu_seqlens_q_padded=cu,
         cu_seqlens_kv_padded=cu,
         max_seqlen_q=plan.max_seqlen,

@@ -38,12 +38,40 @@ class ParallelContext:
     cp_group: Any = None
 
 
-def _group_size_rank(group: Any, name: str) -> tuple[int, int]:
+def _group_read(group: Any, name: str, what: str) -> int:
+    """The group's ``what`` ("rank" or "size") as verl reads it: ``torch.distributed.get_rank(group=)`` /
+    ``get_world_size(group=)`` (which answer for any group torch knows, and which tests may fake),
+    else the object's own ``rank()`` / ``size()``."""
+    reader = getattr(torch.distributed, "get_rank" if what == "rank" else "get_world_size", None)
+    if reader is not None and torch.distributed.is_available():
+        try:
+            return int(reader(group=group))
+        except (RuntimeError, ValueError, KeyError, AttributeError, TypeError):
+            pass  # torch does not know this group (not initialized, or a stand-in): ask the object
     try:
-        return int(group.size()), int(group.rank())
-    except AttributeError:
-        fail(name, type(group).__name__, "must be a process group with size() and rank()",
+        return int(getattr(group, what)())
+    except (AttributeError, TypeError):
+        reader_name = "get_rank" if what == "rank" else "get_world_size"
+        fail(name, type(group).__name__, f"must be a process group (torch.distributed.{reader_name}(group=...) "
+             f"cannot answer for it, and it has no {what}())",
              "pass a torch.distributed ProcessGroup", kind=TypeError)
+
+
+def _group_size_rank(group: Any, name: str) -> tuple[int, int]:
+    return _group_read(group, name, "size"), _group_read(group, name, "rank")
+
+
+def _dynamic_group(size: int) -> Any:
+    """verl's dynamic-CP group of ``size`` ranks: Megatron-LM dev's
+    ``get_dynamic_data_context_parallel_groups``, or main's and releases' (0.16-0.19)
+    ``get_hybrid_data_context_parallel_groups``."""
+    mpu = import_megatron("parallel_state")
+    for name in ("get_dynamic_data_context_parallel_groups", "get_hybrid_data_context_parallel_groups"):
+        if hasattr(mpu, name):
+            return _read_state(name, group_size=size)
+    fail("local_cp_size", size, f"needs a dynamic context-parallel group, and megatron-core {megatron_version()}'s "
+         "parallel_state has neither get_dynamic_data_context_parallel_groups nor "
+         "get_hybrid_data_context_parallel_groups", "pass cp_group= (the micro-batch's group of local_cp_size ranks)")
 
 
 def _read_state(what: str, **kwargs: Any) -> Any:
@@ -55,7 +83,7 @@ def _read_state(what: str, **kwargs: Any) -> Any:
              "pass them explicitly (tp_size=, cp_size=, cp_rank=, cp_group=), or use a megatron-core that has it")
     try:
         return getattr(mpu, what)(**kwargs)
-    except (AssertionError, RuntimeError) as exc:
+    except (AssertionError, RuntimeError, KeyError) as exc:
         fail(what, f"megatron.core.parallel_state.{what}() raised {type(exc).__name__}: {exc}",
              "Megatron's parallel state must be initialized to read the parallel sizes from it",
              "call parallel_state.initialize_model_parallel(...) first, or pass tp_size=, cp_size=, cp_rank= "
@@ -79,9 +107,11 @@ def parallel_context(
     CP size of 0 before ``torch.distributed`` is initialized; that reads as one rank (rank 0).
 
     ``local_cp_size`` selects verl's dynamic CP: a per-micro-batch group of that many ranks, from
-    ``parallel_state.get_dynamic_data_context_parallel_groups(group_size=local_cp_size)`` unless
-    ``cp_group`` is passed. ``need_group=False`` leaves ``cp_group`` None rather than reading it
-    (for callers that do not communicate).
+    ``parallel_state.get_dynamic_data_context_parallel_groups(group_size=local_cp_size)`` (Megatron-LM
+    dev; ``get_hybrid_data_context_parallel_groups`` on main and the releases) unless ``cp_group`` is
+    passed. A group's size and rank are read as verl reads them, through
+    ``torch.distributed.get_world_size(group=)`` / ``get_rank(group=)``. ``need_group=False`` leaves
+    ``cp_group`` None rather than reading it (for callers that do not communicate).
     """
     if local_cp_size is not None:
         local_cp_size = check_int("local_cp_size", local_cp_size, minimum=1)
@@ -90,11 +120,12 @@ def parallel_context(
                  "local_cp_size ranks)", "pass only one of them, or equal values")
         cp_size = local_cp_size
         if cp_group is None and (cp_rank is None or need_group):
-            cp_group = _read_state("get_dynamic_data_context_parallel_groups", group_size=local_cp_size)
-    if cp_group is not None and (cp_size is None or cp_rank is None):
-        size, rank = _group_size_rank(cp_group, "cp_group")
-        cp_size = size if cp_size is None else cp_size
-        cp_rank = rank if cp_rank is None else cp_rank
+            cp_group = _dynamic_group(local_cp_size)
+    if cp_group is not None:
+        if cp_size is None:
+            cp_size = _group_read(cp_group, "cp_group", "size")
+        if cp_rank is None:
+            cp_rank = _group_read(cp_group, "cp_group", "rank")
     if pg_collection is not None:
         if tp_size is None:
             tp_size = _group_size_rank(getattr(pg_collection, "tp", None), "pg_collection.tp")[0]

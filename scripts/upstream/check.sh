@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# By hand, not in CI: the drop-ins against verl's and Megatron-LM's source trees (what the README's
+# "Versions tested" reports). Needs scripts/setup.sh first and the trees from the search tool's fetch:
+#   git -C <verl mirror> archive HEAD | tar -x -C /tmp/verl-main
+#   git -C <Megatron-LM mirror> archive dev megatron | tar -x -C /tmp/mdev   (and main into /tmp/mmain)
+#   scripts/upstream/check.sh /tmp/verl-main /tmp/mdev /tmp/mmain
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+VERL_TREE=$1 MDEV=$2 MMAIN=${3:-}
+PY=.venv/bin/python
+WORK=$(mktemp -d)
+"$PY" -m pip install -q --no-deps --no-build-isolation --target "$WORK/verl" "$VERL_TREE"  # its dist-info names its version
+# 1. verl's own util tests, with only the lines that load util.py changed to load the drop-ins
+"$PY" - "$VERL_TREE" "$WORK/test_upstream.py" <<'PY'
+import sys
+src = open(f"{sys.argv[1]}/tests/utils/test_megatron_bshd_preprocess.py").read()
+start = src.index('    util_path = Path(__file__)')
+end = src.index('    return module', start) + len('    return module')
+open(sys.argv[2], "w").write(src[:start] + "    import cpshard.compat.verl as module\n    return module" + src[end:])
+PY
+echo "--- verl's upstream util tests against cpshard.compat.verl (one fakes all_gather's list form: may fail)"
+(cd "$WORK" && PYTHONPATH="$WORK/verl" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider test_upstream.py) || true
+echo "--- whole outputs against that verl's util.py"
+PYTHONPATH="$WORK/verl" "$PY" scripts/upstream/compare_thd.py 2>&1 | tail -1
+echo "--- patch() on that verl"
+PYTHONPATH="$WORK/verl" "$PY" -c "
+from cpshard.compat import verl as cv
+p = cv.patch(); print(len(p.replaced), 'sites bound; skipped:', p.skipped); p.undo(); print('undone')" 2>&1 | tail -2
+for tree in "$MDEV" $MMAIN; do
+  echo "--- process_mtp_loss against $tree"
+  PYTHONPATH="$tree" "$PY" -m pytest -q tests/test_mtp.py -k "equals_megatron_process or every_parameter" 2>&1 | tail -1
+done
+rm -rf "$WORK"
