@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cpshard import BshdPlan, Layout, ShardPlan, shard, unshard
 from cpshard.attention import (
+    attend_blocks,
     attend_gathered,
     attention,
     attention_mask,
@@ -77,6 +78,30 @@ def test_matches_per_token_oracle_with_gradients(lens, layout):
                 assert torch.allclose(got, want, rtol=1e-13, atol=1e-14), (cp, tp, extra)
                 for g, w in zip(_grads(got, [q, k, v], weight), want_grads):
                     assert torch.allclose(g, w, rtol=1e-12, atol=1e-13), (cp, tp, extra)
+
+
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+def test_blocks_of_query_rows_match_the_oracle_with_gradients(layout):
+    """attend_blocks (what attention runs) at budgets that cut sequences into blocks of one row, of a
+    few rows, and put several sequences in one block, and at the default (one block here)."""
+    lens = [13, 0, 1, 6, 2, 9]
+    q, k, v = _inputs(lens, seed=11)
+    want = oracle(q, k, v)
+    weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    want_grads = _grads(want, [q, k, v], weight)
+    for cp, extra in ((1, {}), (2, {}), (3, {"padding": "minimal"}), (2, {"tp_size": 2})):
+        plan = ShardPlan.build(lens, cp_size=cp, layout=layout, **extra)
+        for budget in (1, 7, 40, None):
+            qs, ks, vs = ([shard(x, plan, r) for r in range(cp)] for x in (q, k, v))
+            k_all, v_all = torch.cat(ks), torch.cat(vs)
+            outs = [attend_blocks(qs[r], k_all, v_all, plan, r, max_scores=budget) for r in range(cp)]
+            got = unshard(outs, plan).values()
+            assert torch.allclose(got, want, rtol=1e-13, atol=1e-14), (cp, extra, budget)
+            for g, w in zip(_grads(got, [q, k, v], weight), want_grads):
+                assert torch.allclose(g, w, rtol=1e-12, atol=1e-13), (cp, extra, budget)
+            with torch.no_grad():  # no checkpointing without autograd: the same values
+                assert torch.equal(torch.cat([attend_blocks(qs[r], k_all, v_all, plan, r, max_scores=budget)
+                                              for r in range(cp)]), torch.cat(outs).detach())
 
 
 def test_naive_kernel_is_right_under_contiguous_and_wrong_under_zigzag():

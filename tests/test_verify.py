@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import struct
 import subprocess
 import sys
@@ -57,6 +58,10 @@ def test_verify_json_passes_and_reports_every_configuration(capfd):
     assert by[2, "zigzag", "aligned"] > by[2, "zigzag", "minimal"] > 0  # 9,1,4 padded to 16,8,8 vs to 12,4,4
     assert report["naive"]["ok"] is False and report["naive"]["max_abs_diff"]["logprobs"] > 1e-3
     assert "10/10" in err  # the progress bar: the reference, eight configurations, the naive check
+    # the estimate before the configurations, and each step's time on its line
+    assert re.search(r"cpshard verify: about \d+ (s|min \d\d s) more on \d+ CPU cores?", err), err
+    assert re.search(r"\] 1/10 cp=1 reference \d+\.\d s\n", err) and re.search(
+        r"\] 10/10 cp=2 tp=1 zigzag, naive attention \d+\.\d s\n", err), err
 
 
 def test_naive_attention_under_zigzag_is_a_mismatch_with_nonzero_exit(capfd):
@@ -83,10 +88,15 @@ def test_torchrun_path_on_two_gloo_ranks():
 
 
 def test_verify_refuses_bad_arguments(capfd):
-    assert cli_main(["verify", "--lengths", "0,1", "--no-progress"]) == 2
-    assert "lengths=[0, 1]: must hold a sequence of at least 2 tokens" in capfd.readouterr().err
-    assert cli_main(["verify", "--layouts", "zigzog", "--no-progress"]) == 2
-    assert "is not a known layout" in capfd.readouterr().err
+    from cpshard.verify import verify
+
+    with pytest.raises(ValueError, match=r"lengths=\[0, 1\]: must hold a sequence of at least 2 tokens"):
+        verify(lengths=[0, 1], progress=False)
+    with pytest.raises(ValueError, match="is not a known layout"):
+        verify(layouts=["zigzog"], progress=False)
+    with pytest.raises(SystemExit):
+        cli_main(["verify", "--lengths", "0,1", "--no-progress"])
+    assert "argument --lengths: no sequence has 2 tokens" in capfd.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["verify", "--backend", "nccl"])
     assert "--backend applies under torchrun only" in capfd.readouterr().err

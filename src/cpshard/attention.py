@@ -13,8 +13,18 @@ pure index math from the plan: ``plan.sequence_ids(s)``, ``plan.position_ids(s)`
 
 (same sequence, causal by position, real tokens only). A pad query row sees no key and outputs
 zeros; a pad key is never seen. This is the mask a varlen kernel derives from ``cu_seqlens`` and
-the layout, written out densely: ``(L, cp * L)`` per head, so it is a reference for checks, not a
-kernel (memory grows with ``L * T``).
+the layout; :func:`attention_mask` writes it out densely, ``(L, cp * L)``, for tests.
+
+:func:`attention` never builds that matrix. It walks the rank's query rows in **blocks** (runs of
+consecutive local rows, whole sequences where they fit) and scores each block only against the keys
+it can see: the token keys of the block's sequences whose position is at most the block's largest
+query position. A block holds at most ``_BLOCK_SCORES`` (query, key) pairs per head, a long
+sequence's rows being cut into several blocks; each block runs under activation checkpointing, so
+its scores are recomputed in the backward instead of kept. Memory is then bounded by one block
+(``H * _BLOCK_SCORES`` scores, a few copies) whatever the batch, and the work is the mask's True
+entries plus at most one block's worth per block, not ``L * T``. The result equals the dense
+arithmetic (:func:`attend_gathered` under :func:`attention_mask`) to rounding: a masked key
+contributes an exact zero there and is absent here. It is a reference for checks, not a kernel.
 
 The **layout-naive** variant computes the same thing under one wrong belief, the one of kernels
 that address rows through a single rank-local ``global_start``: that rank ``s`` holds the global
@@ -36,18 +46,20 @@ import functools
 import math
 from typing import Any, Union
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
-from cpshard._errors import check_tensor, fail
+from cpshard._errors import check_int, check_tensor, fail
 from cpshard.bshd import BshdPlan
 from cpshard.distributed import group_rank
 from cpshard.layout import Layout
 from cpshard.ops import check_plan_type
 from cpshard.plan import ShardPlan
 
-__all__ = ["attend_gathered", "attention", "attention_mask", "attention_work", "contiguous_twin", "naive_attention",
-           "naive_attention_mask"]
+__all__ = ["attend_blocks", "attend_gathered", "attention", "attention_mask", "attention_work", "contiguous_twin",
+           "naive_attention", "naive_attention_mask"]
 
 Plan = Union[ShardPlan, BshdPlan]
 
@@ -167,10 +179,120 @@ def _rank(plan: Plan, group: Any) -> int:
     return group_rank(plan, group)
 
 
-@functools.lru_cache(maxsize=4)  # a few plans: each mask is (R, cp * R) bytes
-def _device_mask(plan: Plan, rank: int, device: torch.device) -> torch.Tensor:
-    """:func:`attention_mask` on ``device``, built once per plan value, rank and device (shared: read only)."""
-    return attention_mask(plan, rank).to(device)
+#: (query, key) pairs per head that one block of query rows scores at most (Note [Reference CP attention]):
+#: 2**18 pairs are 2 MiB of float64 scores per head. Larger blocks do not run faster on the CPU, and
+#: the allocator keeps more of their freed memory (benchmarks/verify_memory.py measures the peak)
+_BLOCK_SCORES = 2**18
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Query rows ``start .. stop - 1`` and the gathered-buffer rows of the keys they may see, with the
+    (sequence, position) of both, from which the block's mask is rebuilt (it is never stored)."""
+
+    start: int
+    stop: int
+    keys: torch.Tensor      # (K,) int64 rows of the gathered buffer, token keys only
+    q_seq: torch.Tensor     # (stop - start,)
+    q_pos: torch.Tensor
+    q_tok: torch.Tensor
+    k_seq: torch.Tensor     # (K,)
+    k_pos: torch.Tensor
+
+    def to(self, device: torch.device) -> _Block:
+        return _Block(self.start, self.stop, *(t.to(device) for t in (self.keys, self.q_seq, self.q_pos, self.q_tok,
+                                                                       self.k_seq, self.k_pos)))
+
+
+def _blocks(plan: Plan, cp_rank: int, max_scores: int) -> list[_Block]:
+    """Cover ``cp_rank``'s flattened query rows with consecutive blocks of at most ``max_scores``
+    (query, key) pairs each (a block of one row may exceed it: it sees every key it needs)."""
+    q_seq, q_pos, q_tok = (t.numpy() for t in _row_meta(plan, cp_rank))
+    metas = [_row_meta(plan, s) for s in range(plan.cp_size)]
+    k_seq, k_pos, k_tok = (torch.cat(parts).numpy() for parts in zip(*metas))
+    # per sequence, the positions of its token keys, sorted: how many keys a query at position p sees
+    token_keys = np.flatnonzero(k_tok)
+    order = np.lexsort((k_pos[token_keys], k_seq[token_keys]))
+    sorted_seq, sorted_pos = k_seq[token_keys][order], k_pos[token_keys][order]
+    rows = q_seq.shape[0]
+    # runs of consecutive query rows of one sequence (both layouts keep a sequence's local rows together)
+    cuts = np.flatnonzero(np.diff(q_seq)) + 1 if rows else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], cuts]).astype(np.int64) if rows else cuts
+    stops = np.concatenate([cuts, [rows]]).astype(np.int64) if rows else cuts
+    pieces: list[tuple[int, int]] = []  # row ranges, each within one run and under the budget alone
+    cost: list[int] = []
+    for a, b in zip(starts.tolist(), stops.tolist()):
+        seq = int(q_seq[a])
+        lo, hi = np.searchsorted(sorted_seq, seq, "left"), np.searchsorted(sorted_seq, seq, "right")
+        tok = q_tok[a:b]
+        if not tok.any():
+            pieces.append((a, b))
+            cost.append(0)
+            continue
+        # keys seen by rows a .. j: those of the sequence at positions <= max token position so far
+        seen = np.searchsorted(sorted_pos[lo:hi], np.maximum.accumulate(np.where(tok, q_pos[a:b], -1)), "right")
+        j = a
+        while j < b:
+            # the longest prefix of rows j .. whose (rows x keys) fits (at least one row)
+            span = np.arange(1, b - j + 1)
+            fits = np.flatnonzero(span * seen[j - a:] <= max_scores)
+            n = int(fits[-1]) + 1 if fits.size else 1
+            pieces.append((j, j + n))
+            cost.append(int(seen[j - a + n - 1]))
+            j += n
+    blocks: list[_Block] = []
+    i = 0
+    while i < len(pieces):  # greedy: consecutive pieces share a block while the block's pairs fit
+        a, b = pieces[i]
+        keys = cost[i]
+        i += 1
+        while i < len(pieces) and (pieces[i][1] - a) * (keys + cost[i]) <= max_scores:
+            keys += cost[i]
+            b = pieces[i][1]
+            i += 1
+        seqs = np.unique(q_seq[a:b][q_tok[a:b]])
+        top = int(q_pos[a:b][q_tok[a:b]].max()) if seqs.size else -1
+        idx = np.flatnonzero(k_tok & np.isin(k_seq, seqs) & (k_pos <= top))
+        blocks.append(_Block(a, b, *(torch.from_numpy(np.ascontiguousarray(t)) for t in (
+            idx.astype(np.int64), q_seq[a:b], q_pos[a:b], q_tok[a:b], k_seq[idx], k_pos[idx]))))
+    return blocks
+
+
+@functools.lru_cache(maxsize=16)  # a few plans x ranks; each holds index vectors only (O(rows + keys seen))
+def _device_blocks(plan: Plan, rank: int, device: torch.device, max_scores: int) -> list[_Block]:
+    """:func:`_blocks` on ``device``, built once per plan value, rank and device (shared: read only)."""
+    return [b.to(device) for b in _blocks(plan, rank, max_scores)]
+
+
+def _attend_block(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, block: _Block,
+                  scale: float | None) -> torch.Tensor:
+    """One block's output ``(stop - start, H, D)``: its rows of ``q`` against its keys only."""
+    mask = ((block.q_seq[:, None] == block.k_seq[None, :]) & (block.k_pos[None, :] <= block.q_pos[:, None])
+            & block.q_tok[:, None])
+    return attend_gathered(q, k_all.index_select(0, block.keys), v_all.index_select(0, block.keys), mask,
+                           scale=scale)
+
+
+def attend_blocks(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: Plan, cp_rank: int, *,
+                  scale: float | None = None, max_scores: int | None = None) -> torch.Tensor:
+    """What :func:`attend_gathered` computes under :func:`attention_mask` ``(plan, cp_rank)``, in blocks
+    of query rows (Note [Reference CP attention]): ``q`` ``(R, H, D)``, ``k_all`` / ``v_all``
+    ``(cp * R, H, D)`` the gathered keys and values; returns ``(R, H, D)``. No communication;
+    callable for every rank in one process. ``max_scores``: (query, key) pairs per head and block
+    (default ``_BLOCK_SCORES``); memory is one block's, each recomputed in the backward."""
+    budget = _BLOCK_SCORES if max_scores is None else check_int("max_scores", max_scores, minimum=1)
+    blocks = _device_blocks(plan, cp_rank, q.device, budget)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_all, v_all))
+    outs = []
+    for block in blocks:
+        rows = q[block.start:block.stop]
+        if not block.keys.numel():  # pad rows only, or no key to see: zeros, as the dense mask gives
+            outs.append(torch.zeros_like(rows))
+        elif keep:
+            outs.append(checkpoint(_attend_block, rows, k_all, v_all, block, scale, use_reentrant=False))
+        else:
+            outs.append(_attend_block(rows, k_all, v_all, block, scale))
+    return torch.cat(outs) if outs else torch.zeros_like(q)
 
 
 def attend_gathered(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor, *,
@@ -178,11 +300,13 @@ def attend_gathered(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, m
     """The attention arithmetic, no communication: ``q`` ``(R, H, D)`` against the gathered ``k_all``,
     ``v_all`` ``(cp * R, H, D)`` under ``mask`` ``(R, cp * R)`` (:func:`attention_mask`); returns
     ``(R, H, D)``, zeros on rows whose mask is empty. Callable for every rank in one process."""
+    q = q * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)  # on q: no score-sized copy
     scores = torch.einsum("qhd,khd->hqk", q, k_all)
-    scores = scores * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    # a finite fill, not -inf: a row without keys gives uniform weights, zeroed by the mask (never NaN)
-    probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), -1) * mask
-    return torch.einsum("hqk,khd->qhd", probs, v_all)
+    # a finite fill, not -inf: a masked key's weight is exactly 0 beside any key a row sees, and a row
+    # that sees no key gets uniform weights (never NaN), zeroed below
+    probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(scores.dtype).min), -1)
+    out = torch.einsum("hqk,khd->qhd", probs, v_all)
+    return out * mask.any(-1)[:, None, None]
 
 
 def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None, naive: bool) -> torch.Tensor:
@@ -195,8 +319,8 @@ def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None,
     if plan.cp_size > 1:
         kv = _GatherRowsSumGrad.apply(kv, group, rank, plan.cp_size)
     k_all, v_all = kv.split(dim, -1)  # (cp * R, H, D) each
-    mask = _device_mask(contiguous_twin(plan) if naive else plan, rank, q.device)  # (R, cp * R)
-    out = attend_gathered(q.reshape(rows, heads, dim), k_all, v_all, mask, scale=scale)
+    out = attend_blocks(q.reshape(rows, heads, dim), k_all, v_all, contiguous_twin(plan) if naive else plan, rank,
+                        scale=scale)
     return out.reshape(q.shape)
 
 
@@ -218,7 +342,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         in its own sequence; zeros on pad rows.
 
     Communication: one ``all_gather_single`` of this rank's keys and values in forward, one
-    ``all_reduce`` of the gathered gradient in backward; none at ``cp = 1``. Memory ``H * L * cp * L``.
+    ``all_reduce`` of the gathered gradient in backward; none at ``cp = 1``. Memory: the gathered
+    keys and values, plus one block of ``H * _BLOCK_SCORES`` scores (:func:`attend_blocks`), whatever
+    the batch.
 
     Autograd: the gradient of each rank's ``k`` and ``v`` is summed over every rank's queries (see
     the Note), so if the ranks' losses add up to the batch's, every gradient equals ``cp = 1``'s.

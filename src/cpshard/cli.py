@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,25 @@ from cpshard.plan import ShardPlan
 __all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
 
 _PICTURE_MAX_ROWS = 96
+_MAX_RANK_LINES = 16  # past this many ranks the summary and the balance show the first, the last and the busiest
+
+
+def _ranks_shown(cp: int, busiest: int) -> list[int]:
+    """Which ranks get a line: all up to ``_MAX_RANK_LINES``, else the first six, the busiest and the last two."""
+    if cp <= _MAX_RANK_LINES:
+        return list(range(cp))
+    return sorted({*range(6), busiest, cp - 2, cp - 1})
+
+
+def _with_gaps(lines: dict[int, str]) -> list[str]:
+    """Rank lines in order, with a line saying how many ranks were left out wherever some were."""
+    out, last = [], -1
+    for r, line in lines.items():
+        if r > last + 1:
+            out.append(f"  ... ({r - last - 1} ranks, {last + 1} .. {r - 1}, left out)")
+        out.append(line)
+        last = r
+    return out
 
 
 def _row_label(seq: int, pos: int, n: int) -> str:
@@ -60,11 +80,11 @@ def _picture(plan: ShardPlan) -> list[str]:
             for name, line in zip(names, cells)]
 
 
-def _summary(plan: ShardPlan) -> list[str]:
+def _summary(plan: ShardPlan, ranks: list[int]) -> list[str]:
     """The picture's content for long batches: each rank's runs of consecutive rows, ``s<seq>:<first>-<last>``
     (positions inside the padded sequence, inclusive), capped."""
-    lines = ["rows per rank as runs s<sequence>:<first position>-<last position>:"]
-    for r in range(plan.cp_size):
+    lines = {}
+    for r in ranks:
         seq, pos = plan.sequence_ids(r), plan.position_ids(r)
         new = torch.ones_like(seq, dtype=torch.bool)
         new[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
@@ -72,21 +92,21 @@ def _summary(plan: ShardPlan) -> list[str]:
         last = torch.cat([first[1:] - 1, torch.tensor([seq.numel() - 1])])
         runs = [f"s{s}:{a}-{b}" for s, a, b in zip(seq[first].tolist(), pos[first].tolist(), pos[last].tolist())]
         shown = runs if len(runs) <= 9 else runs[:6] + ["..."] + runs[-2:] + [f"({len(runs)} runs)"]
-        lines.append(f"rank {r} : {' '.join(shown)}")
-    return lines
+        lines[r] = f"rank {r} : {' '.join(shown)}"
+    return ["rows per rank as runs s<sequence>:<first position>-<last position>:"] + _with_gaps(lines)
 
 
-def _balance(plan: ShardPlan) -> list[str]:
+def _balance(plan: ShardPlan, work: list[int], ranks: list[int]) -> list[str]:
     """Per rank: rows, token rows, and causal-attention work (sum over token rows of keys seen)."""
-    lines = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"]
-    work = attention_work(plan)
-    for r, w in enumerate(work):
+    lines = {}
+    for r in ranks:
         tokens = int(plan.token_mask(r).sum())
-        lines.append(f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {w:>14}")
+        lines[r] = f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {work[r]:>14}"
+    out = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"] + _with_gaps(lines)
     mean = sum(work) / len(work)
     ratio = max(work) / mean if mean else 1.0
-    lines.append(f"causal work max/mean = {ratio:.3f} (1.000 is perfectly balanced)")
-    return lines
+    out.append(f"causal work max/mean = {ratio:.3f} (1.000 is perfectly balanced)")
+    return out
 
 
 def _cap(values: Sequence[object], head: int = 8, tail: int = 2) -> str:
@@ -99,7 +119,21 @@ def _cap(values: Sequence[object], head: int = 8, tail: int = 2) -> str:
 
 
 def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
-    """The text ``cpshard plan`` prints for ``plan``."""
+    """The text ``cpshard plan`` prints for ``plan``: its sizes and padding, which rows each rank holds,
+    and each rank's causal-attention work (max / mean: 1.000 is balanced).
+
+    ``picture=None`` draws SPEC.md's picture (every row, as below) up to 96 rows and else summarises
+    each rank's runs of consecutive rows (``s<sequence>:<first>-<last>``); ``True`` / ``False`` force
+    either. Long lists are cut to their ends and a count, and past 16 ranks only the first six, the
+    busiest and the last two get a line, so the text stays a few kilobytes at any scale::
+
+        >>> text = describe_plan(ShardPlan.build([5, 3], cp_size=2))
+        >>> for line in text.splitlines()[5:8]:
+        ...     print(line)
+        global : s0p0 s0p1 s0p2 s0p3 s0p4 pad  pad  pad  | s1p0 s1p1 s1p2 pad
+        rank 0 : s0p0 s0p1 | pad  pad  | s1p0 | pad
+        rank 1 : s0p2 s0p3 | s0p4 pad  | s1p1 | s1p2
+    """
     out = [
         repr(plan),
         f"alignment a = {plan.alignment}; padded_seqlens = {_cap(plan.padded_seqlens_py)}",
@@ -108,16 +142,18 @@ def describe_plan(plan: ShardPlan, *, picture: bool | None = None) -> str:
         f"(L / tp = {plan.local_len // plan.tp_size}); padding overhead = {100 * plan.padding_overhead:.1f}%",
         "",
     ]
+    work = attention_work(plan)
+    ranks = _ranks_shown(plan.cp_size, max(range(plan.cp_size), key=work.__getitem__))
     if plan.order is not None:  # s<i> below is the buffer's i-th sequence
         out[-1:] = [f"order = {_cap(plan.order)} (buffer position -> your sequence; s<i> is buffer position i)", ""]
     if picture is None and plan.total_len > _PICTURE_MAX_ROWS:
         out += [f"(picture omitted: {plan.total_len} rows > {_PICTURE_MAX_ROWS}; pass --picture to force it)", ""]
-        out += _summary(plan) + [""]
+        out += _summary(plan, ranks) + [""]
     elif picture is False:
         out += ["(picture omitted: --no-picture)", ""]
     else:
         out += _picture(plan) + [""]
-    out += _balance(plan)
+    out += _balance(plan, work, ranks)
     return "\n".join(out)
 
 
@@ -138,11 +174,25 @@ def describe_bshd(plan: BshdPlan) -> str:
     return "\n".join(out)
 
 
-def _lengths(text: str) -> list[int]:
+def _split(flag: str, text: str, example: str) -> list[int]:
+    """Comma-separated integers of ``flag``, or an argparse error in the flag's terms."""
     try:
         return [int(t) for t in text.replace(" ", "").split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--lengths={text!r}: expected comma-separated ints, e.g. 5,3") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. {flag} {example}") from None
+
+
+def _check_lengths(lengths: list[int], where: str) -> list[int]:
+    """Lengths are token counts: a negative one is named by its place (1-based, as a user counts)."""
+    for number, n in enumerate(lengths, 1):
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{where}: length {number} is {n}; a sequence length is a token "
+                                             "count >= 0 (e.g. --lengths 5,3,0)")
+    return lengths
+
+
+def _lengths(text: str) -> list[int]:
+    return _check_lengths(_split("--lengths", text, "5,3"), repr(text))
 
 
 def read_lengths_file(path: str) -> list[int]:
@@ -159,7 +209,7 @@ def read_lengths_file(path: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: not a JSON list ({exc})") from None
         if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: the JSON list must hold integers only")
-        return values
+        return _check_lengths(values, f"--lengths-file={path!r}")
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
@@ -170,7 +220,7 @@ def read_lengths_file(path: str) -> list[int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {line!r}, expected one "
                                              "integer length per line (or a JSON list)") from None
-    return out
+    return _check_lengths(out, f"--lengths-file={path!r}")
 
 
 def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: str) -> None:
@@ -181,11 +231,74 @@ def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: st
                        help="sequence lengths from a file: one per line, or a JSON list")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. 2,4") from None
+def _positive_ints(flag: str, example: str) -> Any:
+    """An argparse type: comma-separated integers >= 1 for ``flag``."""
+    def parse(text: str) -> list[int]:
+        values = _split(flag, text, example)
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: {bad[0]} is not a size; every value must be an integer "
+                                             f">= 1, e.g. {flag} {example}")
+        return values
+    return parse
+
+
+def _at_least(flag: str, minimum: int, example: str) -> Any:
+    """An argparse type: one integer >= ``minimum`` for ``flag``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer, e.g. {flag} {example}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small; {flag} must be >= {minimum}, e.g. "
+                                             f"{flag} {example}")
+        return value
+    return parse
+
+
+def _names(flag: str, enum_cls: Any, example: str) -> Any:
+    """An argparse type: comma-separated values of the string enum ``enum_cls`` (any case) for ``flag``."""
+    valid = [m.value for m in enum_cls]
+
+    def parse(text: str) -> list[str]:
+        values = [x.lower() for x in text.replace(" ", "").split(",") if x]
+        for x in values:
+            if x not in valid:
+                raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(valid)} (comma-separated, e.g. "
+                                                 f"{flag} {example})")
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected one or more of {', '.join(valid)}, e.g. "
+                                             f"{flag} {example}")
+        return list(dict.fromkeys(values))
+    return parse
+
+
+#: the Python names in library messages, as the flags a CLI user typed (plan and verify)
+_FLAGS = {"seqlens": "--lengths", "lengths": "--lengths", "cp_size": "--cp", "tp_size": "--tp",
+          "min_local_rows": "--min-local-rows", "length_bucket": "--length-bucket", "max_seqlen": "--max-seqlen"}
+
+
+def _in_flags(message: str) -> str:
+    """A library error (``name=value: rule. Fix: pass name ...``) with its argument names as CLI flags."""
+    message = message.replace(" or leave it None", " or drop the flag")
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b(?=[=\[ ]|$)", lambda m: _FLAGS[m.group(1)], message)
+
+
+_VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to"}
+
+
+def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
+    """``--lengths -3,5`` as ``--lengths=-3,5``: argparse takes a value that starts with '-' and is
+    not one plain number for an option, and answers "expected one argument"; joined, the value
+    reaches its parser and gets a message about the value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in _VALUE_FLAGS and re.match(r"-\d", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _verify_parser(sub: Any) -> argparse.ArgumentParser:
@@ -196,12 +309,17 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
                        "transformer's loss, per-token log-probs, MTP loss and every gradient at each cp, tp and "
                        "layout, against cp=1 (exit status 1 on any mismatch).")
     _add_lengths(v, verify.DEFAULT_LENGTHS, "97,23,1,5")
-    v.add_argument("--cp", type=_ints, default=None, help="context-parallel sizes (default 2,4; under torchrun "
-                   "the world size)")
-    v.add_argument("--tp", type=_ints, default=[1, 2], help="tensor-parallel alignments (default 1,2)")
-    v.add_argument("--layouts", default="zigzag,contiguous", help="layouts (default zigzag,contiguous)")
-    v.add_argument("--padding", default="aligned", help="plan paddings: aligned (default), minimal, or both as "
-                   "aligned,minimal")
+    v.add_argument("--scale-to", type=_at_least("--scale-to", 2, "8192"), default=None, metavar="TOKENS",
+                   help="scale the lengths down to TOKENS in all, keeping the shape of their distribution (every "
+                   f"length times one factor, rounded; at most {verify.MAX_TOKENS})")
+    v.add_argument("--cp", type=_positive_ints("--cp", "2,4"), default=None,
+                   help="context-parallel sizes (default 2,4; under torchrun the world size)")
+    v.add_argument("--tp", type=_positive_ints("--tp", "1,2"), default=[1, 2],
+                   help="tensor-parallel alignments (default 1,2)")
+    v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"),
+                   default=[m.value for m in Layout], help="layouts (default zigzag,contiguous)")
+    v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=[Padding.ALIGNED.value],
+                   help="plan paddings: aligned (default), minimal, or both as aligned,minimal")
     v.add_argument("--reorder", action="store_true", help="also run every contiguous configuration with "
                    "reorder='balanced' (sequences permuted to even out causal work)")
     v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
@@ -214,12 +332,50 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
     return v
 
 
+def _verify_lengths(args: argparse.Namespace, v: argparse.ArgumentParser) -> list[int]:
+    """The batch to verify: the lengths given, scaled by --scale-to; checked in the flags' terms."""
+    from cpshard import verify
+
+    flag = "--lengths-file" if args.lengths_file is not None else "--lengths"
+    lengths = list(args.lengths_file if args.lengths_file is not None else args.lengths)
+    cap = verify.MAX_TOKENS
+    if args.scale_to is not None:
+        if args.scale_to > cap:
+            v.error(f"argument --scale-to: {args.scale_to} is more than the {cap} tokens verify takes; pass "
+                    f"--scale-to {cap} or less")
+        nonempty = sum(1 for n in lengths if n)
+        if nonempty > cap:
+            v.error(f"argument {flag}: {nonempty} non-empty sequences, more than the {cap} tokens verify takes "
+                    "can hold (each keeps at least one token); verify part of the batch")
+        if nonempty > args.scale_to:
+            v.error(f"argument --scale-to: {args.scale_to} tokens cannot hold the batch's {nonempty} non-empty "
+                    f"sequences (each keeps at least one token); pass --scale-to {max(nonempty, 2)} or more, "
+                    "or verify part of the batch")
+        scaled = verify.scale_lengths(lengths, args.scale_to)
+        if scaled != lengths and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 tells
+            total = sum(lengths)
+            ranked = sorted(zip(lengths, scaled))
+            longest, median = ranked[-1], ranked[len(ranked) // 2]
+            print(f"cpshard verify: --scale-to {args.scale_to}: {len(lengths)} lengths, {total} tokens, each times "
+                  f"{args.scale_to / total:.4g} and rounded (the shape of their distribution kept; non-empty ones "
+                  f"keep at least one token): longest {longest[0]} -> {longest[1]}, median {median[0]} -> "
+                  f"{median[1]}", file=sys.stderr)
+        lengths = scaled
+    total = sum(lengths)
+    if total > cap:
+        v.error(f"argument {flag}: {total} tokens, more than the {cap} that verify takes (its reference attention "
+                f"is exact, not fast); add --scale-to {cap} to scale the batch down keeping the shape of its lengths")
+    if all(n < 2 for n in lengths):
+        v.error(f"argument {flag}: no sequence has 2 tokens, so no token has a label to check; add a longer one, "
+                "e.g. --lengths 9,1,4")
+    return lengths
+
+
 def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
     from cpshard import verify
 
-    lengths = args.lengths_file if args.lengths_file is not None else args.lengths
-    layouts = [x for x in args.layouts.replace(" ", "").split(",") if x]
-    paddings = [x for x in args.padding.replace(" ", "").split(",") if x]
+    lengths = _verify_lengths(args, v)
+    layouts, paddings = args.layouts, args.padding
     reorders: list[str | None] = [None, "balanced"] if args.reorder else [None]
     try:
         if verify.launched():
@@ -239,7 +395,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                                    attention=args.attention, paddings=paddings, reorders=reorders,
                                    progress=args.progress)
     except (ValueError, TypeError) as exc:
-        print(f"cpshard verify: {exc}", file=sys.stderr)
+        print(f"cpshard verify: {_in_flags(str(exc))}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_json()) if args.json else verify.format_table(report), flush=True)
     return 0 if report.ok else 1
@@ -250,8 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print which rows each context-parallel rank holds")
     _add_lengths(p, [5, 3], "5,3")
-    p.add_argument("--cp", type=int, default=2, help="context-parallel size (default 2)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--cp", type=_at_least("--cp", 1, "2"), default=2, help="context-parallel size (default 2)")
+    p.add_argument("--tp", type=_at_least("--tp", 1, "2"), default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout] + ["both"],
                    help="'both': zigzag and contiguous, one after the other (side by side with --png)")
     p.add_argument("--fp8", action="store_true", help="fp8 padding (lcm(16, a) per sequence, a * 128 total)")
@@ -259,16 +415,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="'minimal': pad each sequence only as far as the layout needs (default 'aligned', SPEC's)")
     p.add_argument("--reorder", action="store_true", default=None,
                    help="contiguous layout: permute the sequences to even out causal work (reorder='balanced')")
-    p.add_argument("--min-local-rows", type=int, default=None)
-    p.add_argument("--length-bucket", type=int, default=None)
+    p.add_argument("--min-local-rows", type=_at_least("--min-local-rows", 0, "64"), default=None, metavar="N",
+                   help="every rank holds at least N rows (the last sequence's padding is extended)")
+    p.add_argument("--length-bucket", type=_at_least("--length-bucket", 1, "1024"), default=None, metavar="N",
+                   help="the padded total is a multiple of lcm(N, cp) (the last sequence's padding is extended)")
     p.add_argument("--bshd", action="store_true", help="plan a padded (B, S) batch instead of a packed one")
-    p.add_argument("--max-seqlen", type=int, default=None, help="with --bshd: the forced padded length")
+    p.add_argument("--max-seqlen", type=_at_least("--max-seqlen", 1, "4096"), default=None,
+                   help="with --bshd: the forced padded length")
     p.add_argument("--picture", action=argparse.BooleanOptionalAction, default=None,
                    help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows; else a summary)")
     p.add_argument("--png", default=None, metavar="PATH", help="also draw the token-to-rank map and the per-rank "
                    "causal work as a PNG (needs matplotlib: pip install 'cpshard[plot]')")
     v = _verify_parser(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_values_may_be_negative(sys.argv[1:] if argv is None else list(argv)))
     if args.command == "verify":
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
@@ -305,10 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = "\n\n".join(texts)
         if args.png is not None:
             from cpshard.plot import draw_plans
-            draw_plans(plans, args.png)
+            notes = ", ".join(f"{flag}={value}" for flag, value in (("min_local_rows", args.min_local_rows),
+                                                                   ("length_bucket", args.length_bucket))
+                              if value is not None)
+            draw_plans(plans, args.png, notes=notes)
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"cpshard plan: {exc}", file=sys.stderr)
+        print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
         return 2
     try:
         print(text, flush=True)

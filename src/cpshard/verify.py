@@ -55,8 +55,8 @@ from cpshard.ops import shard, unshard
 from cpshard.plan import ShardPlan
 from cpshard.spawn import run_ranks
 
-__all__ = ["DEFAULT_LENGTHS", "Config", "Report", "Result", "TinyDecoder", "format_table", "verify",
-           "verify_launched"]
+__all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Report", "Result", "TinyDecoder",
+           "estimate_seconds", "format_table", "scale_lengths", "verify", "verify_launched"]
 
 #: long, short, one token, shorter than the alignment of cp = 4 (2 * cp * tp = 8 or 16), empty
 DEFAULT_LENGTHS: tuple[int, ...] = (97, 23, 1, 5, 0, 40, 3)
@@ -66,7 +66,42 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 QUANTITIES = ("loss", "logprobs", "mtp_loss", "grads")
 
 VOCAB, HIDDEN, HEADS, LAYERS, MTP_DEPTHS, MTP_SCALE = 61, 32, 4, 2, 2, 0.3
-MAX_TOKENS = 8192  # the reference attention holds an (L, cp * L) score matrix per head
+MAX_TOKENS = 8192  # the reference attention's work grows with the square of a sequence's length
+
+
+def scale_lengths(lengths: Sequence[int], tokens: int) -> list[int]:
+    """``lengths`` scaled down to sum to exactly ``tokens``, keeping the shape of their distribution.
+
+    Every length is multiplied by one factor ``f = tokens / sum(lengths)`` (so every ratio between
+    two lengths, every quantile relative to the mean, and the order are kept), then rounded so that
+    the sum is exact: down, then up for the largest remainders (each result within one token of
+    ``n * f``); an empty sequence stays empty and a non-empty one keeps at least one token (the
+    tokens that costs come off the longest lengths). Lengths that already fit are returned unchanged.
+
+    Example: ``scale_lengths([4000, 1000, 500, 0, 3], 1100) == [799, 200, 100, 0, 1]`` (``f = 0.1999``).
+    """
+    lens = ShardPlan.build(lengths, cp_size=1).seqlens_py
+    tokens = check_int("tokens", tokens, minimum=1)
+    total = sum(lens)
+    if total <= tokens:
+        return list(lens)
+    nonempty = sum(1 for n in lens if n)
+    if nonempty > tokens:
+        fail("tokens", tokens, f"is fewer than the batch's {nonempty} non-empty sequences (each keeps at least one "
+             "token)", f"scale to at least {nonempty} tokens, or verify a part of the batch")
+    exact = [n * tokens / total for n in lens]
+    out = [max(math.floor(x), 1 if n else 0) for x, n in zip(exact, lens)]
+    left = tokens - sum(out)
+    if left > 0:  # the largest remainders among the lengths not raised to one token
+        free = sorted((i for i, (x, n) in enumerate(zip(exact, lens)) if n and out[i] == math.floor(x)),
+                      key=lambda i: (math.floor(exact[i]) - exact[i], i))
+        for i in free[:left]:
+            out[i] += 1
+    while left < 0:  # raising short ones to one token overshot: take it from the longest (of ties, the
+        i = max(range(len(out)), key=lambda j: (out[j], -lens[j], -j))  # shortest, so that the order holds)
+        out[i] -= 1
+        left += 1
+    return out
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -338,6 +373,13 @@ class Progress:
     enabled: bool = True
     width: int = 24
 
+    def note(self, text: str, stream: TextIO | None = None) -> None:
+        """A line of its own (the run-time estimate), when the bar is enabled."""
+        if self.enabled:
+            out = stream if stream is not None else sys.stderr
+            out.write(f"cpshard verify: {text}\n")
+            out.flush()
+
     def step(self, label: str, stream: TextIO | None = None) -> None:
         self.done += 1
         if not self.enabled:
@@ -348,6 +390,76 @@ class Progress:
         tty = out.isatty()
         out.write(("\r\x1b[2K" + line if tty else line + "\n") + ("\n" if tty and self.done >= self.total else ""))
         out.flush()
+
+
+# -- how long a run takes ----------------------------------------------------------------------
+
+#: seconds to start one spawned rank (a Python process importing torch, and its gloo rendezvous) where
+#: this process cannot time its own start (see _startup_seconds)
+STARTUP_SECONDS = 5.0
+#: measured on a shared two-core machine (a long-tailed batch of 2000 tokens at cp = 2 and 4): a step across
+#: spawned ranks takes about twice its share of the cp = 1 time (the gathers, first calls building the
+#: plan's indices, ranks contending), and ranks that start together take about twice this process's start-up
+RANK_OVERHEAD = 2.0
+_ESTIMATE_RULE = ("each configuration: the cp=1 step's time times its busiest rank's share of the causal "
+                  "attention work, or 1/cores when ranks outnumber the cores, times 2 across ranks; plus the "
+                  "ranks' start-up")
+
+
+def _startup_seconds() -> float:
+    """How long this process took to start and import cpshard (a spawned rank does the same), plus a
+    second for the rendezvous; from /proc on Linux, else ``STARTUP_SECONDS``."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", encoding="ascii") as f:
+            age = float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return STARTUP_SECONDS
+    return min(max(age, 1.0), 60.0) + 1.0
+
+
+_STARTED = _startup_seconds()  # at import: the start-up of a process that imports cpshard.verify
+
+
+def _cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[ShardPlan]], cpus: int, *,
+                     startup: float | None = None, overhead: float = RANK_OVERHEAD) -> float:
+    """A rough run time for the configurations after the ``cp = 1`` step, which took ``reference_seconds``.
+
+    The step's time is mostly the reference attention's, which scales with the causal work (the
+    (query, key) pairs scored). A configuration's ranks run at once, so it takes the cp=1 time times
+    its busiest rank's share of the work (:func:`cpshard.attention.attention_work`), but no less than
+    ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them), times ``overhead`` at
+    ``cp > 1`` (``RANK_OVERHEAD``); each spawned group of ``cp`` ranks adds ``startup * cp / min(cp,
+    cpus)`` seconds (default: ``RANK_OVERHEAD`` times this process's own start-up, timed).
+    ``plans_by_cp``: every configuration's plan by its ``cp``; configurations at ``cp = 1`` run in this
+    process and start nothing. A guide, not a promise: a loaded machine runs slower.
+    """
+    startup = RANK_OVERHEAD * _STARTED if startup is None else startup
+    total = 0.0
+    for cp, plans in plans_by_cp.items():
+        cores = max(1, min(cp, cpus))
+        if cp > 1:
+            total += startup * cp / cores
+        for plan in plans:
+            work = attention_work(plan)
+            share = max(work) / sum(work) if sum(work) else 1.0 / cp
+            total += reference_seconds * max(share, 1.0 / cores) * (overhead if cp > 1 else 1.0)
+    return total
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 # -- spawned gloo groups ----------------------------------------------------------------------
@@ -367,7 +479,7 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         outcomes.append(dataclasses.replace(outcome, seconds=float(slowest)))
         if rank == 0:
-            progress.step(config.name)
+            progress.step(f"{config.name} {float(slowest):.1f} s")
     return outcomes if rank == 0 else None
 
 
@@ -430,11 +542,18 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
     bar = Progress(total=len(configs) + 2, enabled=progress)
     torch_dtype = DTYPES[dtype]
-    want = reference(lens, torch_dtype)
-    bar.step("cp=1 reference")
     by_cp: dict[int, list[Config]] = {}
     for c in dict.fromkeys(configs + [naive]):  # with attention="naive" the check is one of the configurations
         by_cp.setdefault(c.cp, []).append(c)
+    bar.note(f"{sum(lens)} tokens, {sum(map(len, by_cp.values()))} configurations; the cp=1 reference step "
+             "first, then the estimate")
+    ref_start = time.perf_counter()
+    want = reference(lens, torch_dtype)
+    ref_seconds = time.perf_counter() - ref_start
+    bar.step(f"cp=1 reference {ref_seconds:.1f} s")
+    cpus = _cpus()
+    guess = estimate_seconds(ref_seconds, {cp: [_plan(lens, c) for c in cs] for cp, cs in by_cp.items()}, cpus)
+    bar.note(f"about {_duration(guess)} more on {cpus} CPU core{'s' if cpus > 1 else ''} ({_ESTIMATE_RULE})")
     outcomes: dict[Config, Outcome] = {}
     for cp, group_configs in by_cp.items():
         if cp == 1:
@@ -491,15 +610,19 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
                    for c in configurations([world], tps, layouts, paddings, reorders)]
         naive = Config(world, 1, "zigzag", "naive")
         bar = Progress(total=len(configs) + 2, enabled=progress and rank == 0)
+        ref_start = time.perf_counter()
         want = reference(lens, torch_dtype, device) if rank == 0 else None
-        bar.step("cp=1 reference")
+        ref_seconds = time.perf_counter() - ref_start
+        bar.step(f"cp=1 reference {ref_seconds:.1f} s")
+        guess = estimate_seconds(ref_seconds, {world: [_plan(lens, c) for c in configs + [naive]]}, world, startup=0.0)
+        bar.note(f"about {_duration(guess)} more ({_ESTIMATE_RULE}; on GPUs far less)")
         model = TinyDecoder(torch_dtype).to(device)
         batch = _batch(lens)
         results: list[Result] = []
         for c in configs + [naive]:
             plan = _plan(lens, c)
             got = step(model, batch, plan, rank, group, attend_fn=_KERNELS[c.attention], device=device)
-            bar.step(c.name)
+            bar.step(f"{c.name} {got.seconds:.1f} s")
             if want is not None:
                 results.append(compare(c, got, want, plan, TOLERANCE[torch_dtype]))
         if rank != 0:

@@ -1,0 +1,200 @@
+"""The command line in its user's terms: flags and values in every message, negative values parsed
+as values, ``--scale-to`` and the run-time estimate of ``cpshard verify`` (no process is spawned here)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpshard import ShardPlan
+from cpshard.cli import main as cli_main
+from cpshard.verify import MAX_TOKENS, RANK_OVERHEAD, estimate_seconds, scale_lengths
+
+PYTHON_TERMS = ("cpshard.Layout", "cpshard.layout.Padding", "member", "None", "cp_size", "seqlens", "expected one "
+                "argument")
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert not any(term in err for term in PYTHON_TERMS), err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "--lengths", "-3,5"],
+     "argument --lengths: '-3,5': length 1 is -3; a sequence length is a token count >= 0"),
+    (["plan", "--lengths", "5,-3"], "length 2 is -3"),
+    (["plan", "--lengths", "-3"], "length 1 is -3"),
+    (["plan", "--cp", "0"], "argument --cp: 0 is too small; --cp must be >= 1"),
+    (["plan", "--cp", "-2"], "argument --cp: -2 is too small"),
+    (["plan", "--tp", "two"], "argument --tp: 'two': expected an integer, e.g. --tp 2"),
+    (["plan", "--min-local-rows", "-1"], "--min-local-rows must be >= 0"),
+    (["plan", "--length-bucket", "0"], "--length-bucket must be >= 1"),
+    (["verify", "--layouts", "zigzog"], "argument --layouts: 'zigzog' is not one of zigzag, contiguous"),
+    (["verify", "--layouts", "zigzag,ring"], "'ring' is not one of zigzag, contiguous"),
+    (["verify", "--padding", "tight"], "argument --padding: 'tight' is not one of aligned, minimal"),
+    (["verify", "--cp", "2,0"], "argument --cp: '2,0': 0 is not a size; every value must be an integer >= 1"),
+    (["verify", "--cp", "-2,4"], "-2 is not a size"),
+    (["verify", "--tp", "1,x"], "argument --tp: '1,x': expected comma-separated ints, e.g. --tp 1,2"),
+    (["verify", "--lengths", "-1,9"], "length 1 is -1"),
+    (["verify", "--lengths", "0,1"], "argument --lengths: no sequence has 2 tokens"),
+    (["verify", "--lengths", "9000"], f"9000 tokens, more than the {MAX_TOKENS} that verify takes (its reference "
+     f"attention is exact, not fast); add --scale-to {MAX_TOKENS}"),
+    (["verify", "--lengths", "9000", "--scale-to", "9000"], f"argument --scale-to: 9000 is more than the {MAX_TOKENS}"),
+    (["verify", "--lengths", "1,1,1", "--scale-to", "2"], "2 tokens cannot hold the batch's 3 non-empty sequences"),
+    (["verify", "--scale-to", "-5"], "argument --scale-to: -5 is too small"),
+])
+def test_messages_name_flags_and_values(capsys, argv, message):
+    assert message in _refused(capsys, [*argv, *(["--no-progress"] if argv[0] == "verify" else [])])
+
+
+def test_scale_to_refuses_more_sequences_than_the_cap_holds(capsys, tmp_path):
+    path = tmp_path / "many.txt"
+    path.write_text("\n".join(["3"] * (MAX_TOKENS + 1)))
+    line = _refused(capsys, ["verify", "--lengths-file", str(path), "--scale-to", "100", "--no-progress"])
+    assert f"argument --lengths-file: {MAX_TOKENS + 1} non-empty sequences, more than the {MAX_TOKENS} tokens" in line
+
+
+def test_lengths_file_with_a_negative_length(capsys, tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("5\n-2\n")
+    assert "length 2 is -2" in _refused(capsys, ["plan", "--lengths-file", str(path)])
+    path.write_text("[5, 3, -1]")
+    assert "length 3 is -1" in _refused(capsys, ["plan", "--lengths-file", str(path)])
+
+
+def test_library_errors_reach_the_user_as_flags(capsys):
+    """Rules the plan checks itself (not argparse) are printed with the flags' names."""
+    assert cli_main(["plan", "--bshd", "--lengths", "5,3", "--cp", "2", "--max-seqlen", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-seqlen=4: must be >= the longest sequence (5). Fix: pass --max-seqlen >= 5" in err
+    assert "max_seqlen" not in err and "None" not in err
+
+
+def test_values_that_start_with_a_dash_only_for_value_flags(capsys):
+    assert cli_main(["plan", "--lengths", "5,3", "--cp", "2"]) == 0  # untouched
+    assert "rank 1 : s0p2 s0p3" in capsys.readouterr().out
+    # a flag after --lengths is still a flag (argparse's answer), not a value
+    assert "argument --lengths: expected one argument" in _refused_plain(capsys, ["plan", "--lengths", "--cp", "2"])
+
+
+def _refused_plain(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit):
+        cli_main(argv)
+    return capsys.readouterr().err
+
+
+# -- --scale-to ---------------------------------------------------------------------------------------------
+
+
+def test_scale_lengths_where_the_factor_is_exact():
+    assert scale_lengths([4000, 1000, 0, 3000], 800) == [400, 100, 0, 300]  # f = 0.1, no rounding
+    assert scale_lengths([7, 5], 100) == [7, 5]  # fits already: unchanged
+    assert scale_lengths([10_000, 1], 5001) == [5000, 1]  # f just over 1/2: the one-token sequence stays
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50_000), min_size=1, max_size=60), st.integers(60, MAX_TOKENS))
+def test_scale_lengths_keeps_the_shape(lengths, tokens):
+    got = scale_lengths(lengths, tokens)
+    total = sum(lengths)
+    if total <= tokens:
+        assert got == lengths
+        return
+    assert sum(got) == tokens and len(got) == len(lengths)
+    assert all((g == 0) == (n == 0) for g, n in zip(got, lengths))  # empty stays empty, nothing else becomes empty
+    raised = sum(1 for n in lengths if n and n * tokens < total)  # raised to one token: what they cost
+    for g, n in zip(got, lengths):  # is taken from the longest
+        exact = n * tokens / total
+        if n * tokens >= total:
+            assert exact - 1 - raised < g < exact + 1, (g, n, exact)
+    for (n_a, g_a), (n_b, g_b) in zip(sorted(zip(lengths, got)), sorted(zip(lengths, got))[1:]):
+        assert g_a <= g_b or n_a == n_b, (n_a, g_a, n_b, g_b)  # a longer sequence never gets fewer tokens
+
+
+def test_scale_to_reaches_verify_scaled(capsys, monkeypatch, tmp_path):
+    from cpshard import verify
+
+    seen = {}
+
+    def fake(lengths, **kwargs):
+        seen["lengths"] = list(lengths)
+        raise ValueError("stopped here")  # the CLI prints it and exits 2; nothing spawned
+
+    monkeypatch.setattr(verify, "verify", fake)
+    path = tmp_path / "batch.txt"
+    path.write_text("\n".join(["6000", "3000", "1000", "0", "2"]))
+    assert cli_main(["verify", "--lengths-file", str(path), "--scale-to", "1000", "--no-progress"]) == 2
+    # f = 1000 / 10002: 599.88, 299.94, 99.98, 0, 0.19996 -> floors 599, 299, 99, 0 and 1 (kept non-empty) = 998;
+    # the two tokens left go to the largest remainders, 99.98 and 299.94
+    assert seen["lengths"] == [599, 300, 100, 0, 1]
+    err = capsys.readouterr().err
+    assert "--scale-to 1000: 5 lengths, 10002 tokens, each times 0.09998 and rounded" in err
+    assert "longest 6000 -> " in err and "cpshard verify: stopped here" in err
+
+
+# -- the estimate -------------------------------------------------------------------------------------------
+
+
+def test_estimate_follows_its_rule():
+    """A zigzag plan of one sequence of 8 rows at cp=2: rank 0 holds positions 0, 1, 6, 7 (work 1+2+7+8 = 18),
+    rank 1 positions 2..5 (3+4+5+6 = 18), so each rank has half the work; contiguous: 1+2+3+4 = 10 and
+    5+6+7+8 = 26, the busiest 26/36."""
+    zigzag = ShardPlan.build([8], cp_size=2)
+    contiguous = ShardPlan.build([8], cp_size=2, layout="contiguous")
+    def rule(*args, **kwargs):
+        return estimate_seconds(*args, **kwargs, overhead=1.0)
+
+    assert rule(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0)
+    assert rule(10.0, {2: [contiguous]}, 2, startup=0.0) == pytest.approx(10.0 * 26 / 36)
+    assert rule(10.0, {2: [zigzag]}, 1, startup=0.0) == pytest.approx(10.0)  # two ranks, one core
+    assert rule(10.0, {2: [zigzag, contiguous]}, 1, startup=3.0) == pytest.approx(2 * 3.0 + 2 * 10.0)
+    assert rule(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0) == pytest.approx(10.0)
+    # across ranks the default overhead applies; in the cp=1 process it does not
+    assert estimate_seconds(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0 * RANK_OVERHEAD)
+    assert estimate_seconds(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2) == pytest.approx(10.0)
+
+
+def test_duration_text():
+    from cpshard.verify import _duration
+
+    assert [_duration(s) for s in (0.2, 42.4, 90, 462, 4000)] == ["1 s", "42 s", "1 min 30 s", "7 min 42 s",
+                                                                   "1 h 06 min"]
+    assert re.fullmatch(r"\d+ s", _duration(3.5))
+
+
+# -- the summary and the figure, public -----------------------------------------------------------------------
+
+
+def test_padding_and_the_summary_functions_are_public():
+    import cpshard
+    from cpshard import Padding, describe_bshd, describe_plan, draw_plans  # noqa: F401
+
+    assert Padding("minimal") is Padding.MINIMAL and ShardPlan.build([5, 3], cp_size=2, padding=Padding.MINIMAL)
+    assert {"Padding", "describe_plan", "describe_bshd", "draw_plans"} <= set(cpshard.__all__)
+    assert describe_plan.__doc__ and draw_plans.__doc__ and describe_bshd.__doc__
+
+
+def test_summary_stays_small_with_many_ranks_and_names_the_busiest():
+    from cpshard import describe_plan
+    from cpshard.attention import attention_work
+
+    lens = [3000, *([5] * 500), 1]
+    plan = ShardPlan.build(lens, cp_size=64, layout="contiguous")
+    text = describe_plan(plan)
+    work = attention_work(plan)
+    busiest = max(range(64), key=work.__getitem__)
+    assert len(text) < 6000, len(text)
+    rows = [line.split() for line in text.splitlines() if line.strip() and line.split()[0].isdigit()]
+    shown = [int(r[0]) for r in rows]
+    assert busiest in shown and shown[:6] == list(range(6)) and shown[-2:] == [62, 63] and len(shown) <= 9
+    assert all(int(r[4]) == work[int(r[0])] for r in rows)  # the work column is attention_work's
+    assert "ranks, 6 .. " in text and "left out" in text
+    small = describe_plan(ShardPlan.build(lens, cp_size=16))
+    assert "left out" not in small and sum(1 for line in small.splitlines() if line.startswith("rank ")) == 16

@@ -1,0 +1,85 @@
+"""``cpshard plan --png`` stays readable from 2 to thousands of sequences (matplotlib: the [plot] extra,
+which the test extra installs).
+
+The figure's rank map is read back from the PNG: no rank colour (tab10, or tab10 faded towards white)
+has all three channels below 0.25, so a near-black pixel inside the map can only be a sequence
+boundary line. At 512 sequences the boundaries go to a strip above the map and the map must be
+(almost) free of them: at most 1% of its pixels near black, where 513 lines of one pixel each across
+a ~700-pixel-wide map would blacken all of it. At 2 sequences the one boundary is a line, and must
+show (a check that the measure sees lines at all).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cpshard import ShardPlan, draw_plans
+from cpshard.cli import main as cli_main
+
+mpl_image = pytest.importorskip("matplotlib.image", reason="matplotlib is the optional [plot] extra; the test "
+                                "extra installs it")
+NEAR_BLACK = 0.25
+
+
+def _lengths(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, 2000) for _ in range(n)]
+
+
+def _near_black_in_rank_maps(fig, path) -> list[float]:
+    """Per rank map, the fraction of its pixels (inside the frame) with every channel below NEAR_BLACK."""
+    image = mpl_image.imread(str(path))[..., :3]
+    height = image.shape[0]
+    out = []
+    for ax in [a for a in fig.axes if a.get_label() == "rank map"]:
+        box = ax.get_window_extent()
+        x0, x1 = int(box.x0) + 3, int(box.x1) - 3  # inside the frame's lines
+        y0, y1 = height - int(box.y1) + 3, height - int(box.y0) - 3
+        region = image[y0:y1, x0:x1]
+        assert region.size > 100 * 100 * 3, region.shape
+        out.append(float((region < NEAR_BLACK).all(-1).mean()))
+    return out
+
+
+def test_rank_map_not_covered_by_boundaries_at_512_sequences(tmp_path):
+    lens = _lengths(512)
+    plans = [ShardPlan.build(lens, cp_size=8, tp_size=4, layout=layout) for layout in ("zigzag", "contiguous")]
+    path = tmp_path / "512.png"
+    fig = draw_plans(plans, str(path))
+    fractions = _near_black_in_rank_maps(fig, path)
+    assert len(fractions) == 2 and max(fractions) <= 0.01, fractions
+    assert any(a.get_ylabel() == "seqs" for a in fig.axes)  # the boundaries are in the strip instead
+
+
+def test_boundary_lines_show_at_two_sequences(tmp_path):
+    path = tmp_path / "2.png"
+    fig = draw_plans([ShardPlan.build([5, 3], cp_size=2)], str(path))
+    (fraction,) = _near_black_in_rank_maps(fig, path)
+    assert fraction > 0.001, fraction  # one line of ~1 px across a ~600 px map
+    assert not any(a.get_ylabel() == "seqs" for a in fig.axes)
+
+
+def test_work_panels_share_one_scale_and_titles_name_every_option(tmp_path):
+    lens = _lengths(64, seed=1)
+    plans = [ShardPlan.build(lens, cp_size=8, tp_size=4, layout="zigzag", padding="minimal"),
+             ShardPlan.build(lens, cp_size=8, tp_size=4, layout="contiguous", reorder="balanced", fp8=True)]
+    fig = draw_plans(plans, str(tmp_path / "64.png"), notes="min_local_rows=8")
+    work = [a for a in fig.axes if a.get_ylabel().startswith("causal work")]
+    assert len(work) == 2 and work[0].get_ylim() == work[1].get_ylim()
+    titles = " | ".join(a.get_title() for a in fig.axes)
+    for text in ("zigzag, cp=8, tp=4, padding=minimal", "no reorder", "contiguous, cp=8, tp=4, padding=aligned",
+                 "fp8", "reorder=balanced", "min_local_rows=8", "64 sequences"):
+        assert text in titles, (text, titles)
+
+
+def test_plan_png_from_the_cli_at_scale(capsys, tmp_path):
+    path = tmp_path / "both.png"
+    lengths = ",".join(map(str, _lengths(2048, seed=2)))
+    assert cli_main(["plan", "--lengths", lengths, "--cp", "8", "--tp", "4", "--layout", "both",
+                     "--length-bucket", "64", "--png", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {path}" in out and len(out) < 8000  # the text stays small too
+    image = mpl_image.imread(str(path))
+    assert image.shape[1] >= 1300 and 450 <= image.shape[0] <= 700, image.shape
