@@ -198,3 +198,42 @@ def test_summary_stays_small_with_many_ranks_and_names_the_busiest():
     assert "ranks, 6 .. " in text and "left out" in text
     small = describe_plan(ShardPlan.build(lens, cp_size=16))
     assert "left out" not in small and sum(1 for line in small.splitlines() if line.startswith("rank ")) == 16
+
+
+# -- issue 17: what a CLI user can hand it ---------------------------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xffgarbage", "is not a text file (byte 0 is b'\\xff')"),
+    (b"5\n3\x00\n", "is not a text file (byte 3 is b'\\x00')"),
+    (b"x" * 100_000 + b"\n", "line 1 is 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' ... (100000 characters)"),
+])
+def test_lengths_files_that_are_not_lengths(capsys, tmp_path, content, message):
+    path = tmp_path / "lengths.txt"
+    path.write_bytes(content)
+    err = _refused(capsys, ["plan", "--lengths-file", str(path)])
+    assert message in err and len(err) < 1000  # never the whole line back
+
+
+def test_lengths_file_is_read_with_a_bound(capsys, tmp_path):
+    """An endless or huge file is refused after 64 MiB, not read whole; a directory is named."""
+    assert "is larger than 64 MiB" in _refused(capsys, ["plan", "--lengths-file", "/dev/zero"])
+    assert "is a directory" in _refused(capsys, ["plan", "--lengths-file", str(tmp_path)])
+
+
+@pytest.mark.parametrize("where", ["missing/x.png", "."])
+def test_png_that_cannot_be_written(capsys, tmp_path, where):
+    target = str(tmp_path / where)
+    assert cli_main(["plan", "--lengths", "5,3", "--png", target]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cpshard plan: --png={target!r}: cannot be written (") and "Fix: " in err
+
+
+def test_plan_summary_costs_nothing_per_token(capsys):
+    """The summary (runs, balance, work) is per segment: a billion-token sequence plans in a moment
+    (it needed ~35 bytes a token: a MemoryError)."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert cli_main(["plan", "--lengths", "1000000000,5", "--cp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 : s0:0-124999999 s0:875000000-999999999" in out
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: far below 1 GB

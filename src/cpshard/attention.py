@@ -56,7 +56,7 @@ from cpshard.bshd import BshdPlan
 from cpshard.distributed import group_rank
 from cpshard.layout import Layout
 from cpshard.ops import check_plan_type
-from cpshard.plan import ShardPlan
+from cpshard.plan import ShardPlan, rank_rows
 
 __all__ = ["attend_blocks", "attend_gathered", "attention", "attention_mask", "attention_work", "contiguous_twin",
            "naive_attention", "naive_attention_mask"]
@@ -118,8 +118,11 @@ def attention_work(plan: Plan) -> list[int]:
     check_plan_type(plan)
     work = []
     for r in range(plan.cp_size):
-        mask = plan.token_mask(r)
-        work.append(int((plan.position_ids(r)[mask] + 1).sum()))
+        # per segment in closed form, never per row: a segment's t token rows from position p hold
+        # sum_{k < t} (p + k + 1) = t * p + t (t + 1) / 2 pairs (< 2**63: a plan has < 2**31 rows)
+        seg = rank_rows(plan, r)
+        t, p = seg.tokens.astype(np.int64), seg.pos.astype(np.int64)
+        work.append(int((t * p + t * (t + 1) // 2).sum()))
     return work
 
 

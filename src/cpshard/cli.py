@@ -16,12 +16,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from cpshard.attention import attention_work
 from cpshard.bshd import BshdPlan
 from cpshard.layout import Layout, Padding
-from cpshard.plan import ShardPlan
+from cpshard.plan import ShardPlan, rank_rows
 
 __all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
 
@@ -84,13 +85,16 @@ def _summary(plan: ShardPlan, ranks: list[int]) -> list[str]:
     """The picture's content for long batches: each rank's runs of consecutive rows, ``s<seq>:<first>-<last>``
     (positions inside the padded sequence, inclusive), capped."""
     lines = {}
-    for r in ranks:
-        seq, pos = plan.sequence_ids(r), plan.position_ids(r)
-        new = torch.ones_like(seq, dtype=torch.bool)
-        new[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + 1)
-        first = new.nonzero().flatten()
-        last = torch.cat([first[1:] - 1, torch.tensor([seq.numel() - 1])])
-        runs = [f"s{s}:{a}-{b}" for s, a, b in zip(seq[first].tolist(), pos[first].tolist(), pos[last].tolist())]
+    for r in ranks:  # over the rank's segments, never its rows (a summary costs nothing per token)
+        seg = rank_rows(plan, r)
+        held = np.flatnonzero(seg.length)
+        seq, pos, length = seg.seq[held], seg.pos[held], seg.length[held]
+        new = np.ones(seq.size, dtype=bool)
+        new[1:] = (seq[1:] != seq[:-1]) | (pos[1:] != pos[:-1] + length[:-1])
+        first = np.flatnonzero(new)
+        last = np.append(first[1:] - 1, seq.size - 1)
+        ends = pos[last] + length[last] - 1
+        runs = [f"s{s}:{a}-{b}" for s, a, b in zip(seq[first].tolist(), pos[first].tolist(), ends.tolist())]
         shown = runs if len(runs) <= 9 else runs[:6] + ["..."] + runs[-2:] + [f"({len(runs)} runs)"]
         lines[r] = f"rank {r} : {' '.join(shown)}"
     return ["rows per rank as runs s<sequence>:<first position>-<last position>:"] + _with_gaps(lines)
@@ -100,7 +104,7 @@ def _balance(plan: ShardPlan, work: list[int], ranks: list[int]) -> list[str]:
     """Per rank: rows, token rows, and causal-attention work (sum over token rows of keys seen)."""
     lines = {}
     for r in ranks:
-        tokens = int(plan.token_mask(r).sum())
+        tokens = int(rank_rows(plan, r).tokens.sum())
         lines[r] = f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {work[r]:>14}"
     out = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"] + _with_gaps(lines)
     mean = sum(work) / len(work)
@@ -195,13 +199,36 @@ def _lengths(text: str) -> list[int]:
     return _check_lengths(_split("--lengths", text, "5,3"), repr(text))
 
 
+_LENGTHS_FILE_MAX = 64 << 20  # bytes: 10 M lengths of 6 digits; a plan holds fewer than 2**31 rows anyway
+
+
+def _shown(line: str, width: int = 40) -> str:
+    return repr(line) if len(line) <= width else repr(line[:width]) + f" ... ({len(line)} characters)"
+
+
 def read_lengths_file(path: str) -> list[int]:
-    """Sequence lengths from a file: one per line (blank lines and ``#`` comments ignored), or a JSON list."""
+    """Sequence lengths from a file: one per line (blank lines and ``#`` comments ignored), or a JSON list.
+
+    Read up to 64 MiB (a larger file, or an endless one such as ``/dev/zero``, is refused without
+    reading it all); a file that is not UTF-8 text is named as such; a bad line is quoted briefly."""
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is a directory; pass a text file of lengths")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read(_LENGTHS_FILE_MAX + 1)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: cannot be read ({exc.strerror})") from None
+    if len(data) > _LENGTHS_FILE_MAX:
+        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is larger than {_LENGTHS_FILE_MAX >> 20} MiB; "
+                                         "a lengths file holds one integer per line (or a JSON list)")
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is not a text file (byte {exc.start} is "
+                                         f"{data[exc.start:exc.start + 1]!r}); pass one integer length per "
+                                         "line, or a JSON list") from None
     if text.lstrip().startswith("["):
         try:
             values = json.loads(text)
@@ -218,8 +245,8 @@ def read_lengths_file(path: str) -> list[int]:
         try:
             out.append(int(line))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {line!r}, expected one "
-                                             "integer length per line (or a JSON list)") from None
+            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {_shown(line)}, expected "
+                                             "one integer length per line (or a JSON list)") from None
     return _check_lengths(out, f"--lengths-file={path!r}")
 
 
@@ -467,7 +494,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             notes = ", ".join(f"{flag}={value}" for flag, value in (("min_local_rows", args.min_local_rows),
                                                                    ("length_bucket", args.length_bucket))
                               if value is not None)
-            draw_plans(plans, args.png, notes=notes)
+            try:
+                draw_plans(plans, args.png, notes=notes)
+            except OSError as exc:
+                print(f"cpshard plan: --png={args.png!r}: cannot be written ({exc.strerror or exc}). Fix: pass a "
+                      "file path in an existing, writable directory.", file=sys.stderr)
+                return 2
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
         print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
