@@ -6,6 +6,7 @@ ranks report. Collectives are counted by wrapping the ``torch.distributed`` func
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -397,6 +398,34 @@ def test_harness_reports_rank_failures_and_timeouts():
     assert time.monotonic() - start < 60
     with pytest.raises(TimeoutError, match="did not finish"):
         run_ranks(_hang_on_rank_one, 2, timeout=8, collective_timeout=60)
+
+
+def _killed_before_a_collective(rank, world):
+    if rank == 1:
+        time.sleep(0.3)
+        os._exit(3)  # no traceback, no report: as a rank killed by the OOM killer
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _wrong_length_on_rank_one(rank, world):
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    local = shard(torch.arange(8.0), plan, rank)
+    return gather(local[:-1] if rank == 1 else local, plan, dist.group.WORLD, check=False).values()
+
+
+def test_faults_are_reported_by_rank_well_before_the_collective_timeout():
+    """A rank that dies without a word, and a rank whose tensor has the wrong length (refused on that
+    rank before its collective, checks off): the caller hears which rank and why, and the peers
+    waiting in the collective are listed after it, long before the 60 s collective timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)^rank 1 of 2 failed:\nrank 1 exited with code 3 without "
+                                           r"reporting.*\(ranks \[0\] failed after it\)"):
+        run_ranks(_killed_before_a_collective, 2, timeout=100, collective_timeout=60)
+    with pytest.raises(RuntimeError, match=r"(?s)^rank 1 of 2 failed:.*ValueError: local=tensor of shape \(5,\): "
+                                           r"must lead with the plan's local_shape = \(6,\).*failed after it"):
+        run_ranks(_wrong_length_on_rank_one, 2, timeout=100, collective_timeout=60)
+    assert time.monotonic() - start < 50
 
 
 def _fail_on_rank_one(rank, world):
