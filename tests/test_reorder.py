@@ -101,3 +101,4 @@ def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, 
     want = [where[plan.cu_seqlens_padded_py[buffer_of[i]] + p] for i, n in enumerate(plan.input_seqlens_py)
             for p in range(n)]
     assert index == want
+    assert cpshard.plan._thd_unshard_np(plan).tolist() == want  # the closed form, whichever path ran
