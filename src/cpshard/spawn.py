@@ -186,7 +186,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 if failures:
                     break
                 missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s")
+                done = sorted(out)
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s"
+                    + (f" (ranks {done} returned)" if done else "")
+                    + ": they were killed. A rank that waits in a collective its peers never make (different "
+                    "calls, plans or check settings per rank) hangs until the backend's collective_timeout "
+                    f"({collective_timeout:.0f}s here). Fix: make every rank issue the same collectives, or "
+                    "raise timeout= if the work is only slow")
             try:
                 rank, ok, when, value = results.get(timeout=min(deadline - now, 0.5))
             except queue.Empty:
