@@ -38,11 +38,12 @@ import torch
 
 from cpshard._dtypes import movable
 from cpshard._index import expand_np
+from cpshard.bshd import BshdPlan
 from cpshard.layout import Layout, alignment, fp8_alignment
 from cpshard.ops import shard
 from cpshard.plan import ShardPlan, rank_rows
 
-__all__ = ["Rules", "thd_rows"]
+__all__ = ["Rules", "bshd_rows", "rules_for", "thd_rows"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,24 @@ def _put(rows: torch.Tensor, at: np.ndarray, values: torch.Tensor, src: np.ndarr
     return rows.index_put((torch.from_numpy(at).to(rows.device),), new)
 
 
+def _first_rows(plan: ShardPlan | BshdPlan) -> np.ndarray:
+    """Buffer sequence -> the flat input row of its first token (rows in the caller's order)."""
+    first = np.asarray(plan.input_cu_seqlens_py[:-1], dtype=np.int64)
+    return first if plan.order is None else first[np.asarray(plan.order)]
+
+
+def bshd_rows(rows: torch.Tensor, values: torch.Tensor, plan: BshdPlan, cp_rank: int) -> torch.Tensor:
+    """verl's ``preprocess_bshd_engine`` under need_roll from ``shard(..., shift=1, fill=0)``'s rows
+    ``(B, M / cp, ...)``: verl rolls each padded row, so the last column (global ``M - 1``, held by
+    rank 0 under zigzag) takes the row's first token (0 for an empty row). Per segment."""
+    segs = rank_rows(plan, cp_rank)
+    ends = segs.pos + segs.length == plan.max_seqlen  # the segment that holds the last column
+    lens = np.asarray(plan.seqlens_py, dtype=np.int64)[segs.seq[ends]]
+    src = np.where(lens > 0, _first_rows(plan)[segs.seq[ends]], -1)
+    flat = rows.reshape(-1, *rows.shape[2:])
+    return _put(flat, (segs.begin + segs.length - 1)[ends], values, src).view(rows.shape)
+
+
 def thd_rows(values: torch.Tensor, plan: ShardPlan, cp_rank: int, need_roll: bool,
              rules: Rules) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows, position_ids)`` of rank ``cp_rank``, ``(L, ...)`` and ``(L,)`` int64, as verl's
@@ -105,9 +124,7 @@ def thd_rows(values: torch.Tensor, plan: ShardPlan, cp_rank: int, need_roll: boo
     segs = rank_rows(plan, cp_rank)
     lens = np.asarray(plan.seqlens_py, dtype=np.int64)
     padded = np.asarray(plan.padded_seqlens_py, dtype=np.int64)
-    in_cu = plan.input_cu_seqlens_py
-    order = plan.order if plan.order is not None else range(plan.num_seqs)
-    offsets = np.asarray([in_cu[i] for i in order], dtype=np.int64)  # buffer sequence -> its first input row
+    offsets = _first_rows(plan)
     # position ids before any roll: each row's padded position, 0 on pad rows, except that verl's
     # zigzag (cp > 1) keeps the padded position on pad rows of a sequence's first half
     zeroed = segs.tokens < segs.length

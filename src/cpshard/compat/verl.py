@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from cpshard import _index
 from cpshard._errors import check_int, check_tensor, fail
 from cpshard.bshd import BshdPlan
 from cpshard.compat import _verl_rows
@@ -49,7 +48,7 @@ from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params, plan_from_padded
 from cpshard.megatron.state import ParallelContext, parallel_context
-from cpshard.ops import gather_rows, shard, unshard
+from cpshard.ops import as_flat, shard, unshard
 from cpshard.padded import to_padded
 from cpshard.plan import ShardPlan, jagged_lengths
 
@@ -278,14 +277,6 @@ def preprocess_thd_engine(
     return rows.unsqueeze(0), psp, positions.to(input_ids.device).unsqueeze(0)
 
 
-def _rows_of(values: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``values[src]``, zero where ``src`` is -1: one gather (any dtype, differentiable)."""
-    src = src.to(values.device)
-    zeros = (src < 0).nonzero().flatten()
-    index = _index.ShardIndex(src.clamp(min=0), zeros, zeros.new_zeros(0))
-    return gather_rows(values, index, 0, 0)
-
-
 def _thd_restore_plan(psp: Any, seqlens: Any, layout: Layout, cp_size: int | None, tp_size: int | None,
                       plan: ShardPlan | None) -> ShardPlan:
     if plan is not None:
@@ -472,14 +463,10 @@ def preprocess_bshd_engine(
         plan = _given_plan(plan, BshdPlan, ctx.cp_size, Layout.ZIGZAG)
     x = shard(input_ids, plan, ctx.cp_rank, shift=int(bool(need_roll)), pad_value=0, fill=0)
     mask = plan.token_mask(ctx.cp_rank).to(x.device)
-    positions = plan.position_ids(ctx.cp_rank)
     if need_roll:  # verl rolls each padded row: its last column takes the row's first token
-        last = (positions == plan.max_seqlen - 1).nonzero()
-        if last.numel():
-            starts = torch.tensor([c if n else -1 for c, n in zip(plan.input_cu_seqlens_py, plan.input_seqlens_py)])
-            b = last[:, 0] if plan.order is None else torch.tensor(plan.order)[last[:, 0]]
-            x = x.index_put((last[:, 0].to(x.device), last[:, 1].to(x.device)), _rows_of(_values(input_ids), starts[b]))
-    positions = positions.to(x.device)
+        values = input_ids.values() if input_ids.is_nested else as_flat(input_ids, plan, "input_ids")  # checked
+        x = _verl_rows.bshd_rows(x, values, plan, ctx.cp_rank)
+    positions = plan.position_ids(ctx.cp_rank).to(x.device)
     _attach(mask, plan)
     return x, mask, positions
 
@@ -580,9 +567,6 @@ def _padded(input_ids: torch.Tensor, length: int, pad_token_id: Any) -> tuple[to
              kind=TypeError)
     return to_padded(input_ids, length=length, pad_value=pad_token_id)
 
-
-def _values(x: torch.Tensor) -> torch.Tensor:
-    return x.values() if isinstance(x, torch.Tensor) and x.is_nested else x
 
 
 # -- patch() -------------------------------------------------------------------------------------------
