@@ -26,6 +26,7 @@ from cpshard._errors import fail
 from cpshard.bshd import BshdPlan
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.megatron.packed import offsets_of
+from cpshard.megatron.state import _group_read
 from cpshard.mtp import Counts, MtpLossAutoScaler, Normalization, mtp_loss
 from cpshard.plan import ShardPlan
 
@@ -50,7 +51,7 @@ def _megatron_mtp() -> Any:
 
 
 def _group_size(cp_group: Any) -> int:
-    return 1 if cp_group is None else int(cp_group.size())
+    return 1 if cp_group is None else _group_read(cp_group, "cp_group", "size")
 
 
 def plan_for_mtp(labels_shape: tuple[int, ...], cp_size: int, packed_seq_params: Any = None) -> ShardPlan | BshdPlan:

@@ -61,8 +61,6 @@ def _has_field(cls: type, name: str) -> bool:
     """Whether ``cls(name=...)`` is accepted: a dataclass field, an ``__init__`` parameter, or ``**kwargs``."""
     if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
         return True
-    if dataclasses.is_dataclass(cls):
-        return name in {f.name for f in dataclasses.fields(cls)}
     params = inspect.signature(getattr(cls, "__init__")).parameters  # noqa: B009
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 

@@ -42,7 +42,8 @@ def _group_read(group: Any, name: str, what: str) -> int:
     """The group's ``what`` ("rank" or "size") as verl reads it: ``torch.distributed.get_rank(group=)`` /
     ``get_world_size(group=)`` (which answer for any group torch knows, and which tests may fake),
     else the object's own ``rank()`` / ``size()``."""
-    reader = getattr(torch.distributed, "get_rank" if what == "rank" else "get_world_size", None)
+    reader_name = "get_rank" if what == "rank" else "get_world_size"
+    reader = getattr(torch.distributed, reader_name, None)
     if reader is not None and torch.distributed.is_available():
         try:
             return int(reader(group=group))
@@ -51,7 +52,6 @@ def _group_read(group: Any, name: str, what: str) -> int:
     try:
         return int(getattr(group, what)())
     except (AttributeError, TypeError):
-        reader_name = "get_rank" if what == "rank" else "get_world_size"
         fail(name, type(group).__name__, f"must be a process group (torch.distributed.{reader_name}(group=...) "
              f"cannot answer for it, and it has no {what}())",
              "pass a torch.distributed ProcessGroup", kind=TypeError)
