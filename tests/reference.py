@@ -218,16 +218,19 @@ def _build(rows, n_rows: int, trailing, dtype) -> torch.Tensor:
 def ref_value(seq_rows, n: int, p: int, shift: int, pad_value, fill, trailing):
     """The value of position ``p`` of a sequence of ``n`` tokens (SPEC "Shifts").
 
-    ``pad_value=None`` is SPEC's default: ``fill`` for a shifted tensor, else 0.
+    ``pad_value=None`` is SPEC's default: ``fill`` for a shifted tensor (ahead or back), else 0.
+    A look-ahead (``shift > 0``) past the end and a look-back (``shift < 0``) before the start are ``fill``.
     """
     if pad_value is None:
-        if shift > 0:
+        if shift != 0:
             pad_value = fill
         else:
             pad_value = 0
     if p >= n:
         return _const_row(pad_value, trailing)
     if shift > 0 and p + shift >= n:
+        return _const_row(fill, trailing)
+    if shift < 0 and p + shift < 0:
         return _const_row(fill, trailing)
     return seq_rows[p + shift]
 

@@ -185,7 +185,7 @@ def data_cfgs(draw, *, with_shift: bool = True):
     else:
         pad_value = draw(st.sampled_from([-1.5, 2.25, 0.0, -100.0]))
         fill = draw(st.sampled_from([0.5, -3.0, 0.0]))
-    shift = draw(st.integers(0, 3)) if with_shift else 0
+    shift = draw(st.integers(-3, 3)) if with_shift else 0  # negative: a look-back (SPEC, Shifts)
     if draw(st.integers(0, 3)) == 0:
         pad_value = None  # SPEC's default: fill when shifted, else 0
     return DataCfg(dtype, trailing, seed, pad_value, fill, shift)

@@ -84,13 +84,12 @@ def test_gradients_flow_through_shard_and_unshard():
 
 
 def test_index_cache_is_per_device_and_reused():
-    from cpshard.plan import shard_index
-
     plan = ShardPlan.build([5, 3], cp_size=2)
-    a = shard_index(plan, 0, 1, torch.device("cpu"))
-    assert shard_index(plan, 0, 1, torch.device("cpu")) is a
-    assert shard_index(plan, 0, 2, torch.device("cpu")) is not a
-    assert shard_index(ShardPlan.build([5, 3], cp_size=2), 0, 1, torch.device("cpu")) is not a  # not shared
+    cpu = torch.device("cpu")
+    a = plan.indices().shard(0, 1, cpu)
+    assert plan.indices().shard(0, 1, cpu) is a
+    assert plan.indices().shard(0, 2, cpu) is not a
+    assert ShardPlan.build([5, 3], cp_size=2).indices().shard(0, 1, cpu) is not a  # not shared
 
 
 def test_device_tensors_are_copied_once():
@@ -324,13 +323,11 @@ def test_fill_values_at_the_edges_of_the_range(dtype, ok, bad):
 def test_every_shift_reads_one_index():
     """A shift reads the unshifted index from a shifted view of the input: the cached indices of a rank
     do not grow with the number of shifts (MTP depths), and the rows a view cannot serve are fill rows."""
-    from cpshard.plan import shard_index
-
     plan = ShardPlan.build([7, 2, 0, 5], cp_size=3, layout="contiguous")
     cpu = torch.device("cpu")
     for r in range(3):
-        base = shard_index(plan, r, 0, cpu).src
-        assert all(shard_index(plan, r, k, cpu).src is base for k in (1, 2, 3))
+        base = plan.indices().shard(r, 0, cpu).source
+        assert all(plan.indices().shard(r, k, cpu).source is base for k in (1, 2, 3))
     seqs = [torch.arange(n) + 10 * i for i, n in enumerate([7, 2, 0, 5])]
     for r in range(3):  # rank 2 holds the input's last tokens: its gather skips them (fill rows)
         for k in (1, 2, 3):

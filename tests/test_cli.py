@@ -13,7 +13,8 @@ from cpshard import ShardPlan
 from cpshard.cli import main as cli_main
 from cpshard.verify import MAX_TOKENS, RANK_OVERHEAD, estimate_seconds, scale_lengths
 
-PYTHON_TERMS = ("cpshard.Layout", "cpshard.layout.Padding", "member", "None", "cp_size", "seqlens", "expected one "
+PYTHON_TERMS = ("cpshard.Layout", "cpshard.Padding",
+                "cpshard.layout.Padding", "member", "None", "cp_size", "seqlens", "expected one "
                 "argument")
 
 
@@ -183,7 +184,7 @@ def test_padding_and_the_summary_functions_are_public():
 
 def test_summary_stays_small_with_many_ranks_and_names_the_busiest():
     from cpshard import describe_plan
-    from cpshard.attention import attention_work
+    from cpshard.causal import attention_work
 
     lens = [3000, *([5] * 500), 1]
     plan = ShardPlan.build(lens, cp_size=64, layout="contiguous")

@@ -58,6 +58,9 @@ def _gather_and_shift_cases(world):
                     yield name, layout, tp, i, lens, dtype, trailing
 
 
+SHIFTS = (1, 2, 3, -1, -3)  # negative: a look-back (SPEC, Shifts)
+
+
 def _gather_and_shift(rank, world):
     """gather == unshard and shift_sharded == shard(shift) on every rank; one collective each."""
     checked = []
@@ -72,7 +75,7 @@ def _gather_and_shift(rank, world):
         assert torch.equal(got.values(), want.values()) and torch.equal(got.offsets(), want.offsets())
         assert torch.equal(gather_tokens(parts[rank], plan, dist.group.WORLD), x)
         fill, pad = _fill_for(dtype)
-        for k in (1, 2, 3):
+        for k in SHIFTS:
             for pad_value in (pad, None):  # None: SPEC's default, fill on a shifted tensor's pad rows
                 with CollectiveCounter() as counter:
                     out = shift_sharded(parts[rank], plan, dist.group.WORLD, shift=k, fill=fill, pad_value=pad_value)
@@ -124,8 +127,9 @@ def _odd_dtypes(rank, world):
             out = shift_sharded(local, plan, dist.group.WORLD, shift=2, fill=1, pad_value=0, check=True)
             want = shard(x, plan, rank, shift=2, fill=1, pad_value=0)
             assert out.dtype == dtype and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-            multi = shift_sharded_multi([local], plan, dist.group.WORLD, shifts=[1, 2], fills=[1], pad_values=[0])[0]
-            for s, k in enumerate((1, 2)):
+            multi = shift_sharded_multi([local], plan, dist.group.WORLD, shifts=[-2, 1, 2], fills=[1],
+                                        pad_values=[0])[0]
+            for s, k in enumerate((-2, 1, 2)):  # a look-back halo in the same collective
                 want = shard(x, plan, rank, shift=k, fill=1, pad_value=0)
                 assert multi.dtype == dtype and torch.equal(multi[s].view(torch.uint8), want.view(torch.uint8))
             if dtype.is_complex:  # a conjugate view: its values travel, not its bytes
@@ -333,7 +337,7 @@ def _results(suites, world, name):
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_gather_and_shift_sharded(suites, world):
-    cases = [f"{c[0]}/shift{k}" for c in _gather_and_shift_cases(world) for k in (1, 2, 3)]
+    cases = [f"{c[0]}/shift{k}" for c in _gather_and_shift_cases(world) for k in SHIFTS]
     assert _results(suites, world, "_gather_and_shift") == [cases] * world
 
 
@@ -468,6 +472,22 @@ def _hang_on_rank_one(rank, world):
 
 
 def test_no_process_group_is_a_clear_error():
-    plan = ShardPlan.build([3], cp_size=1)
+    plan = ShardPlan.build([3], cp_size=2)
     with pytest.raises(ValueError, match="init_process_group"):
         gather(torch.zeros(plan.local_len), plan, dist.group.WORLD)
+
+
+def test_one_rank_needs_no_group():
+    """group=None at cp_size == 1, for every function (distributed._solo): what unshard gives, no
+    torch.distributed needed."""
+    from cpshard.distributed import all_gather_rows, shift_sharded, shift_sharded_multi, sum_over_group
+
+    plan = ShardPlan.build([3, 2], cp_size=1, tp_size=2)
+    x = torch.arange(plan.local_len, dtype=torch.float32)
+    assert not dist.is_initialized()
+    assert torch.equal(gather(x, plan, None, check=True).values(), unshard([x], plan).values())
+    assert torch.equal(shift_sharded(x, plan, None, fill=-1), shard(unshard([x], plan), plan, 0, shift=1,
+                                                                             fill=-1))
+    multi = shift_sharded_multi([x], plan, None, shifts=[1, 2], fills=[-1])[0]
+    assert torch.equal(multi[1], shard(unshard([x], plan), plan, 0, shift=2, fill=-1))
+    assert torch.equal(sum_over_group(x, plan, None), x) and all_gather_rows(x, plan, None) is x

@@ -110,10 +110,13 @@ def test_strided_nested_rejected():
         shard(nt, plan, 0)
 
 
-def test_negative_shift():
+def test_shift_out_of_range():
+    """Negative shifts look back (SPEC, Shifts); a shift beyond any int32 sequence is refused."""
     plan = ShardPlan.build([5, 3], cp_size=2)
-    with _raises(ValueError, "shift=-1", ">= 0"):
-        shard(torch.arange(8), plan, 0, shift=-1)
+    with _raises(ValueError, f"shift={-2**31}", f">= {-(2**31 - 1)}"):
+        shard(torch.arange(8), plan, 0, shift=-2**31)
+    with _raises(ValueError, f"shift={2**31}", f"<= {2**31 - 1}"):
+        shard(torch.arange(8), plan, 0, shift=2**31)
 
 
 def test_parts_wrong_count_and_rows():

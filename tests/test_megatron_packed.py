@@ -187,7 +187,8 @@ def test_lengths_and_layout_must_fit(with_mode):
     psp = packed_seq_params(ShardPlan.build([5, 3], cp_size=2, layout="contiguous"))
     with pytest.raises(ValueError, match=r"layout='zigzag': contradicts psp.cp_partition_mode='contiguous'"):
         plan_from_packed_seq_params(psp, cp_size=2, layout="zigzag")
-    with pytest.raises(ValueError, match=r"seqlens=\[9, 3\]: must give one length per sequence, each <="):
+    with pytest.raises(ValueError, match=r"psp.cu_seqlens_q_padded\[0\]=6: must be >= the sequence length 9.*"
+                                         r"Fix: .*the real token counts as seqlens"):
         plan_from_packed_seq_params(psp, cp_size=2, seqlens=[9, 3])
 
 

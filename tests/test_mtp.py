@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, Layout, ShardPlan, _halo, shard
+from cpshard._exchange import all_to_all_in_process
 from cpshard.megatron import megatron_version, mtp_loss_impl, plan_for_mtp, process_mtp_loss
 from cpshard.megatron import mtp as megatron_mtp
 from cpshard.megatron._import import import_megatron
@@ -32,22 +33,16 @@ F64 = torch.float64
 
 
 def emulate_multi_shift(shards, plan, shifts, pad_value, fill):
-    """Apply every rank's MultiShift to its rows, handing rank s's block for rank d to d (the all-to-all)."""
+    """Apply every rank's HaloExchange to its rows, the all-to-all run in one process."""
     cp = plan.cp_size
     mss = [halo_exchange(plan, r, tuple(shifts), torch.device("cpu")) for r in range(cp)]
     rows = [s.reshape(-1) for s in shards]
-    sends = []
     for r, ms in enumerate(mss):
         assert ms.send_splits[r] == 0 and ms.recv_splits[r] == 0
         assert sum(ms.send_splits) == ms.send_rows.numel()
-        sends.append(list(rows[r].index_select(0, ms.send_rows).split(list(ms.send_splits))))
-    outs = []
-    for d, ms in enumerate(mss):
-        for s in range(cp):
-            assert mss[s].send_splits[d] == ms.recv_splits[s]
-        recv = torch.cat([sends[s][d] for s in range(cp)])
-        outs.append(_halo.apply_multi_shift(ms, rows[d], recv, pad_value, fill))
-    return outs, mss
+        assert all(mss[s].send_splits[r] == ms.recv_splits[s] for s in range(cp))  # senders and receiver agree
+    received = all_to_all_in_process(rows, [ms.send_rows for ms in mss], [ms.send_splits for ms in mss])
+    return [ms.apply(rows[d], received[d], pad_value, fill) for d, ms in enumerate(mss)], mss
 
 
 @props(150)
@@ -56,7 +51,7 @@ def emulate_multi_shift(shards, plan, shifts, pad_value, fill):
     cp=st.integers(1, 6),
     tp=st.integers(1, 2),
     layout=st.sampled_from(list(Layout)),
-    shifts=st.lists(st.integers(0, 6), min_size=1, max_size=4, unique=True),
+    shifts=st.lists(st.integers(-6, 6), min_size=1, max_size=4, unique=True),
 )
 def test_halo_exchange_equals_shifted_shard(lens, cp, tp, layout, shifts):
     """Every shift of one exchange equals SPEC's shard(shift(x, k)) (the naive reference), on every rank."""
@@ -68,8 +63,9 @@ def test_halo_exchange_equals_shifted_shard(lens, cp, tp, layout, shifts):
         for s, k in enumerate(shifts):
             expected = ref_shard(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7)
             assert torch.equal(outs[r][s], expected), (r, k, outs[r][s], expected)
-    # each boundary moves at most max(shifts) rows: never more than one halo per segment
-    assert sum(ms.send_rows.numel() for ms in mss) <= 2 * len(lens) * cp * max(shifts)
+    # each boundary moves at most max(shifts) rows ahead and -min(shifts) back: one halo per segment and side
+    halo = max(max(shifts), 0) + max(-min(shifts), 0)
+    assert sum(ms.send_rows.numel() for ms in mss) <= 2 * len(lens) * cp * halo
 
 
 @props(60)

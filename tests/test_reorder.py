@@ -3,15 +3,14 @@ takes and returns the caller's order; the reference is the naive one given that 
 
 from __future__ import annotations
 
-from unittest.mock import patch
-
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import cpshard
-import cpshard.plan
 from cpshard import ShardPlan, shard, shift_exchange, unshard
+from cpshard._indices import _thd_restore
+from cpshard.ops import unshard_by
 from reference import ref_padded_lengths, ref_shard
 from strategies import props
 from test_exchange import emulate_shift_sharded
@@ -23,15 +22,14 @@ from test_exchange import emulate_shift_sharded
     tp=st.integers(1, 3),
     padding=st.sampled_from(["aligned", "minimal"]),
     k=st.integers(0, 3),
-    rows_per_run=st.sampled_from([1, 10**9]),
+    by=st.sampled_from(["runs", "index"]),
 )
 @props(120)
-def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k, rows_per_run):
-    with patch.object(cpshard.plan, "_ROWS_PER_RUN", rows_per_run):  # the restore by runs, or by an index
-        _reordered_plan_matches_the_reference(lens, cp, tp, padding, k)
+def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by):
+    _reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by)  # the restore by runs, or by an index
 
 
-def _reordered_plan_matches_the_reference(lens, cp, tp, padding, k):
+def _reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by="auto"):
     plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout="contiguous", padding=padding, reorder="balanced")
     order = plan.order if plan.order is not None else tuple(range(len(lens)))
     assert sorted(order) == list(range(len(lens)))
@@ -47,7 +45,7 @@ def _reordered_plan_matches_the_reference(lens, cp, tp, padding, k):
         assert torch.equal(shard(x, plan, r, shift=k, fill=-7), want)
         assert torch.equal(plan.label_mask(r, max(k, 1)), shard([torch.ones(n, dtype=torch.bool) for n in lens],
                                                                  plan, r, shift=max(k, 1), fill=False))
-    back = unshard(parts, plan)
+    back = unshard(parts, plan) if by == "auto" else unshard_by(parts, plan, by)
     assert torch.equal(back.values(), x) and back.offsets().tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
     assert torch.equal(cpshard.shift(x, plan, max(k, 1), fill=-7),
                        cpshard.shift(x, ShardPlan.build(lens, cp_size=1), max(k, 1), fill=-7))
@@ -74,7 +72,8 @@ def test_reorder_errors():
 
     with pytest.raises(ValueError, match="reorder='balanced': balances the contiguous layout"):
         ShardPlan.build([5, 3], cp_size=2, reorder="balanced")
-    with pytest.raises(ValueError, match="reorder='sorted': must be None or 'balanced'"):
+    with pytest.raises(ValueError, match=r"reorder='sorted': is not a known order \(or None: the caller's\) "
+                                         r"\(valid: 'balanced'\)"):
         ShardPlan.build([5, 3], cp_size=2, layout="contiguous", reorder="sorted")
     with pytest.raises(ValueError, match=r"order=\(0, 0\): must be a permutation of range\(2\)"):
         ShardPlan((5, 3), (6, 4), 2, layout="contiguous", order=(0, 0))
@@ -91,7 +90,7 @@ def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, 
     the token's (rank, local row), read from each rank's global rows, in the caller's order."""
     plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=padding,
                            reorder="balanced" if reorder and layout == "contiguous" else None)
-    index = cpshard.plan.unshard_index(plan, torch.device("cpu")).tolist()
+    index = plan.indices().unshard(torch.device("cpu")).tolist()
     # naive: global padded row of each token in buffer order -> where it sits in the rank-concatenated buffer
     where = {}
     for r in range(cp):
@@ -101,4 +100,4 @@ def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, 
     want = [where[plan.cu_seqlens_padded_py[buffer_of[i]] + p] for i, n in enumerate(plan.input_seqlens_py)
             for p in range(n)]
     assert index == want
-    assert cpshard.plan._thd_unshard_np(plan).tolist() == want  # the closed form, whichever path ran
+    assert _thd_restore(plan).tolist() == want  # the closed form, whichever path ran

@@ -288,15 +288,13 @@ def test_bshd_index_never_wraps_past_int32(stride):
     """A padded (B, S) input wider than the plan: row b starts at b * S, which passes 2**31 when the
     input is wide enough; the index must hold it (it wrapped in int32: rank 1's second row read the
     first row's data). Checked on the row stride alone, without allocating the input."""
-    from cpshard.plan import shard_index
-
     plan = BshdPlan.build([5, 3], cp_size=2)
     for rank in range(2):
-        index = shard_index(plan, rank, 0, torch.device("cpu"), stride)
+        index = plan.indices().shard(rank, 0, torch.device("cpu"), stride)
         cols = plan.columns(rank).tolist()
         want = [b * stride + c for b in range(plan.num_seqs) for c in cols]
         token = plan.token_mask(rank).reshape(-1)
-        assert index.src[token].tolist() == [w for w, t in zip(want, token.tolist()) if t]
+        assert index.source[token].tolist() == [w for w, t in zip(want, token.tolist()) if t]
 
 
 @pytest.mark.parametrize("make, what", [

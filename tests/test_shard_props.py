@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-from unittest.mock import patch
-
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cpshard
-import cpshard.plan
 from cpshard import ShardPlan, shard, unshard
+from cpshard.ops import unshard_by
 from reference import ref_locate, ref_rank_rows, ref_shard, ref_shift_seqs
 from strategies import (
     FORMS,
@@ -76,7 +74,7 @@ def test_shard_defaults(cfg: PlanCfg, d: DataCfg):
         assert torch.equal(got, want)
 
 
-@given(plan_cfgs(max_total=MAX_TOTAL, batch_max=16), st.integers(1, 3))
+@given(plan_cfgs(max_total=MAX_TOTAL, batch_max=16), st.integers(1, 3) | st.integers(-3, -1))
 @props(60)
 def test_shifted_pad_rows_default_to_fill(cfg: PlanCfg, k: int):
     """SPEC: a shifted tensor's pad rows hold ``fill`` unless ``pad_value`` is given, so labels
@@ -133,17 +131,16 @@ def test_input_forms_identical(cfg: PlanCfg, d: DataCfg, data):
 
 
 @given(plan_cfgs(max_total=MAX_TOTAL), st.sampled_from([(), (2,)]), st.sampled_from([torch.int64, torch.float32]),
-       st.sampled_from([1, 10**9]))
-@example(PlanCfg([3000, 7, 2500], 2, 1, "contiguous"), (), torch.float32, 512)  # the default: runs
+       st.sampled_from(["runs", "index"]))
+@example(PlanCfg([3000, 7, 2500], 2, 1, "contiguous"), (), torch.float32, "auto")  # the default: runs
 @props(100)
-def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype, rows_per_run):
+def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype, by):
     """unshard picks exactly the token rows of arbitrary local outputs, in sequence order, whether
-    it copies runs (``plan.token_runs``, here forced wherever there are any) or gathers by an index."""
-    with patch.object(cpshard.plan, "_ROWS_PER_RUN", rows_per_run):
-        _unshard_arbitrary_outputs(cfg, trailing, dtype)
+    it copies runs (``PlanIndices.runs``, here forced wherever there are any) or gathers by an index."""
+    _unshard_arbitrary_outputs(cfg, trailing, dtype, by)
 
 
-def _unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
+def _unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype, by="auto"):
     plan = _plan(cfg)
     P = cfg.padded()
     cp = cfg.cp
@@ -172,7 +169,7 @@ def _unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype):
             rows.append(parts[r][local])
         want.append(torch.stack(rows) if rows else torch.empty((0, *trailing), dtype=dtype))
         start += P[i]
-    nt = unshard(parts, plan)
+    nt = unshard(parts, plan) if by == "auto" else unshard_by(parts, plan, by)
     assert_jagged_equals(nt, want, cfg.seqlens, trailing, dtype)
 
 
@@ -187,7 +184,7 @@ def test_unsharded_shift_matches_reference(seqlens, cp, d, form):
     """``cpshard.shift`` (no sharding) equals the naive shift for every plan it is given."""
     plan = ShardPlan.build(seqlens, cp_size=cp)
     seqs = make_seqs(seqlens, d)
-    k = max(d.shift, 1)
+    k = d.shift or 1
     got = cpshard.shift(as_form(form, seqs, seqlens, d.trailing, d.dtype), plan, k, fill=d.fill)
     want = ref_shift_seqs(seqs, k, d.fill)
     if form == "jagged":

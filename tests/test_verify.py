@@ -204,7 +204,7 @@ def test_scripts_run_sh_runs_verify():
 
 def test_readme_shows_the_default_run():
     """The README's `cpshard verify` block lists the default configurations with their true padding and balance."""
-    from cpshard.attention import attention_work
+    from cpshard.causal import attention_work
     from cpshard.verify import DEFAULT_LENGTHS, configurations
 
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -4,33 +4,39 @@ Public API (documented in the README):
 
 - :class:`ShardPlan` / :class:`BshdPlan`: immutable plans for packed (THD) and padded (BSHD) batches,
   with the same names for the same things (``local_len``, ``total_len``, ``max_seqlen``,
-  ``token_mask``, ``label_mask``, ``padding_overhead``).
+  ``token_mask``, ``label_mask``, ``padding_overhead``); :class:`Plan` is what both are.
 - :func:`shard` / :func:`unshard`: a rank's rows (optionally shifted) and the exact inverse.
 - :func:`shift`: SPEC's ``shift(x, k)`` on unsharded sequences.
-- :func:`shift_exchange`: the pure index math behind ``cpshard.distributed.shift_sharded``.
+- :func:`shift_exchange` / :func:`halo_exchange`: the pure index math behind
+  ``cpshard.distributed.shift_sharded`` / ``shift_sharded_multi`` (:class:`ShiftExchange`,
+  :class:`HaloExchange`), callable for every rank in one process.
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
-- :class:`Layout`, :class:`Padding`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
+- :class:`Layout`, :class:`Padding`, :class:`Reorder`, :func:`alignment`, :func:`layout_for`,
+  :func:`register_layout_rule`.
 - :func:`describe_plan` / :func:`describe_bshd`: the text ``cpshard plan`` prints (which rows each rank
   holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
-The package keeps pure index math (``plan``, ``bshd``, ``layout``, ``_index``, ``_exchange``) apart
-from data movement (``ops``, ``padded``) and from communication (``distributed``, the only module
-that uses ``torch.distributed``); framework adapters live in ``cpshard.megatron``.
+The package keeps pure index math (``layout``, ``_parse``, ``plan``, ``bshd``, ``_index``, ``_indices``,
+``_exchange``, ``_halo``, ``causal``) apart from data movement (``ops``, ``padded``) and from
+communication (``distributed``, the only module that communicates; ``_agree`` is its pure protocol);
+framework adapters live in ``cpshard.megatron`` and ``cpshard.compat``. ``docs/ARCHITECTURE.md`` draws
+the layers.
 """
 
 from cpshard import _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
-from cpshard._exchange import Exchange
+from cpshard._exchange import Exchange, ShiftExchange
+from cpshard._halo import HaloExchange
 from cpshard.bshd import BshdPlan
-from cpshard.layout import GradReduction, Layout, Padding, alignment, layout_for, register_layout_rule
+from cpshard.layout import GradReduction, Layout, Padding, Reorder, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
 from cpshard.padded import from_padded, to_padded
-from cpshard.plan import DeviceTensors, ShardPlan, shift_exchange
+from cpshard.plan import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
 
 __version__ = "0.2.0.dev0"
 
-# The summary and the figure come from the CLI's modules, which reach the reference attention (and so
-# torch.distributed): imported on first use, so that ``import cpshard`` stays the index math alone.
+# The summary and the figure come from the CLI's modules (argparse, and matplotlib for the figure):
+# imported on first use, so that ``import cpshard`` stays the index math and data movement alone.
 _LAZY = {"describe_plan": "cpshard.cli", "describe_bshd": "cpshard.cli", "draw_plans": "cpshard.plot"}
 
 
@@ -45,14 +51,19 @@ __all__ = [
     "DeviceTensors",
     "Exchange",
     "GradReduction",
+    "HaloExchange",
     "Layout",
     "Padding",
+    "Plan",
+    "Reorder",
     "ShardPlan",
+    "ShiftExchange",
     "alignment",
     "describe_bshd",
     "describe_plan",
     "draw_plans",
     "from_padded",
+    "halo_exchange",
     "layout_for",
     "register_layout_rule",
     "shard",

@@ -19,13 +19,14 @@ The global padded buffer concatenates the padded sequences; sequence ``i`` owns 
 
 Everything per row (global row, sequence id, position, where a shifted row reads from, which rows
 are pad or fill) is one expansion of per-segment values: a ``repeat`` of the segment value plus an
-``arange`` offset (:func:`expand_segments`). The work over rows is a couple of passes, the rest is over segments
+``arange`` offset (:func:`expand_np`). The work over rows is a couple of passes, the rest is over segments
 (``2 B`` of them). Padding comes first and permuting second, so short and empty sequences need no
 special case: a zero-length segment expands to nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,33 +39,21 @@ _I64 = torch.int64
 _INT64 = np.dtype(np.int64)
 
 
-def expand_segments(starts: torch.Tensor, lengths: torch.Tensor, total: int | None = None,
-                    dtype: torch.dtype = _I64) -> torch.Tensor:
-    """Concatenate ``arange(s, s + n)`` for every segment ``(s, n)``; ``total == lengths.sum()``.
+def expand_np(starts: np.ndarray, lengths: np.ndarray, dtype: np.dtype = _INT64) -> np.ndarray:
+    """Concatenate ``arange(s, s + n)`` for every segment ``(s, n)``: ``(sum(lengths),)`` of ``dtype``.
 
     Row ``j`` of segment ``k`` (which begins at output row ``b_k``) is ``s_k + j``, that is
     ``(s_k - b_k) + (b_k + j)``: one ``repeat`` of the per-segment offsets ``s_k - b_k`` plus an
-    ``arange`` over every row, read from a cached one. NumPy, not torch, for the work over
-    segments and the repeat (torch's per-call overhead is 3-10x NumPy's, and its
-    ``repeat_interleave`` about 4x slower): about 2.5x faster than a running sum of ones with
-    jumps, which is what this was before (``benchmarks/step.py``). The result shares memory with
-    nothing the caller sees. CPU only, as all of cpshard's index math.
+    ``arange`` over every row, read from a kept one. NumPy, not torch, for the work over segments
+    and the repeat (torch's per-call overhead is 3-10x NumPy's, and its ``repeat_interleave`` about
+    4x slower). The result shares memory with nothing the caller sees.
     """
-    out = expand_np(starts.numpy(), lengths.numpy(), _NP[dtype])
-    if total is not None and out.size != total:
-        raise AssertionError(f"expand_segments: {out.size} rows, expected {total}")
-    return torch.from_numpy(out)
-
-
-def expand_np(starts: np.ndarray, lengths: np.ndarray, dtype: np.dtype = _INT64) -> np.ndarray:
-    """:func:`expand_segments` on NumPy arrays: ``(sum(lengths),)`` of ``dtype``."""
     begin = np.cumsum(lengths) - lengths
     out = np.repeat((starts - begin).astype(dtype, copy=False), lengths)
     out += _arange(out.size, dtype)
     return out
 
 
-_NP: dict[torch.dtype, np.dtype] = {torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32)}
 _ARANGE_CACHED = 1 << 24  # rows: an arange kept for reuse costs at most 128 MiB (int64)
 _aranges: dict[np.dtype, np.ndarray] = {}
 
@@ -81,36 +70,6 @@ def _arange(n: int, dtype: np.dtype) -> np.ndarray:
     return have[:n]
 
 
-@dataclass(frozen=True)
-class Segments:
-    """A rank's rows as runs of consecutive positions of one padded sequence, in local order."""
-
-    seq: torch.Tensor  # (K,) sequence id
-    pos: torch.Tensor  # (K,) first position inside the padded sequence
-    length: torch.Tensor  # (K,) rows
-    total: int  # sum(length): the rank's row count
-
-    @property
-    def local_start(self) -> torch.Tensor:
-        """``(K,)`` local row of each segment's first row."""
-        length = self.length.numpy()
-        return torch.from_numpy(np.cumsum(length) - length)
-
-    def expand(self, per_segment_start: torch.Tensor) -> torch.Tensor:
-        """``(total,)``: ``per_segment_start[k] + j`` for row ``j`` of segment ``k``."""
-        return expand_segments(per_segment_start, self.length, self.total)
-
-    def seq_ids(self) -> torch.Tensor:
-        return torch.repeat_interleave(self.seq, self.length, output_size=self.total)
-
-    def positions(self) -> torch.Tensor:
-        return self.expand(self.pos)
-
-    def rows(self, cu_padded: torch.Tensor) -> torch.Tensor:
-        """Global padded row of every local row."""
-        return self.expand(cu_padded[self.seq] + self.pos)
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An index built on the CPU, on ``device``. To CUDA through pinned memory without blocking: a
     plain copy from pageable memory synchronises the host with the stream (what
@@ -124,70 +83,139 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def int64_tensor(values: Sequence[int]) -> torch.Tensor:
-    """``(len(values),)`` int64 CPU tensor of Python ints (through NumPy: about 4x faster than
-    ``torch.tensor`` on a list)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64))
+def int64_array(values: Sequence[int]) -> np.ndarray:
+    """``(len(values),)`` int64 array of Python ints (about 4x faster than ``torch.tensor`` on a list)."""
+    return np.array(values, dtype=np.int64)
 
 
-def rank_segments(padded: torch.Tensor, cp_size: int, layout: Layout, rank: int) -> Segments:
-    """``rank``'s segments for sequences padded to ``padded`` ``(B,)`` int64 (Note above)."""
-    p = padded.numpy()
-    b = p.size
-    total = int(p.sum())
+@dataclass(frozen=True)
+class Segments:
+    """Rank's rows as runs of consecutive positions of one padded sequence, in local order (Note
+    [Which rows a rank holds]); NumPy int64 arrays, one entry per segment. The one segment type:
+    every per-row index of a rank and every every-rank view (:class:`AllSegments`) is built from
+    these, which a plan's index service keeps once per rank.
+    """
+
+    seq: np.ndarray  # (K,) sequence (buffer order; for BSHD the batch row)
+    pos: np.ndarray  # (K,) first position inside the padded sequence
+    length: np.ndarray  # (K,) rows
+    start: np.ndarray  # (K,) local row of the segment's first row
+    remaining: np.ndarray  # (K,) the sequence's length minus pos: token rows from the segment's start on
+    tokens: np.ndarray  # (K,) the segment's leading token rows; the rest of it is pad
+    total: int  # sum(length): the rank's row count
+
+    @staticmethod
+    def of(seq: np.ndarray, pos: np.ndarray, length: np.ndarray, total: int, seqlens: np.ndarray) -> Segments:
+        remaining = seqlens[seq] - pos
+        tokens = np.minimum(np.maximum(remaining, 0), length)
+        return Segments(seq, pos, length, np.cumsum(length) - length, remaining, tokens, total)
+
+    def expand(self, per_segment: np.ndarray, dtype: np.dtype = _INT64) -> np.ndarray:
+        """``(total,)``: ``per_segment[k] + j`` for row ``j`` of segment ``k``."""
+        return expand_np(per_segment, self.length, dtype)
+
+    def seq_ids(self) -> np.ndarray:
+        return np.repeat(self.seq, self.length)
+
+    def positions(self) -> np.ndarray:
+        return self.expand(self.pos)
+
+    def sourced(self, shift: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment, the token rows ``[lo, hi)`` (offsets in the segment) whose source ``shift`` away
+        exists (:func:`sourced_rows`)."""
+        return sourced_rows(self.pos, self.tokens, self.remaining, self.length, shift)
+
+    def pad_rows(self) -> np.ndarray:
+        """Local rows past their sequence's end: the same for every shift."""
+        return expand_np(self.start + self.tokens, self.length - self.tokens)
+
+    def fill_rows(self, shift: int) -> np.ndarray:
+        """Token rows whose source ``shift`` away lies outside their sequence (a few per sequence): past
+        its end for ``shift > 0``, before its start for ``shift < 0``."""
+        if shift == 0:
+            return np.zeros(0, dtype=np.int64)
+        lo, hi = self.sourced(shift)
+        if shift > 0:
+            return expand_np(self.start + hi, self.tokens - hi)
+        return expand_np(self.start, lo)
+
+
+def sourced_rows(pos: np.ndarray, tokens: np.ndarray, remaining: np.ndarray, length: np.ndarray,
+                 shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment, the token rows ``[lo, hi)`` (offsets in the segment) whose source, ``shift``
+    positions away in the same sequence, exists: ``0 <= p + shift < n``. Looking ahead (``shift >
+    0``) drops the segment's last token rows, looking back (``shift < 0``) its first, where the
+    segment starts fewer than ``-shift`` positions into its sequence."""
+    if shift >= 0:
+        return np.zeros_like(tokens), (tokens if shift == 0 else np.minimum(np.maximum(remaining - shift, 0), length))
+    return np.minimum(np.maximum(-shift - pos, 0), tokens), tokens
+
+
+def rank_segments(padded: np.ndarray, seqlens: np.ndarray, cp_size: int, layout: Layout, rank: int) -> Segments:
+    """``rank``'s segments for sequences of ``seqlens`` tokens padded to ``padded`` (Note above)."""
+    b = padded.size
+    total = int(padded.sum())
     local = total // cp_size
     ids = np.arange(b, dtype=np.int64)
     if cp_size == 1:
-        return _segments(ids, np.zeros(b, dtype=np.int64), p.copy(), total)
+        return Segments.of(ids, np.zeros(b, dtype=np.int64), padded.copy(), total, seqlens)
     if layout is Layout.ZIGZAG:
-        chunk = p // (2 * cp_size)
+        chunk = padded // (2 * cp_size)
         pos = np.stack([rank * chunk, (2 * cp_size - 1 - rank) * chunk], 1).reshape(-1)
-        return _segments(np.repeat(ids, 2), pos, np.repeat(chunk, 2), local)
-    starts = np.cumsum(p) - p
+        return Segments.of(np.repeat(ids, 2), pos, np.repeat(chunk, 2), local, seqlens)
+    starts = np.cumsum(padded) - padded
     lo = starts.clip(rank * local, (rank + 1) * local)
-    hi = (starts + p).clip(rank * local, (rank + 1) * local)
-    return _segments(ids, lo - starts, hi - lo, local)
+    hi = (starts + padded).clip(rank * local, (rank + 1) * local)
+    return Segments.of(ids, lo - starts, hi - lo, local, seqlens)
 
 
-def _segments(seq: np.ndarray, pos: np.ndarray, length: np.ndarray, total: int) -> Segments:
-    return Segments(torch.from_numpy(seq), torch.from_numpy(pos), torch.from_numpy(length), total)
+def repeat_segments(single: Segments, seqlens: np.ndarray) -> Segments:
+    """BSHD: the segments of one sequence of length ``M``, repeated for every batch row (row ``b``
+    holding ``seqlens[b]`` tokens)."""
+    batch, k = seqlens.size, single.seq.size
+    return Segments.of(np.repeat(np.arange(batch, dtype=np.int64), k), np.tile(single.pos, batch),
+                       np.tile(single.length, batch), single.total * batch, seqlens)
 
 
 @dataclass(frozen=True)
 class AllSegments:
     """Every rank's segments side by side, rank 0's first: for index math that crosses ranks (the
-    sharded-shift and halo exchanges), which every rank derives alike from the plan."""
+    shift and halo exchanges, the restore), which every rank derives alike from the plan. A view of
+    the per-rank :class:`Segments`, built from them."""
 
-    rank: torch.Tensor  # (K,) the rank holding each segment
-    seq: torch.Tensor  # (K,) sequence id
-    pos: torch.Tensor  # (K,) first position inside the padded sequence
-    length: torch.Tensor  # (K,) rows
-    first: torch.Tensor  # (K,) local row of the segment's first row on its rank
+    rank: np.ndarray  # (K,) the rank holding each segment
+    seq: np.ndarray
+    pos: np.ndarray
+    length: np.ndarray
+    start: np.ndarray  # local row of the segment's first row on its rank
+    remaining: np.ndarray
+    tokens: np.ndarray
+    offsets: tuple[int, ...]  # rank r's segments are [offsets[r], offsets[r + 1])
 
     @staticmethod
     def of(segments: Sequence[Segments]) -> AllSegments:
-        return AllSegments(torch.cat([torch.full_like(s.seq, r) for r, s in enumerate(segments)]),
-                           torch.cat([s.seq for s in segments]), torch.cat([s.pos for s in segments]),
-                           torch.cat([s.length for s in segments]), torch.cat([s.local_start for s in segments]))
+        sizes = [s.seq.size for s in segments]
+        seq, pos, length, start, remaining, tokens = (np.concatenate([getattr(s, f) for s in segments])
+                                                      for f in ("seq", "pos", "length", "start", "remaining", "tokens"))
+        return AllSegments(np.repeat(np.arange(len(segments), dtype=np.int64), sizes), seq, pos, length, start,
+                           remaining, tokens, tuple(itertools.accumulate(sizes, initial=0)))
 
-    def holder(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def sourced(self, shift: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`Segments.sourced` of every segment."""
+        return sourced_rows(self.pos, self.tokens, self.remaining, self.length, shift)
+
+    def holder(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """The segment holding position ``pos`` of sequence ``seq``, for each query (every query must be
         a row some segment holds): one ``searchsorted`` over the non-empty segments sorted by key."""
         end = self.pos + self.length
-        stride = int(end.max()) + 1 if end.numel() else 1
-        nonempty = torch.nonzero(self.length > 0).flatten()
-        if not nonempty.numel():
-            return torch.zeros_like(seq)
-        keys, order = torch.sort(self.seq[nonempty] * stride + self.pos[nonempty])
-        found = torch.searchsorted(keys, seq * stride + pos, right=True) - 1
-        return nonempty[order[found.clamp(min=0)]]
-
-
-def repeat_segments(single: Segments, batch: int) -> Segments:
-    """BSHD: the segments of one sequence of length ``M``, repeated for rows ``0 .. batch - 1``."""
-    k = single.seq.numel()
-    return Segments(torch.arange(batch, dtype=_I64).repeat_interleave(k), single.pos.repeat(batch),
-                    single.length.repeat(batch), single.total * batch)
+        stride = int(end.max()) + 1 if end.size else 1
+        nonempty = np.flatnonzero(self.length > 0)
+        if not nonempty.size:
+            return np.zeros_like(seq)
+        keys = self.seq[nonempty] * stride + self.pos[nonempty]
+        order = np.argsort(keys, kind="stable")
+        found = np.searchsorted(keys[order], seq * stride + pos, side="right") - 1
+        return nonempty[order[np.maximum(found, 0)]]
 
 
 @dataclass(frozen=True)
@@ -201,44 +229,8 @@ class ShardIndex:
     them (``None``: every row), and the gather skips the others, which the fills then write.
     """
 
-    src: torch.Tensor  # (rows,) input row each output row copies, unshifted (clamped where overwritten)
+    source: torch.Tensor  # (rows,) input row each output row copies, unshifted (clamped where overwritten)
     pad_rows: torch.Tensor  # output rows past their sequence's length: pad_value
     fill_rows: torch.Tensor  # token rows whose shifted source lies past the end: fill
     shift: int = 0
     safe: tuple[tuple[int, int], ...] | None = None
-
-
-@dataclass(frozen=True)
-class RankRows:
-    """One rank's segments as NumPy arrays with what every row index of ``shard`` derives from them:
-    built once per rank and plan, so the base, pad and fill rows of every shift share the work."""
-
-    seq: np.ndarray  # (K,) sequence id
-    pos: np.ndarray  # (K,) first position inside the padded sequence
-    length: np.ndarray  # (K,) rows
-    begin: np.ndarray  # (K,) local row of the segment's first row
-    remaining: np.ndarray  # (K,) the sequence's length minus pos: token rows from the segment's start on
-    tokens: np.ndarray  # (K,) the segment's leading token rows; the rest of it is pad
-    total: int
-
-    @staticmethod
-    def of(segs: Segments, seqlens: torch.Tensor) -> RankRows:
-        seq, pos, length = segs.seq.numpy(), segs.pos.numpy(), segs.length.numpy()
-        remaining = seqlens.numpy()[seq] - pos
-        tokens = np.minimum(np.maximum(remaining, 0), length)
-        return RankRows(seq, pos, length, segs.local_start.numpy(), remaining, tokens, segs.total)
-
-    def sourced(self, shift: int) -> np.ndarray:
-        """Per segment, its leading token rows whose source ``shift`` ahead exists."""
-        return self.tokens if shift == 0 else np.minimum(np.maximum(self.remaining - shift, 0), self.length)
-
-    def pad_rows(self) -> torch.Tensor:
-        """Local rows past their sequence's end: the same for every shift."""
-        return torch.from_numpy(expand_np(self.begin + self.tokens, self.length - self.tokens))
-
-    def fill_rows(self, shift: int) -> torch.Tensor:
-        """Token rows whose source ``shift`` ahead lies past their sequence's end (a few per sequence)."""
-        if shift == 0:
-            return torch.zeros(0, dtype=_I64)
-        sourced = self.sourced(shift)
-        return torch.from_numpy(expand_np(self.begin + sourced, self.tokens - sourced))

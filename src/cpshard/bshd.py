@@ -9,14 +9,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from cpshard import _index
 from cpshard._errors import check_int, fail
+from cpshard._indices import PlanIndices
+from cpshard._parse import parse_plan_args
 from cpshard.layout import Layout, alignment
-from cpshard.plan import PlanBase, _Cache, check_value_fields, parse_plan_args
+from cpshard.plan import Plan, check_value_fields
 
 __all__ = ["BshdPlan"]
 
@@ -32,7 +35,7 @@ def bshd_alignment(num_seqs: int, cp_size: int, tp_size: int, layout: Layout, fp
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class BshdPlan(PlanBase):
+class BshdPlan(Plan):
     """Which columns of a padded batch each context-parallel rank holds.
 
     ``BshdPlan.build([5, 3], cp_size=2)`` pads both rows to ``M = 8`` (zigzag, ``a = 4``); rank 0
@@ -53,7 +56,8 @@ class BshdPlan(PlanBase):
     layout: Layout = Layout.ZIGZAG
     fp8: bool = False
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
-    _cache: _Cache = field(init=False, repr=False, compare=False)
+    _indices: PlanIndices = field(init=False, repr=False, compare=False)
+    _padded_input: ClassVar[bool] = True
 
     @classmethod
     def build(
@@ -114,10 +118,9 @@ class BshdPlan(PlanBase):
         """``(M / cp,)`` int64: the global column each local column holds (the same in every row)."""
         return self.position_ids(cp_rank)[0].clone()
 
-    def _build_segments(self, cp_rank: int) -> _index.Segments:
-        single = _index.rank_segments(torch.tensor([self.max_seqlen], dtype=torch.int64), self.cp_size,
-                                      self.layout, cp_rank)
-        return _index.repeat_segments(single, self.num_seqs)
+    def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments:
+        m = np.array([self.max_seqlen], dtype=np.int64)
+        return _index.repeat_segments(_index.rank_segments(m, m, self.cp_size, self.layout, cp_rank), lengths)
 
     def _key(self) -> tuple[Any, ...]:
         return (self.seqlens_py, self.max_seqlen, self.cp_size, self.tp_size, self.layout.value, self.fp8,

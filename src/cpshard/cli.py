@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard.attention import attention_work
 from cpshard.bshd import BshdPlan
+from cpshard.causal import attention_work
 from cpshard.layout import Layout, Padding
-from cpshard.plan import ShardPlan, rank_rows
+from cpshard.plan import ShardPlan
 
 __all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
 
@@ -86,7 +86,7 @@ def _summary(plan: ShardPlan, ranks: list[int]) -> list[str]:
     (positions inside the padded sequence, inclusive), capped."""
     lines = {}
     for r in ranks:  # over the rank's segments, never its rows (a summary costs nothing per token)
-        seg = rank_rows(plan, r)
+        seg = plan.indices().segments(r)
         held = np.flatnonzero(seg.length)
         seq, pos, length = seg.seq[held], seg.pos[held], seg.length[held]
         new = np.ones(seq.size, dtype=bool)
@@ -104,7 +104,7 @@ def _balance(plan: ShardPlan, work: list[int], ranks: list[int]) -> list[str]:
     """Per rank: rows, token rows, and causal-attention work (sum over token rows of keys seen)."""
     lines = {}
     for r in ranks:
-        tokens = int(rank_rows(plan, r).tokens.sum())
+        tokens = int(plan.indices().segments(r).tokens.sum())
         lines[r] = f"{r:>6} {plan.local_len:>8} {tokens:>8} {plan.local_len - tokens:>8} {work[r]:>14}"
     out = [f"{'rank':>6} {'rows':>8} {'tokens':>8} {'pad':>8} {'causal work':>14}"] + _with_gaps(lines)
     mean = sum(work) / len(work)

@@ -1,6 +1,7 @@
 """Across context-parallel ranks: gather outputs, shift sharded tensors, check that plans agree.
 
-The only module of cpshard that uses ``torch.distributed``. Every function takes the CP process
+The only module of cpshard that communicates (``cpshard.spawn`` starts the processes; the agreement
+protocol's rules are pure, in ``_agree.py``). Every function takes the CP process
 group as its third argument, with no default: in a real job the world is DP x CP x TP, and a
 same-size wrong group would mix replicas' data without an error (pass
 ``torch.distributed.group.WORLD`` where the whole job is one CP group). A Megatron CP sub-group or a
@@ -15,59 +16,27 @@ process-wide switch: :func:`set_checks`, or the environment variable ``CPSHARD_C
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from cpshard import _agree as _protocol
+from cpshard._agree import checks_enabled, set_checks
 from cpshard._dtypes import movable, wire
 from cpshard._errors import check_tensor, fail
-from cpshard._exchange import Exchange
-from cpshard.bshd import BshdPlan
-from cpshard.ops import as_nested, check_plan_type, check_shift, pad_and_fill, token_rows
-from cpshard.plan import ShardPlan, shift_exchange
+from cpshard._exchange import ShiftExchange
+from cpshard._parse import check_shift
+from cpshard._types import Group, Scalar
+from cpshard.ops import as_nested, check_plan_type, pad_and_fill, token_rows
+from cpshard.plan import Plan
 
 __all__ = ["check_plan", "checks_enabled", "gather", "gather_tokens", "plan_fingerprint", "set_checks",
            "shift_sharded"]
 
-Plan = Union[ShardPlan, BshdPlan]
-Scalar = Union[int, float, bool]
 _T = TypeVar("_T")
-
-
-# -- the process-wide check switch -----------------------------------------------------------
-
-_CHECKS = [os.environ.get("CPSHARD_CHECK", "").strip().lower() in ("1", "true", "yes", "on")]
-
-
-def set_checks(enabled: bool) -> bool:
-    """Turn the agreement checks of ``check=True`` on or off for every call that passes ``check=None``.
-
-    For debugging runs (the environment variable ``CPSHARD_CHECK=1`` does the same at import).
-    Returns the previous setting, so that a test or a debugging block can restore it.
-    """
-    if not isinstance(enabled, bool):
-        fail("enabled", repr(enabled), "must be a bool", "pass True or False", kind=TypeError)
-    previous, _CHECKS[0] = _CHECKS[0], enabled
-    return previous
-
-
-def checks_enabled() -> bool:
-    """Whether calls with ``check=None`` run the agreement checks (see :func:`set_checks`)."""
-    return _CHECKS[0]
-
-
-def _resolve_check(check: Any) -> bool:
-    if check is None:
-        return _CHECKS[0]
-    if not isinstance(check, bool):
-        fail("check", repr(check), "must be True, False or None (the process-wide default)",
-             "pass check=True", kind=TypeError)
-    return check
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -94,9 +63,18 @@ def _group_ranks(group: Any) -> Any:
         return "(unknown)"
 
 
+def _solo(plan: Plan, group: Group) -> bool:
+    """One rank and no group: every function here then runs without ``torch.distributed`` (the one
+    place that rule is written)."""
+    return group is None and plan.cp_size == 1
+
+
 def _group_rank(plan: Plan, group: Any) -> int:
-    """This process's rank in ``group``, after checking the group matches ``plan``. No communication."""
+    """This process's rank in ``group``, after checking the group matches ``plan``. No communication.
+    ``group=None`` is accepted where ``plan.cp_size == 1`` (rank 0, nothing to communicate)."""
     check_plan_type(plan)
+    if _solo(plan, group):
+        return 0
     _require_group(group)
     size = dist.get_world_size(group)
     if size != plan.cp_size:
@@ -119,28 +97,15 @@ def _check_local(local: Any, plan: Plan) -> torch.Tensor:
 def plan_fingerprint(plan: Plan) -> torch.Tensor:
     """``(8,)`` int64 summary of a plan; equal plans give equal fingerprints. No communication.
 
-    What :func:`check_plan` exchanges, with one more word: whether the rank's input passed its checks.
+    What :func:`check_plan` exchanges, with two more words (a digest of the call's arguments and
+    whether the rank's input passed its checks; ``_agree.py``).
 
     ``[kind, cp_size, tp_size, layout, num_seqs, total_len or seq_len, hash, hash]``; the two hash
-    words are a BLAKE2b digest of every length, so plans that differ anywhere differ here.
+    words are a BLAKE2b digest of the plan's value, so plans that differ anywhere differ here.
+    Hashed once per plan (its index service keeps it).
     """
-    def make() -> torch.Tensor:  # once per plan: hashing 100k lengths is ~40 ms
-        key = repr(plan._key()).encode()
-        digest = hashlib.blake2b(key, digest_size=16).digest()
-        h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
-        layout = 0 if plan.layout.value == "zigzag" else 1
-        return torch.tensor([int(isinstance(plan, BshdPlan)), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
-                             plan.total_len, h1, h2], dtype=torch.int64)
-    return plan._cache.get("fingerprint", make).clone()  # a copy: callers write the verdict word into it
-
-
-def _describe(fp: Sequence[int]) -> str:
-    if fp[1] == 0:  # the zero fingerprint of a rank that passed no plan at all
-        return "no plan (see that rank's TypeError)"
-    kind = "BshdPlan" if fp[0] else "ShardPlan"
-    layout = "zigzag" if fp[3] == 0 else "contiguous"
-    return (f"{kind}(cp_size={fp[1]}, tp_size={fp[2]}, layout={layout!r}, num_seqs={fp[4]}, total_len={fp[5]}, "
-            f"digest={fp[6]:x})")
+    check_plan_type(plan)
+    return plan.indices().fingerprint().clone()  # a copy: the caller may write into it
 
 
 def _collective_device(group: Any) -> torch.device:
@@ -172,7 +137,7 @@ def _checked(plan: Any, group: Any, check: bool | None,
     or different arguments raise on every rank instead of one rank raising while the others wait
     (or the collective mixing data of different dtypes).
     """
-    if not _resolve_check(check):
+    if not _protocol.resolve_check(check) or (isinstance(plan, Plan) and _solo(plan, group)):
         result, _ = validate()
         return result, _group_rank(plan, group)
     try:
@@ -184,55 +149,17 @@ def _checked(plan: Any, group: Any, check: bool | None,
     return result, _group_rank(plan, group)
 
 
-def _digest(value: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
-
-
 def _agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
-    """The small collective behind ``check_plan`` and ``check=True``; raises on every rank or none."""
+    """The small collective behind ``check_plan`` and ``check=True`` (``_agree.py``); raises on every
+    rank or none."""
     _require_group(group)
-    if isinstance(plan, (ShardPlan, BshdPlan)):
-        fingerprint = plan_fingerprint(plan)
-    else:  # still take part in the exchange, so that the other ranks raise too
-        fingerprint = torch.zeros(8, dtype=torch.int64)
-        if error is None:
-            error = TypeError(f"plan={type(plan).__name__}: must be a ShardPlan or BshdPlan. "
-                              "Fix: build one with ShardPlan.build.")
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine, error = _protocol.contribution(plan, error, call)
+    size = dist.get_world_size(group)
     device = _collective_device(group)
-    extra = torch.tensor([_digest(sorted(call.items())) if error is None else 0, int(error is not None)])
-    mine = torch.cat([fingerprint, extra]).to(device)
+    mine = mine.to(device)
     every = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
     _all_gather_flat(every, mine, group)
-    rows = [tuple(r) for r in every.view(size, -1).tolist()]
-
-    def ranks_by(key: Callable[[tuple[int, ...]], Any]) -> dict[Any, list[int]]:
-        groups: dict[Any, list[int]] = {}
-        for r, row in enumerate(rows):
-            groups.setdefault(key(row), []).append(r)
-        return groups
-
-    by_plan = ranks_by(lambda row: row[:8])
-    if len(by_plan) > 1:  # the root cause of most other errors: report it first, on every rank
-        listing = "; ".join(f"ranks {ranks} built {_describe(fp)}" for fp, ranks in by_plan.items())
-        raise ValueError(
-            f"plan: the ranks of the context-parallel group built different plans (this is rank {rank}): {listing}. "
-            "Fix: build every rank's plan from the same batch lengths, sizes and layout (e.g. broadcast the "
-            "lengths from one rank), so that no rank mixes rows of different layouts.") from error
-    if error is not None:
-        raise error
-    failed = [r for r, row in enumerate(rows) if row[9]]
-    if failed:
-        raise ValueError(
-            f"ranks {failed} of the context-parallel group rejected their input (their errors say why; this is "
-            f"rank {rank}). Fix: correct the input on those ranks; every rank stopped before communicating data.")
-    by_call = ranks_by(lambda row: row[8])
-    if len(by_call) > 1:
-        mine_desc = ", ".join(f"{k}={v}" for k, v in call.items())
-        raise ValueError(
-            f"the ranks of the context-parallel group called with different arguments: ranks "
-            f"{' vs '.join(str(r) for r in by_call.values())} (this is rank {rank}, which passed {mine_desc}). "
-            "Fix: pass every rank the same dtype, row shape, shift and fill values for one step.")
+    _protocol.judge([tuple(r) for r in every.view(size, -1).tolist()], dist.get_rank(group), error, call)
     _group_rank(plan, group)  # the same plan everywhere: a size mismatch now raises on every rank
 
 
@@ -275,6 +202,8 @@ def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool | 
 
     local, rank = _checked(plan, group, check, validate)
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[len(plan.local_shape):])
+    if _solo(plan, group):
+        return flat
     return _AllGatherOwnGrad.apply(flat, group, rank, plan.cp_size)
 
 
@@ -327,19 +256,14 @@ class _ShiftSharded(torch.autograd.Function):
     """Forward: local gather + one all-to-all of boundary rows. Backward: the reverse all-to-all."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, ex: Exchange, group: Any, pad_value: Scalar,
+    def forward(ctx: Any, local: torch.Tensor, ex: ShiftExchange, group: Any, pad_value: Scalar,
                 fill: Scalar) -> torch.Tensor:
         ctx.ex, ctx.group = ex, group
-        out = local.index_select(0, ex.local_src)
+        recv = None
         if ex.total_remote:
             recv = local.new_empty((sum(ex.recv_splits), *local.shape[1:]))
             _all_to_all(recv, local.index_select(0, ex.send_rows), ex.recv_splits, ex.send_splits, group)
-            out.index_copy_(0, ex.recv_rows, recv)
-        if ex.pad_rows.numel():
-            out.index_fill_(0, ex.pad_rows, pad_value)
-        if ex.fill_rows.numel():
-            out.index_fill_(0, ex.fill_rows, fill)
-        return out
+        return ex.apply(local, recv, pad_value, fill)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -348,7 +272,7 @@ class _ShiftSharded(torch.autograd.Function):
         for rows in (ex.pad_rows, ex.fill_rows, ex.recv_rows):
             if rows.numel():
                 kept.index_fill_(0, rows, 0)
-        grad_local = torch.zeros_like(grad).index_add_(0, ex.local_src, kept)
+        grad_local = torch.zeros_like(grad).index_add_(0, ex.source, kept)
         if ex.total_remote:
             back = grad.new_empty((sum(ex.send_splits), *grad.shape[1:]))
             _all_to_all(back, grad.index_select(0, ex.recv_rows), ex.send_splits, ex.recv_splits, ctx.group)
@@ -360,8 +284,9 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
                   fill: Scalar = 0, check: bool | None = None) -> torch.Tensor:
     """Shift a tensor that exists only sharded: exactly ``shard(shift(x, k), plan, cp_rank)``.
 
-    For labels and loss masks that Megatron's multi-token prediction rolls after sharding. Works for
-    every layout, THD and BSHD plans, and every ``k >= 0``, with one ``all_to_all_single`` per call
+    For labels and loss masks that Megatron's multi-token prediction rolls after sharding, and (``k <
+    0``) the look-back of a causal convolution. Works for every layout, THD and BSHD plans, and every
+    ``k``, with one ``all_to_all_single`` per call
     whatever the batch size, moving only rows whose shifted source lives on another rank (under
     zigzag, about ``k`` rows per sequence and chunk boundary; see Note [Sharded shift exchange] in
     ``_exchange.py``). With ``cp_size == 1``, or when no row crosses ranks, there is no collective.
@@ -370,9 +295,9 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
         local: this rank's rows, ``plan.local_shape + trailing``, any dtype (bool travels as uint8).
         plan: the plan shared by every rank of ``group``.
         group: the context-parallel group (required); its size must be ``plan.cp_size``.
-        shift: ``k >= 0``.
-        pad_value: value of pad rows; default ``fill`` when ``k >= 1`` (as :func:`cpshard.shard`).
-        fill: value of token rows whose source ``p + k`` lies past the sequence's end.
+        shift: ``k``: row ``p`` receives position ``p + k`` of its sequence (``k < 0`` looks back).
+        pad_value: value of pad rows; default ``fill`` when ``k != 0`` (as :func:`cpshard.shard`).
+        fill: value of token rows whose source ``p + k`` lies outside the sequence.
         check: as in :func:`gather`.
 
     Autograd: differentiable; the gradient of a row flows back to the rank and row it was read
@@ -387,7 +312,7 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
         return (checked, k, pad, fil), call
 
     (local, k, pad, fil), rank = _checked(plan, group, check, validate)
-    ex = shift_exchange(plan, rank, k, local.device)
+    ex = plan.indices().shift_exchange(rank, k, local.device)
     lead = len(plan.local_shape)
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[lead:])
     moved = movable(flat, pad, fil)
@@ -401,7 +326,7 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
 
 # -- several shifts in one exchange; sums over the group (cpshard.mtp) -------------------------
 
-__all__ += ["group_rank", "group_size", "shift_sharded_multi", "sum_over", "sum_over_group"]
+__all__ += ["group_rank", "group_size", "read_group", "shift_sharded_multi", "sum_over", "sum_over_group"]
 
 
 def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any, *, shifts: Sequence[int],
@@ -419,7 +344,8 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
             cp)`` BSHD), any dtypes and trailing shapes.
         plan: the plan shared by every rank of ``group``.
         group: the context-parallel group (required); its size must be ``plan.cp_size``.
-        shifts: the shifts ``k >= 0``.
+        shifts: the shifts ``k`` (negative ones look back: the halo before each segment travels in
+            the same collective).
         pad_values: per tensor, the value of pad rows (``None``: as :func:`cpshard.shard`, ``fill``
             for a shifted tensor); default all ``None``.
         fills: per tensor, the value of token rows shifted past the sequence's end; default 0.
@@ -432,8 +358,6 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
     """
     from cpshard import _halo  # here, not at the top: this section stays apart from the rest
     from cpshard._dtypes import check_fill
-    from cpshard._errors import check_int
-    from cpshard.plan import halo_exchange
 
     def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
         checked = [_check_local(t, plan) for t in tensors]
@@ -442,7 +366,7 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
         if not checked or len(pads) != len(checked) or len(fils) != len(checked):
             fail("tensors", f"{len(checked)} tensors, {len(pads)} pad_values and {len(fils)} fills",
                  "must be at least one tensor, with one pad value and one fill each", "pass matching lists")
-        ks = tuple(check_int("shifts", k, minimum=0) for k in shifts)
+        ks = tuple(check_shift(k, "shifts") for k in shifts)
         if not ks:
             fail("shifts", list(shifts), "must hold at least one shift", "pass e.g. shifts=[1, 2]")
         fils = [check_fill("fills", v, t.dtype) for v, t in zip(fils, checked)]
@@ -455,14 +379,14 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
     (checked, ks, pads, fils), rank = _checked(plan, group, check, validate)
     lead = len(plan.local_shape)
     rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
-    ms = halo_exchange(plan, rank, ks, rows[0].device)
+    ms = plan.indices().halo(rank, ks, rows[0].device)
     received: list[torch.Tensor | None] = [None] * len(rows)
     if ms.total_remote:
         packed = _halo.pack_rows(rows)
         recv = packed.new_empty((sum(ms.recv_splits), packed.shape[1]))
         _all_to_all(recv, packed.index_select(0, ms.send_rows), ms.recv_splits, ms.send_splits, group)
         received = list(_halo.unpack_rows(recv, rows))
-    return [_halo.apply_multi_shift(ms, r, got, pad, fil).view(len(ks), *t.shape)
+    return [ms.apply(r, got, pad, fil).view(len(ks), *t.shape)
             for r, got, pad, fil, t in zip(rows, received, pads, fils, checked)]
 
 
@@ -473,6 +397,8 @@ def sum_over_group(values: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor
     """
     values = check_tensor("values", values)
     _group_rank(plan, group)
+    if _solo(plan, group):
+        return values.detach().clone()
     return _summed(values, group)
 
 
@@ -486,10 +412,71 @@ def sum_over(values: torch.Tensor, group: Any) -> torch.Tensor:
     return _summed(values, group)
 
 
-def _summed(values: torch.Tensor, group: Any) -> torch.Tensor:
+def _summed(values: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
     out = values.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
     return out
+
+
+def max_over(values: torch.Tensor, group: Any) -> torch.Tensor:
+    """``values``' elementwise maximum over the ranks of ``group`` (one ``all_reduce``), as a new
+    tensor: the slowest rank's time, say. No gradient flows."""
+    values = check_tensor("values", values)
+    _require_group(group)
+    return _summed(values, group, dist.ReduceOp.MAX)
+
+
+# -- the reference attention's gather (cpshard.attention) ----------------------------------------
+
+__all__ += ["all_gather_rows", "max_over"]
+
+
+class _GatherRowsSumGrad(torch.autograd.Function):
+    """All-gather along dim 0 (``all_gather_single``); backward: the gathered gradient summed over the
+    group (``all_reduce``), of which the caller keeps its own rows. The pairing of nanotron's
+    ``DifferentiableAllGather`` / ``DifferentiableReduceScatterSum``; ``all_reduce`` because gloo has
+    no reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        local = local.contiguous()
+        ctx.rows, ctx.rank, ctx.group = local.shape[0], rank, group
+        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
+        _all_gather_flat(out, local, group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # summed in at least float32: gloo reduces half precision poorly or not at all
+        wide = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous()
+        dist.all_reduce(wide, group=ctx.group)
+        own = wide[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
+        return own.to(grad.dtype), None, None, None
+
+
+def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
+    """Every rank's ``rows`` ``(R, ...)``, concatenated in rank order: ``(cp * R, ...)``, for a
+    computation in which every rank's rows serve every rank (the reference attention's keys and
+    values). Backward: the gathered gradient is summed over the group and each rank keeps its own
+    rows, so that when the ranks' losses add up to the batch's, every gradient equals ``cp = 1``'s.
+    ``rows`` as they are at ``cp = 1`` with no group."""
+    rank = _group_rank(plan, group)
+    if _solo(plan, group):
+        return rows
+    return _GatherRowsSumGrad.apply(rows, group, rank, plan.cp_size)
+
+
+def read_group(group: Any, what: str) -> int | None:
+    """``torch.distributed.get_rank(group=)`` (``what="rank"``) or ``get_world_size(group=)``
+    (``"size"``), looked up at call time (tests may fake them), or None where torch does not know the
+    group (not initialized, or a stand-in object). No communication; what verl's helpers read."""
+    reader = getattr(dist, "get_rank" if what == "rank" else "get_world_size", None)
+    if reader is None or not dist.is_available():
+        return None
+    try:
+        return int(reader(group=group))
+    except (RuntimeError, ValueError, KeyError, AttributeError, TypeError):
+        return None
 
 
 def group_size(group: Any, name: str = "group") -> int:

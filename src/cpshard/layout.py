@@ -1,7 +1,9 @@
 """Context-parallel layouts, their padding alignment, and the one place a model config picks a layout.
 
-Pure Python; no tensors. See SPEC.md, "Padding" and "Layout choice"; also the name of the gradient
-convention (``GradReduction``, SPEC.md "Losses and the gradient convention").
+Pure Python and NumPy; no tensors. See SPEC.md, "Padding" (the per-sequence alignment, and the padded
+lengths every plan builder derives from it: :func:`padded_lengths`) and "Layout choice"; also the names
+of the sequence order (``Reorder``) and of the gradient convention (``GradReduction``, SPEC.md "Losses
+and the gradient convention").
 """
 
 from __future__ import annotations
@@ -9,14 +11,40 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from cpshard._errors import check_int, parse_choice
+import numpy as np
 
-__all__ = ["GradReduction", "Layout", "Padding", "alignment", "layout_for", "register_layout_rule"]
+from cpshard._errors import check_int, fail, parse_choice
+
+__all__ = ["GradReduction", "Layout", "Padding", "Reorder", "alignment", "layout_for", "padded_lengths",
+           "register_layout_rule", "total_problem"]
 
 
-class Layout(str, enum.Enum):
+_C = TypeVar("_C", bound="_Choice")
+
+
+class _Choice(str, enum.Enum):
+    """A named choice: shown as its value in messages ("zigzag", not "Layout.ZIGZAG"), parsed from
+    itself or its value with a clear error naming the argument (:data:`_CHOICES`)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def parse(cls: type[_C], value: Any, name: str | None = None) -> _C:
+        """Accept a member or its string value; anything else is a clear error."""
+        argument, what = _CHOICES[cls.__name__]
+        return parse_choice(cls, value, name or argument, what, f"cpshard.{cls.__name__}")
+
+
+# per choice: the argument it is passed as, and what a member is called in an error message
+_CHOICES = {"Layout": ("layout", "known layout"), "Padding": ("padding", "padding mode"),
+            "Reorder": ("reorder", "known order (or None: the caller's)"),
+            "GradReduction": ("grad_reduction", "gradient reduction")}
+
+
+class Layout(_Choice):
     """How a padded THD buffer is divided among context-parallel ranks.
 
     ``ZIGZAG`` cuts each sequence into ``2 * cp`` chunks; rank ``r`` holds chunks ``r`` and
@@ -29,16 +57,9 @@ class Layout(str, enum.Enum):
     ZIGZAG = "zigzag"
     CONTIGUOUS = "contiguous"
 
-    def __str__(self) -> str:  # "zigzag", not "Layout.ZIGZAG", in messages and pictures
-        return self.value
-
-    @classmethod
-    def parse(cls, value: Any, name: str = "layout") -> Layout:
-        """Accept a ``Layout`` or its string value; anything else is a clear error."""
-        return parse_choice(cls, value, name, "known layout", "cpshard.Layout")
 
 
-class Padding(str, enum.Enum):
+class Padding(_Choice):
     """How much each sequence is padded (SPEC.md, "Padding").
 
     ``ALIGNED`` (the default) pads every sequence to the alignment Megatron users run: ``tp``,
@@ -51,16 +72,21 @@ class Padding(str, enum.Enum):
     ALIGNED = "aligned"
     MINIMAL = "minimal"
 
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: Any, name: str = "padding") -> Padding:
-        """Accept a ``Padding`` or its string value; anything else is a clear error."""
-        return parse_choice(cls, value, name, "padding mode", "cpshard.layout.Padding")
 
 
-class GradReduction(str, enum.Enum):
+class Reorder(_Choice):
+    """Which order a plan puts the sequences in (SPEC.md, "Balanced order").
+
+    ``BALANCED`` (contiguous layout): the order that spreads causal-attention work evenly over the
+    ranks, recorded in ``plan.order``; ``shard`` takes and ``unshard`` / ``gather`` return the
+    caller's order. ``None`` (the default where a ``reorder`` is asked for) keeps the caller's order.
+    """
+
+    BALANCED = "balanced"
+
+
+
+class GradReduction(_Choice):
     """How the caller reduces parameter gradients over ranks after backward (SPEC.md, "Losses and the
     gradient convention"; Note [Gradient convention] in ``cpshard/loss.py``).
 
@@ -75,13 +101,6 @@ class GradReduction(str, enum.Enum):
     MEAN = "mean"
     SUM = "sum"
 
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: Any, name: str = "grad_reduction") -> GradReduction:
-        """Accept a ``GradReduction`` or its string value; anything else is a clear error."""
-        return parse_choice(cls, value, name, "gradient reduction", "cpshard.GradReduction")
 
 
 def alignment(cp_size: int, tp_size: int, layout: Layout | str, padding: Padding | str = Padding.ALIGNED) -> int:
@@ -118,6 +137,91 @@ def fp8_alignment(base: int) -> int:
 def fp8_total_alignment(base: int) -> int:
     """Multiple the whole THD buffer reaches under fp8 padding: ``a * 128`` (TransformerEngine)."""
     return base * 128
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def sequence_unit(cp_size: int, tp_size: int, layout: Layout, fp8: bool, padding: Padding) -> int:
+    """The per-sequence multiple: :func:`alignment` for ``padding``, ``lcm(16, .)`` under fp8."""
+    unit = alignment(cp_size, tp_size, layout, padding)
+    return fp8_alignment(unit) if fp8 else unit
+
+
+def total_problem(total: int, extension: int, cp_size: int, tp_size: int, layout: Layout, fp8: bool) -> str | None:
+    """Why a padded batch of ``total`` rows, whose last sequence was extended by ``extension`` rows
+    past its own padding, breaks a plan invariant (SPEC.md, "Padding"); None when it keeps them all.
+
+    The invariants: ``cp`` equal shares, each a multiple of ``tp``; under zigzag with ``cp > 1`` the
+    extension keeps the last sequence a multiple of ``2 * cp``; under fp8 the total a multiple of
+    ``a * 128``. The one statement of the rule that :meth:`ShardPlan.build` (``total_len=``) and
+    the framework adapters share.
+    """
+    if total % cp_size or (total // cp_size) % tp_size:
+        return (f"a total of {total} rows must split into cp_size={cp_size} equal parts each divisible by "
+                f"tp_size={tp_size}")
+    if layout is Layout.ZIGZAG and cp_size > 1 and extension % (2 * cp_size):
+        return f"the last zigzag sequence must stay a multiple of 2 * cp_size = {2 * cp_size}"
+    if fp8 and total % fp8_total_alignment(alignment(cp_size, tp_size, layout)):
+        return f"with fp8 the total must divide by {fp8_total_alignment(alignment(cp_size, tp_size, layout))}"
+    return None
+
+
+def padded_lengths(
+    seqlens: tuple[int, ...],
+    cp_size: int,
+    tp_size: int,
+    layout: Layout,
+    fp8: bool,
+    min_local_rows: int | None = None,
+    length_bucket: int | None = None,
+    padding: Padding = Padding.ALIGNED,
+    total_len: int | None = None,
+) -> tuple[int, ...]:
+    """Padded lengths per SPEC.md, "Padding" (the arguments checked by the caller).
+
+    Each sequence is rounded up to :func:`sequence_unit`; the total must then split into ``cp``
+    shares of a multiple of ``tp`` rows (already so for aligned padding, reached through the last
+    sequence for minimal padding). The extensions (fp8 total, ``min_local_rows``, ``length_bucket``)
+    only lengthen the last sequence, each by a multiple of the per-sequence alignment, so every
+    invariant still holds; a target that would break one is rounded up to the nearest one that
+    keeps them all, and under fp8 every target is also kept a multiple of the fp8 total alignment.
+    ``total_len`` instead asks for exactly that many rows (another framework's target): it must be
+    at least the padded total and keep every invariant (:func:`total_problem`), else ``ValueError``.
+    """
+    unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
+    if max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
+        padded = (-(-np.array(seqlens, dtype=np.int64) // unit) * unit).tolist()
+    else:
+        padded = [-(-n // unit) * unit for n in seqlens]
+    keep = math.lcm(unit, cp_size * tp_size)
+    if fp8:
+        keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
+    if total_len is None:
+        total = round_up(sum(padded), keep)
+        if min_local_rows is not None:
+            total = max(total, round_up(min_local_rows * cp_size, keep))
+        if length_bucket is not None:
+            total = round_up(total, math.lcm(length_bucket, cp_size, keep))
+    else:
+        problem = None if total_len >= sum(padded) else f"is below the {sum(padded)} rows these lengths pad to"
+        problem = problem or total_problem(total_len, total_len - sum(padded), cp_size, tp_size, layout, fp8)
+        if problem:
+            fail("total_len", total_len, problem, "leave total_len=None for the smallest valid total")
+        total = total_len
+    padded[-1] += total - sum(padded)
+    return tuple(padded)
+
+
+def shared_alignment(padded: tuple[int, ...], unit: int) -> int:
+    """The ``alignment`` of a plan over lengths padded elsewhere: SPEC's per-sequence ``unit`` where it
+    divides every padded length, else the greatest common divisor of the lengths (another
+    framework's padding: a last sequence extended to its own target, say). A plan's alignment is
+    part of its value and is what a twin or a rebuilt plan keeps."""
+    if all(p % unit == 0 for p in padded):
+        return unit
+    return max(math.gcd(*padded), 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,32 +39,22 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from cpshard._errors import check_tensor, fail
 from cpshard._index import to_device
-from cpshard.bshd import BshdPlan
 from cpshard.distributed import group_rank, group_size, sum_over, sum_over_group
 from cpshard.layout import GradReduction
-from cpshard.ops import check_plan_type
-from cpshard.plan import ShardPlan
+from cpshard.plan import Plan
 
 __all__ = ["GradReduction", "masked_rows", "rank_of", "sequence_mean", "token_mean", "token_sum",
            "token_sum_and_count"]
 
-Plan = Union[ShardPlan, BshdPlan]
 _F64 = torch.float64
 
-
-def rank_of(plan: Plan, group: Any) -> int:
-    """The caller's CP rank: 0 for ``cp = 1`` without a group, else its rank in ``group`` (checked
-    against ``plan``). No communication."""
-    check_plan_type(plan)
-    if plan.cp_size == 1 and group is None:
-        return 0
-    return group_rank(plan, group)
+rank_of = group_rank  # the caller's CP rank (0 at cp = 1 without a group); the name before 0.2 (CHANGELOG)
 
 
 def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -91,7 +81,7 @@ class _Local:
     def __init__(self, per_token: Any, loss_mask: Any, plan: Plan, group: Any, dp_group: Any,
                  grad_reduction: Any) -> None:
         self.reduction = GradReduction.parse(grad_reduction)
-        self.rank = rank_of(plan, group)
+        self.rank = group_rank(plan, group)
         values = _rows("per_token", per_token, plan)
         if not values.is_floating_point():
             fail("per_token", f"a {values.dtype} tensor", "must be floating point (a per-token loss)",

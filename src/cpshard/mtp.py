@@ -51,18 +51,15 @@ from typing import Any, ClassVar, Union
 
 import torch
 
-from cpshard import _halo
 from cpshard._errors import check_int, fail, parse_choice
-from cpshard.bshd import BshdPlan
-from cpshard.distributed import shift_sharded_multi, sum_over_group
+from cpshard.distributed import group_rank, shift_sharded_multi, sum_over_group
 from cpshard.layout import GradReduction
-from cpshard.loss import masked_rows, rank_of
+from cpshard.loss import masked_rows
 from cpshard.ops import shard
-from cpshard.plan import ShardPlan, halo_exchange
+from cpshard.plan import Plan
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
 
-Plan = Union[ShardPlan, BshdPlan]
 Rows = Union[torch.Tensor, Sequence[torch.Tensor]]
 AutoScaler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LogFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -190,7 +187,7 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
     base = 0 if labels is not None else 1
     shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
-    rank = rank_of(plan, group)
+    rank = group_rank(plan, group)
 
     sharded: list[tuple[str, torch.Tensor]] = []
     out: dict[str, torch.Tensor] = {}
@@ -206,20 +203,13 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
     if sharded:
         fills = [label_fill if name != "loss_mask" else 0 for name, _ in sharded]
         tensors = [t for _, t in sharded]
-        if plan.cp_size == 1:
-            ms = halo_exchange(plan, 0, shifts, tensors[0].device)
-            rows = [t.detach().reshape(-1) for t in tensors]
-            shifted = [_halo.apply_multi_shift(ms, r, None, f, f).view(len(shifts), *lead)
-                       for r, f in zip(rows, fills)]
-        else:
-            shifted = shift_sharded_multi(tensors, plan, group, shifts=shifts, pad_values=fills, fills=fills,
-                                          check=check)
+        shifted = shift_sharded_multi(tensors, plan, group, shifts=shifts, pad_values=fills, fills=fills,
+                                      check=check)
         out.update({name: s for (name, _), s in zip(sharded, shifted)})
     labels_all = out[source_name]
     if loss_mask is None:  # ones on every token row, shifted: True where the source exists
-        ms = halo_exchange(plan, rank, shifts, labels_all.device)
-        valid = ~(ms.pad.unsqueeze(0) | ms.fill)
-        out["loss_mask"] = valid.to(labels_all.dtype).view(len(shifts), *lead)
+        valid = torch.stack([plan.label_mask(rank, k) for k in shifts]).to(labels_all.device)
+        out["loss_mask"] = valid.to(labels_all.dtype)
     return labels_all[1:], out["loss_mask"]
 
 

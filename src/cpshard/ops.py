@@ -4,7 +4,7 @@ Each call is one gather (``index_select``) of the input rows by an index the pla
 (every shift reads it from a shifted view of the input), plus ``index_fill_`` of the pad and fill
 rows; rows of 1, 2, 4 or 8 bytes move as one integer each (:func:`as_packed`). ``unshard`` copies
 the token rows back in order: by runs where the plan's segments are long (the contiguous layout,
-``plan.token_runs``), else one ``cat`` and one gather by an index. THD and BSHD plans take the same
+``PlanIndices.runs``), else one ``cat`` and one gather by an index. THD and BSHD plans take the same
 path (a BSHD rank's ``(B, M / cp)`` block is its flattened rows). No Python loop over tokens; the
 only loop over sequences is the run copy, whose pieces average at least 512 rows.
 """
@@ -13,35 +13,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Literal
 
 import torch
 
 from cpshard import _index
 from cpshard._dtypes import check_fill, movable
-from cpshard._errors import check_int, check_rank, check_tensor, fail
-from cpshard.bshd import BshdPlan
-from cpshard.plan import (
-    PlanBase,
-    ShardPlan,
-    jagged_lengths,
-    jagged_offsets,
-    shard_index,
-    token_runs,
-    unpadded,
-    unshard_index,
-)
+from cpshard._errors import check_rank, check_tensor, fail
+from cpshard._indices import ROWS_PER_RUN
+from cpshard._parse import check_shift, jagged_lengths
+from cpshard._types import Scalar, TokenRows
+from cpshard.plan import Plan, check_plan_type
 
 __all__ = ["shard", "shift", "unshard"]
-
-Plan = Union[ShardPlan, BshdPlan]
-Scalar = Union[int, float, bool]
-TokenRows = Union[torch.Tensor, Sequence[torch.Tensor]]
-
-
-def check_plan_type(plan: Any, fix: str = "build one with ShardPlan.build or BshdPlan.build") -> None:
-    if not isinstance(plan, PlanBase):
-        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", fix, kind=TypeError)
 
 
 def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
@@ -60,7 +44,7 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
             fail(name, f"nested tensor with lengths {list(got)}", f"must match the plan's seqlens {list(lens)}",
                  "build the plan from this batch's lengths")
         return x.values()
-    if isinstance(x, torch.Tensor) and isinstance(plan, BshdPlan):
+    if isinstance(x, torch.Tensor) and plan._padded_input:
         fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
              "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
     if isinstance(x, torch.Tensor):
@@ -89,11 +73,6 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
          "pass the batch's token rows", kind=TypeError)
 
 
-def check_shift(value: Any, name: str = "shift") -> int:
-    """A shift ``k``: an int in ``[0, 2**31)`` (no sequence is longer than a plan's int32 offsets)."""
-    return check_int(name, value, minimum=0, maximum=2**31 - 1)
-
-
 def pad_and_fill(pad_value: Any, fill: Any, shift: int, dtype: torch.dtype) -> tuple[Scalar, Scalar]:
     """SPEC's pad and fill values, checked against ``dtype``: pad rows default to ``fill`` when shifted.
 
@@ -112,7 +91,7 @@ def gather_rows(rows: torch.Tensor, index: _index.ShardIndex, pad_value: Scalar,
     if moved is not None:  # fp8, uintN: move the bits, fill with the values' bit patterns
         carried, pad_bits, fill_bits = moved
         return gather_rows(carried, index, pad_bits, fill_bits).view(rows.dtype)
-    src, pad_rows, fill_rows, k = index.src, index.pad_rows, index.fill_rows, index.shift
+    src, pad_rows, fill_rows, k = index.source, index.pad_rows, index.fill_rows, index.shift
     n = rows.shape[0]
     if n <= k or (k and index.safe == ()):  # nothing to read: every output row is a pad or fill row
         out = rows.new_full((src.numel(), *rows.shape[1:]), pad_value)
@@ -180,12 +159,13 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
             (``S >= max(seqlens)``); pass packed rows there as a list or nested tensor.
         plan: a :class:`ShardPlan` (THD) or :class:`BshdPlan` (BSHD).
         cp_rank: the rank's index in its context-parallel group, ``0 <= cp_rank < plan.cp_size``.
-        shift: ``k >= 0``; token ``p`` of a sequence receives token ``p + k`` of the same
-            sequence, or ``fill`` past its end. ``shift=1`` gives next-token labels; depth ``d`` of
-            multi-token prediction uses ``shift=d`` on labels and loss masks. No communication.
-        pad_value: the value of pad rows; default ``fill`` when ``shift >= 1`` (so labels filled
+        shift: ``k``; token ``p`` of a sequence receives token ``p + k`` of the same sequence, or
+            ``fill`` past its end. ``shift=1`` gives next-token labels; depth ``d`` of multi-token
+            prediction uses ``shift=d`` on labels and loss masks. ``k < 0`` looks back (token ``p -
+            |k|``, ``fill`` before the start): a causal convolution's inputs. No communication.
+        pad_value: the value of pad rows; default ``fill`` when ``shift != 0`` (so labels filled
             with an ignore index never train on padding), else 0.
-        fill: the value of token rows whose shifted source lies past the sequence's end.
+        fill: the value of token rows whose shifted source lies outside the sequence.
 
     Returns:
         ``plan.local_shape + trailing``: ``(L, ...)`` for THD, ``(B, M / cp, ...)`` for BSHD, on
@@ -193,6 +173,7 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
 
     Example (SPEC.md's worked example)::
 
+        >>> from cpshard import ShardPlan
         >>> plan = ShardPlan.build([5, 3], cp_size=2)
         >>> shard([torch.arange(5), torch.arange(10, 13)], plan, 1)
         tensor([ 2,  3,  4,  0, 11, 12])
@@ -203,7 +184,7 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
     cp_rank = check_rank(cp_rank, plan.cp_size)
     shift = check_shift(shift)
     stride: int | None = None
-    if isinstance(plan, BshdPlan) and isinstance(x, torch.Tensor) and not check_tensor("x", x).is_nested:
+    if plan._padded_input and isinstance(x, torch.Tensor) and not check_tensor("x", x).is_nested:
         b, longest = plan.num_seqs, max(plan.seqlens_py)
         if x.dim() < 2 or x.shape[0] != b or x.shape[1] < longest:
             fail("x", f"tensor of shape {tuple(x.shape)}",
@@ -214,7 +195,7 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
     else:
         rows = as_flat(x, plan)
     pad, fil = pad_and_fill(pad_value, fill, shift, rows.dtype)
-    out = gather_rows(rows, shard_index(plan, cp_rank, shift, rows.device, stride), pad, fil)
+    out = gather_rows(rows, plan.indices().shard(cp_rank, shift, rows.device, stride), pad, fil)
     return out.view(*plan.local_shape, *rows.shape[1:])
 
 
@@ -248,25 +229,34 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
                 or part.device != first.device:
             fail(f"parts[{r}]", f"{tuple(part.shape)} {part.dtype} on {part.device}",
                  "must match parts[0]'s trailing shape, dtype and device", "convert the parts to agree")
+    return unshard_by(parts, plan, "auto")
+
+
+def unshard_by(parts: Sequence[torch.Tensor], plan: Plan, by: Literal["auto", "runs", "index"]) -> torch.Tensor:
+    """:func:`unshard` of checked ``parts``, the restore forced to copy runs or to gather by an index
+    (``by``, as :func:`token_rows`): for tests and benchmarks that compare the two ways."""
+    lead = plan.local_shape
     rows = math.prod(lead)
-    return as_nested(token_rows([p.reshape(rows, *p.shape[len(lead):]) for p in parts], plan), plan)
+    return as_nested(token_rows([p.reshape(rows, *p.shape[len(lead):]) for p in parts], plan, by), plan)
 
 
-def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
+def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan,
+               by: Literal["auto", "runs", "index"] = "auto") -> torch.Tensor:
     """The batch's token rows, in the caller's order, from every rank's flattened local rows: the
     rank-concatenated buffer ``(cp * R, ...)`` or a list of the ranks' ``(R, ...)`` rows.
 
-    Copied run by run where the runs are long (``plan.token_runs``: no index to build, no
-    concatenation of the parts first), else one gather from the buffer by ``plan.unshard_index``.
+    Copied run by run where the runs are long (``PlanIndices.runs``: no index to build, no
+    concatenation of the parts first), else one gather from the buffer by ``PlanIndices.unshard``.
+    ``by`` forces one of the two (tests compare them; the result is the same).
     """
-    runs = token_runs(plan)
+    runs = None if by == "index" else plan.indices().runs(0 if by == "runs" else ROWS_PER_RUN)
     if runs is not None:
         sizes, keep = runs
         parts = rows.split(math.prod(plan.local_shape)) if isinstance(rows, torch.Tensor) else rows
         pieces = [piece for part, cut in zip(parts, sizes) for piece in part.split(cut)]
         return torch.cat([pieces[i] for i in keep])
     buf = rows if isinstance(rows, torch.Tensor) else torch.cat(list(rows))
-    index = unshard_index(plan, buf.device)
+    index = plan.indices().unshard(buf.device)
     moved = movable(buf, 0, 0)
     if moved is not None:
         return select_rows(moved[0], index).view(buf.dtype)
@@ -276,22 +266,26 @@ def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan) -> torch
 def as_nested(values: torch.Tensor, plan: Plan) -> torch.Tensor:
     """``values`` (the batch's token rows) as a jagged nested tensor with the plan's offsets."""
     # the offsets are a copy: the result belongs to the caller, who may edit it
-    return torch.nested.nested_tensor_from_jagged(values, offsets=jagged_offsets(plan, values.device).clone())
+    return torch.nested.nested_tensor_from_jagged(values, offsets=plan.indices().offsets(values.device).clone())
 
 
-def shift(x: TokenRows, plan: Plan, k: int, *, fill: Scalar = 0) -> Any:
+def shift(x: TokenRows, plan: Plan, k: int | None = None, *, shift: int | None = None, fill: Scalar = 0) -> Any:
     """SPEC's ``shift(x, k)`` on unsharded sequences, in the form ``x`` came in.
 
     Token ``p`` of each sequence receives token ``p + k``, or ``fill`` past the end. A jagged
     nested tensor gives a jagged nested tensor, a list of ``(n_i, ...)`` tensors a list, the flat
     ``(sum(seqlens), ...)`` tensor a flat tensor. Equal to
     ``unshard([shard(x, plan, r, shift=k, fill=fill) for r in range(plan.cp_size)], plan)``.
+    The shift is ``shift=`` (the keyword ``shard`` and ``shift_sharded`` take) or, as before,
+    the third positional argument; default 1, as ``shift_sharded``'s.
     """
     check_plan_type(plan)
-    k = check_shift(k, "k")
+    if k is not None and shift is not None:
+        fail("shift", shift, f"was given twice (k={k} as well)", "pass the shift once, as shift=")
+    k = check_shift(1 if k is None and shift is None else (k if shift is None else shift))
     rows = as_flat(x, plan)
     fill = check_fill("fill", fill, rows.dtype)
-    values = gather_rows(rows, shard_index(unpadded(plan), 0, k, rows.device), 0, fill)
+    values = gather_rows(rows, plan.indices().unpadded().indices().shard(0, k, rows.device), 0, fill)
     if isinstance(x, torch.Tensor) and x.is_nested:
         return as_nested(values, plan)
     if isinstance(x, (list, tuple)):

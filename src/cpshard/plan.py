@@ -1,145 +1,42 @@
-"""The shard plan: one immutable description of a packed (THD) micro-batch's context-parallel layout.
+"""The shard plan: one immutable description of a micro-batch's context-parallel layout.
 
-Everything cpshard does to a THD batch (shard, shift, unshard, gather, exchange boundary rows) is
-derived from a :class:`ShardPlan`, so tokens, labels, loss masks, router indices and model outputs
-of one step can never disagree about which rank holds which row.
+Everything cpshard does to a batch (shard, shift, unshard, gather, exchange boundary rows) is
+derived from a plan, so tokens, labels, loss masks, router indices and model outputs of one step
+can never disagree about which rank holds which row. :class:`Plan` is what every plan kind shares;
+:class:`ShardPlan` plans a packed (THD) batch, :class:`~cpshard.BshdPlan` (``bshd.py``) a padded
+one. A plan is a value; the index tensors derived from it live in its index service
+(:meth:`Plan.indices`, ``_indices.py``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from cpshard import _halo, _index
 from cpshard._errors import check_int, check_rank, fail
-from cpshard._exchange import Exchange, build_exchange
-from cpshard.layout import Layout, Padding, alignment, fp8_alignment, fp8_total_alignment
+from cpshard._exchange import ShiftExchange
+from cpshard._indices import PlanIndices
+from cpshard._parse import check_shift, int_tuple, jagged_lengths, parse_plan_args
+from cpshard.layout import (
+    Layout,
+    Padding,
+    Reorder,
+    alignment,
+    fp8_total_alignment,
+    padded_lengths,
+    sequence_unit,
+    shared_alignment,
+)
 
-__all__ = ["DeviceTensors", "ShardPlan", "shift_exchange"]
-
-_I32 = torch.int32
-_T = TypeVar("_T")
-
-
-def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
-    """Sequence lengths as a tuple of Python ints, from ints, a 1-D integer tensor or a jagged tensor.
-
-    A tensor costs exactly one device-to-host copy here; nothing later reads lengths back.
-    """
-    values: list[Any]
-    if type(seqlens) in (list, tuple) and _plain_ints(seqlens):
-        return tuple(seqlens)  # the common case, checked at C speed
-    if isinstance(seqlens, torch.Tensor) and seqlens.is_meta:
-        fail(name, "a tensor on the meta device", "must hold real values", "pass the lengths on a real device")
-    if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:
-        values = list(jagged_lengths(seqlens, name))
-    elif isinstance(seqlens, torch.Tensor):
-        if seqlens.dim() != 1:
-            fail(name, f"tensor of shape {tuple(seqlens.shape)}", "must be 1-D, one length per sequence",
-                 "pass a (B,) tensor or a list of ints")
-        if seqlens.dtype.is_floating_point or seqlens.dtype.is_complex or seqlens.dtype == torch.bool:
-            fail(name, f"tensor of dtype {seqlens.dtype}", "must hold integers",
-                 "pass an integer tensor (e.g. torch.int32) or a list of ints", kind=TypeError)
-        values = seqlens.tolist()
-    elif hasattr(seqlens, "tolist") and getattr(seqlens, "ndim", None) == 1:  # a NumPy array
-        values = list(seqlens.tolist())
-    elif isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Sequence):
-        fail(name, repr(seqlens), "must be a sequence of ints or a 1-D integer tensor",
-             "pass e.g. seqlens=[5, 3]", kind=TypeError)
-    else:
-        values = list(seqlens)
-    if not values:
-        fail(name, seqlens, "must hold at least one sequence (B >= 1)", "pass the lengths of a non-empty batch")
-    out = []
-    for i, n in enumerate(values):
-        if isinstance(n, torch.Tensor) and (n.dim() != 0 or n.dtype.is_floating_point or n.dtype.is_complex
-                                            or n.dtype == torch.bool):
-            fail(f"{name}[{i}]", f"tensor of shape {tuple(n.shape)} and dtype {n.dtype}",
-                 "must be a whole number (an int, or a 0-d integer tensor)", "pass whole token counts",
-                 kind=TypeError)
-        if isinstance(n, bool) or not hasattr(type(n), "__index__"):
-            fail(f"{name}[{i}]", repr(n), "must be an integer", "pass whole token counts", kind=TypeError)
-        n = int(n)
-        if n < 0:
-            fail(f"{name}[{i}]", n, "must be >= 0 (a length counts tokens)", "drop or fix the negative length")
-        out.append(n)
-    return tuple(out)
-
-
-def _jagged_offsets(nt: torch.Tensor, name: str) -> torch.Tensor:
-    """The offsets of a compact jagged nested tensor (checks layout, holes, ragged dim; no device copy)."""
-    if nt.layout != torch.jagged:
-        fail(name, f"nested tensor with layout={nt.layout}", "must use layout=torch.jagged",
-             "build it with torch.nested.nested_tensor(..., layout=torch.jagged) or pass a list", kind=TypeError)
-    if getattr(nt, "_lengths", None) is not None:
-        fail(name, "non-contiguous jagged tensor", "must have no holes (lengths=None)",
-             "call torch.nested.nested_tensor_from_jagged(values, offsets) with compact values")
-    ragged = getattr(nt, "_ragged_idx", 1)
-    if ragged != 1:
-        fail(name, f"nested tensor of shape {tuple(nt.shape)} with its ragged dimension at {ragged}",
-             "the ragged (sequence) dimension must be dimension 1", "transpose it back before sharding")
-    return nt.offsets()  # type: ignore[attr-defined]
-
-
-def jagged_lengths(nt: torch.Tensor, name: str) -> tuple[int, ...]:
-    """The sequence lengths of a compact jagged nested tensor: one device-to-host copy."""
-    offsets = _jagged_offsets(nt, name).tolist()
-    if offsets[0] != 0:
-        fail(name, f"nested tensor with offsets starting at {offsets[0]}", "offsets must start at 0",
-             "build it with nested_tensor_from_jagged(values, offsets) where offsets[0] == 0")
-    rows = nt.values().shape[0]
-    if offsets[-1] != rows:
-        fail(name, f"nested tensor with {rows} value rows and offsets ending at {offsets[-1]}",
-             "its offsets must end at the number of value rows", "build it with "
-             "nested_tensor_from_jagged(values, offsets) where offsets[-1] == values.shape[0]")
-    return tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
-
-
-def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,
-                    fp8: Any) -> tuple[tuple[int, ...], int, int, Layout, bool]:
-    """Validate the arguments every plan builder shares."""
-    lens = parse_seqlens(seqlens)
-    cp_size = check_int("cp_size", cp_size, minimum=1)
-    tp_size = check_int("tp_size", tp_size, minimum=1)
-    layout = Layout.parse(layout)
-    if not isinstance(fp8, bool):
-        fail("fp8", repr(fp8), "must be a bool", "pass fp8=True or fp8=False", kind=TypeError)
-    if cp_size * tp_size >= 2**31:  # before any NumPy arithmetic on them (int64 would overflow first)
-        fail("cp_size", cp_size, f"with tp_size={tp_size} every padded batch has at least cp_size * tp_size rows, "
-             "which must stay below 2**31 (cu_seqlens are int32, as Megatron and TransformerEngine take them)",
-             "pass the sizes of your context- and tensor-parallel groups")
-    return lens, cp_size, tp_size, layout, fp8
-
-
-class _Cache:
-    """Index tensors derived from one plan, keyed by what they are for (rank, shift, device).
-
-    Not part of the plan's value: equality, hashing and pickling ignore it. Safe to share between
-    threads: a value is computed outside the lock (it may use the cache itself) and the first one
-    stored wins, so every caller sees one object per key.
-    """
-
-    __slots__ = ("_data", "_lock")
-
-    def __init__(self) -> None:
-        self._data: dict[Any, Any] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: Any, make: Callable[[], _T]) -> _T:
-        with self._lock:
-            if key in self._data:
-                return self._data[key]
-        value = make()
-        with self._lock:
-            return self._data.setdefault(key, value)
+__all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
 
 
 @dataclass(frozen=True)
@@ -151,15 +48,16 @@ class DeviceTensors:
     cu_seqlens_padded: torch.Tensor  # (B + 1,); for a BshdPlan i * max_seqlen
 
 
-class PlanBase:
-    """What :class:`ShardPlan` and :class:`~cpshard.BshdPlan` share: one name for one thing.
+class Plan:
+    """What :class:`ShardPlan` and :class:`~cpshard.BshdPlan` share: one name for one thing. Every
+    function that takes a plan takes either kind.
 
     A plan is a pure value: equality, hashing and pickling use its fields alone (``_key``), and the
-    index tensors derived from it live in a private cache that every copy builds afresh. Both plan
-    kinds describe a rank's local rows, flattened in local order (``prod(local_shape)`` of them), as
-    segments of consecutive positions of one sequence (Note [Which rows a rank holds] in
-    ``_index.py``); every per-rank view and every index is one expansion of those segments, so THD
-    and BSHD share one index path.
+    index tensors derived from it live in its index service (:meth:`indices`), which every copy
+    builds afresh. Both plan kinds describe a rank's local rows, flattened in local order
+    (``prod(local_shape)`` of them), as segments of consecutive positions of one sequence (Note
+    [Which rows a rank holds] in ``_index.py``); every per-rank view and every index is one
+    expansion of those segments, so THD and BSHD share one index path.
     """
 
     seqlens_py: tuple[int, ...]
@@ -171,7 +69,8 @@ class PlanBase:
     max_seqlen: int  # longest padded sequence (what attention kernels take as ``max_seqlen``)
     padding: Padding = Padding.ALIGNED
     order: tuple[int, ...] | None = None  # buffer position -> the caller's sequence index (None: same)
-    _cache: _Cache
+    _indices: PlanIndices
+    _padded_input: ClassVar[bool] = False  # does a plain tensor passed to ``shard`` hold padded (B, S) rows?
 
     # -- what a plan kind defines -------------------------------------------------------------
 
@@ -185,7 +84,8 @@ class PlanBase:
         """Length of the global padded sequence dimension (``cp_size * local_len``)."""
         raise NotImplementedError
 
-    def _build_segments(self, cp_rank: int) -> _index.Segments:
+    def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments:
+        """``cp_rank``'s segments, for the index service (``lengths``: the token counts, buffer order)."""
         raise NotImplementedError
 
     def _key(self) -> tuple[Any, ...]:
@@ -239,12 +139,17 @@ class PlanBase:
     @property
     def seqlens(self) -> torch.Tensor:
         """``(B,)`` int32 on the CPU, built once per plan (shared: do not edit it in place)."""
-        return self._cache.get("seqlens", lambda: torch.tensor(self.seqlens_py, dtype=_I32))
+        return self._indices.host("seqlens")
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
-        return self._cache.get("cu_seqlens", lambda: torch.tensor(self.cu_seqlens_py, dtype=_I32))
+        return self._indices.host("cu_seqlens")
+
+    def indices(self) -> PlanIndices:
+        """The plan's index service: every index tensor derived from it, built on first use and kept
+        (``_indices.py``). Internal to cpshard's modules; its methods take checked arguments."""
+        return self._indices
 
     def _cu_padded_py(self) -> tuple[int, ...]:
         return tuple(i * self.max_seqlen for i in range(self.num_seqs + 1))
@@ -255,39 +160,21 @@ class PlanBase:
         What a training step hands its attention kernel, as xformers' attention biases keep device
         copies: ``plan.device_tensors("cuda").cu_seqlens_padded``. Shared: do not edit in place.
         """
-        device = torch.device(device)
-
-        def make() -> DeviceTensors:
-            host = torch.tensor([self.seqlens_py, self.cu_seqlens_py[:-1], self.cu_seqlens_py[1:],
-                                 self._cu_padded_py()[1:]], dtype=_I32)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            on = host.to(device, non_blocking=True)
-            zero = on.new_zeros(1)
-            return DeviceTensors(on[0], torch.cat([zero, on[2]]), torch.cat([zero, on[3]]))
-        return self._cache.get(("device", device), make)
+        return self._indices.device_tensors(torch.device(device))
 
     # -- per-rank views (CPU; each a new tensor, so editing one cannot change the plan) ------------
 
-    def _segments(self, cp_rank: Any) -> _index.Segments:
-        cp_rank = check_rank(cp_rank, self.cp_size)
-        return self._cache.get(("segs", cp_rank), lambda: self._build_segments(cp_rank))
-
-    def _view(self, what: str, cp_rank: Any, make: Callable[[_index.Segments], torch.Tensor]) -> torch.Tensor:
-        cp_rank = check_rank(cp_rank, self.cp_size)
-        flat = self._cache.get((what, cp_rank), lambda: make(self._segments(cp_rank)))
-        return flat.view(self.local_shape).clone()
-
-    def _lens64(self) -> torch.Tensor:
-        return self._cache.get("lens64", lambda: _index.int64_tensor(self.seqlens_py))
+    def _view(self, what: str, cp_rank: Any, shift: int = 0) -> torch.Tensor:
+        flat = self._indices.view(what, check_rank(cp_rank, self.cp_size), shift)
+        return torch.from_numpy(flat.copy()).view(self.local_shape)
 
     def sequence_ids(self, cp_rank: int) -> torch.Tensor:
         """``local_shape`` int64: the sequence each local row belongs to (pad rows included)."""
-        return self._view("seq", cp_rank, lambda segs: segs.seq_ids())
+        return self._view("seq", cp_rank)
 
     def position_ids(self, cp_rank: int) -> torch.Tensor:
         """``local_shape`` int64: each local row's position inside its padded sequence."""
-        return self._view("pos", cp_rank, lambda segs: segs.positions())
+        return self._view("pos", cp_rank)
 
     def token_mask(self, cp_rank: int) -> torch.Tensor:
         """``local_shape`` bool: True on rows that hold a token, False on pad rows."""
@@ -299,9 +186,7 @@ class PlanBase:
         The loss mask of labels sharded with ``shift``: False on pad rows and on the last ``shift``
         tokens of every sequence (the rows that hold ``fill``). ``shift=0`` is :meth:`token_mask`.
         """
-        shift = check_int("shift", shift, minimum=0)
-        return self._view(f"label{shift}", cp_rank,
-                          lambda segs: segs.positions() + shift < self._lens64()[segs.seq_ids()])
+        return self._view("label", cp_rank, check_shift(shift))
 
     # -- value semantics ----------------------------------------------------------------------
 
@@ -312,87 +197,28 @@ class PlanBase:
         return hash(self._key())
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickle the value, not its cache (device tensors, a lock): a copy rebuilds what it needs.
+        # Pickle the value, not its indices (device tensors, a lock): a copy rebuilds what it needs.
         state = dict(self.__dict__)
-        del state["_cache"]
+        del state["_indices"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        object.__setattr__(self, "_cache", _Cache())
+        object.__setattr__(self, "_indices", PlanIndices(self))
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+PlanBase = Plan  # the name before 0.2 (CHANGELOG)
 
 
-def _unit(cp_size: int, tp_size: int, layout: Layout, fp8: bool, padding: Padding) -> int:
-    """The per-sequence multiple: the layout's alignment for ``padding``, ``lcm(16, .)`` under fp8."""
-    unit = alignment(cp_size, tp_size, layout, padding)
-    return fp8_alignment(unit) if fp8 else unit
-
-
-def _padded_lengths(
-    seqlens: tuple[int, ...],
-    cp_size: int,
-    tp_size: int,
-    layout: Layout,
-    fp8: bool,
-    min_local_rows: int | None,
-    length_bucket: int | None,
-    padding: Padding = Padding.ALIGNED,
-) -> tuple[int, ...]:
-    """Padded lengths per SPEC.md, "Padding".
-
-    Each sequence is rounded up to the unit; the total must then split into ``cp`` shares of a
-    multiple of ``tp`` rows (already so for aligned padding, reached through the last sequence for
-    minimal padding). The extensions (fp8 total, ``min_local_rows``, ``length_bucket``) only
-    lengthen the last sequence, each by a multiple of the per-sequence alignment, so every invariant
-    still holds; a target that would break one is rounded up to the nearest one that keeps them all,
-    and under fp8 every target is also kept a multiple of the fp8 total alignment.
-    """
-    unit = _unit(cp_size, tp_size, layout, fp8, padding)
-    if max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
-        padded = (-(-np.array(seqlens, dtype=np.int64) // unit) * unit).tolist()
-    else:
-        padded = [-(-n // unit) * unit for n in seqlens]
-    keep = math.lcm(unit, cp_size * tp_size)
-    if fp8:
-        keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
-    total = _round_up(sum(padded), keep)
-    if min_local_rows is not None:
-        total = max(total, _round_up(min_local_rows * cp_size, keep))
-    if length_bucket is not None:
-        total = _round_up(total, math.lcm(length_bucket, cp_size, keep))
-    padded[-1] += total - sum(padded)
-    return tuple(padded)
-
-
-def _plain_ints(values: Sequence[Any]) -> bool:
-    """Non-empty, every value a plain ``int`` (not bool) and >= 0: the fast path of every check."""
-    return bool(values) and set(map(type, values)) == {int} and min(values) >= 0
-
-
-def _int_tuple(name: str, values: Sequence[Any]) -> tuple[int, ...]:
-    """``values`` as a tuple of ints >= 0; a fast path for plain ints (plans of thousands of sequences)."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        fail(name, repr(values), "must be a sequence of non-negative ints", f"pass {name} as a tuple of ints",
-             kind=TypeError)
-    out = tuple(values)
-    if _plain_ints(out):
-        return out
-    return tuple(check_int(f"{name}[{i}]", v, minimum=0) for i, v in enumerate(out))
-
-
-def check_value_fields(plan: PlanBase, derive: Callable[[int, int, Layout, bool], int]) -> None:
+def check_value_fields(plan: Plan, derive: Callable[[int, int, Layout, bool], int]) -> None:
     """Normalise and check the fields every plan kind shares (runs for hand-built plans too)."""
-    object.__setattr__(plan, "_cache", _Cache())
+    object.__setattr__(plan, "_indices", PlanIndices(plan))
     object.__setattr__(plan, "layout", Layout.parse(plan.layout))
     object.__setattr__(plan, "cp_size", check_int("cp_size", plan.cp_size, minimum=1))
     object.__setattr__(plan, "tp_size", check_int("tp_size", plan.tp_size, minimum=1))
     if not isinstance(plan.fp8, bool):
         fail("fp8", repr(plan.fp8), "must be a bool", "pass fp8=True or fp8=False", kind=TypeError)
-    lens = _int_tuple("seqlens_py", plan.seqlens_py)
+    lens = int_tuple("seqlens_py", plan.seqlens_py)
     if not lens:
         fail("seqlens_py", lens, "must hold at least one sequence (B >= 1)", "pass the lengths of a non-empty batch")
     object.__setattr__(plan, "seqlens_py", lens)
@@ -403,7 +229,7 @@ def check_value_fields(plan: PlanBase, derive: Callable[[int, int, Layout, bool]
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class ShardPlan(PlanBase):
+class ShardPlan(Plan):
     """Which rows of a packed (THD) micro-batch each context-parallel rank holds.
 
     Build it with :meth:`ShardPlan.build`. Every offset is kept as Python ints (``*_py``; host
@@ -436,7 +262,7 @@ class ShardPlan(PlanBase):
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
     padding: Padding = Padding.ALIGNED
     order: tuple[int, ...] | None = None
-    _cache: _Cache = field(init=False, repr=False, compare=False)
+    _indices: PlanIndices = field(init=False, repr=False, compare=False)
 
     # -- construction ----------------------------------------------------------------------
 
@@ -452,7 +278,8 @@ class ShardPlan(PlanBase):
         min_local_rows: int | None = None,
         length_bucket: int | None = None,
         padding: Padding | str = Padding.ALIGNED,
-        reorder: str | None = None,
+        reorder: Reorder | str | None = None,
+        total_len: int | None = None,
     ) -> ShardPlan:
         """Plan a micro-batch of sequences with lengths ``seqlens``.
 
@@ -469,6 +296,12 @@ class ShardPlan(PlanBase):
         attention work is spread evenly over the ranks: ``order`` records the permutation,
         ``seqlens``/``cu_seqlens*`` and the per-rank views follow the new order, and ``shard``
         takes, ``unshard``/``gather`` return, the caller's order.
+
+        ``total_len`` asks for exactly that many rows in all, reached on the last sequence (another
+        framework's target, e.g. verl's ``min_local_rows`` and length buckets without cpshard's
+        rounding): at least the padded total, and keeping every split (``layout.total_problem``),
+        else ``ValueError``; it replaces ``min_local_rows`` and ``length_bucket``. The plan's
+        ``alignment`` is then the one its lengths share (``layout.shared_alignment``).
         """
         lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
         padding = Padding.parse(padding)
@@ -476,24 +309,55 @@ class ShardPlan(PlanBase):
             min_local_rows = check_int("min_local_rows", min_local_rows, minimum=0)
         if length_bucket is not None:
             length_bucket = check_int("length_bucket", length_bucket, minimum=1)
+        if total_len is not None:
+            total_len = check_int("total_len", total_len, minimum=1)
+            if min_local_rows is not None or length_bucket is not None:
+                fail("total_len", total_len, "replaces min_local_rows and length_bucket (an exact total)",
+                     "pass either total_len or the extensions")
         if reorder is not None:
-            if reorder != "balanced":
-                fail("reorder", repr(reorder), "must be None or 'balanced'", "pass reorder='balanced' or leave it None")
+            reorder = Reorder.parse(reorder)
             if layout is not Layout.CONTIGUOUS:
-                fail("reorder", repr(reorder), f"balances the contiguous layout (zigzag is balanced by its chunks; "
-                     f"layout={layout.value!r})", "pass layout='contiguous', or drop reorder")
-        padded = _padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket, padding)
+                fail("reorder", repr(reorder.value), "balances the contiguous layout (zigzag is balanced by its "
+                     f"chunks; layout={layout.value!r})", "pass layout='contiguous', or drop reorder")
+        padded = padded_lengths(lens, cp_size, tp_size, layout, fp8, min_local_rows, length_bucket, padding, total_len)
         order = None
         if reorder is not None and cp_size > 1:
             # each sequence keeps its padded length (extensions included: the balance sees the final rows)
             from cpshard._balance import balanced_order
             order = tuple(balanced_order(lens, padded, cp_size))
             lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
-        return cls._built(lens, padded, cp_size, tp_size, layout, fp8, padding, order)
+        unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
+        if total_len is not None:
+            unit = shared_alignment(padded, unit)
+        return cls._built(lens, padded, cp_size, tp_size, layout, fp8, padding, order, unit)
+
+    @classmethod
+    def from_padded(cls, seqlens: Sequence[int] | torch.Tensor, padded_seqlens: Sequence[int], *, cp_size: int,
+                    tp_size: int = 1, layout: Layout | str = Layout.ZIGZAG, fp8: bool = False,
+                    name: str = "padded_seqlens", fix: str = "pass the lengths and sizes the batch was padded for"
+                    ) -> ShardPlan:
+        """The plan whose sequences hold ``seqlens`` tokens padded to exactly ``padded_seqlens`` rows:
+        for offsets another framework padded (``cu_seqlens_q_padded`` of a ``PackedSeqParams``).
+
+        Where every padded length is a multiple of SPEC's alignment this is the plan :meth:`build`
+        gives for them (equal to it, extensions included); otherwise (a last sequence extended to a
+        framework's own target, say) the plan keeps the same rows with the alignment the lengths
+        share (``layout.shared_alignment``). The invariants are checked as for any plan; the errors
+        name the padded lengths as ``name`` (an adapter's argument, e.g. ``psp.cu_seqlens_q_padded``)
+        and end with ``fix``.
+        """
+        lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
+        padded = int_tuple(name, padded_seqlens)
+        unit = shared_alignment(padded, sequence_unit(cp_size, tp_size, layout, fp8, Padding.ALIGNED)) if padded else 1
+        try:
+            return cls(lens, padded, cp_size, tp_size, layout, fp8, alignment=unit)
+        except ValueError as exc:  # the plan's own checks, in the caller's words
+            text = str(exc).replace("padded_seqlens_py", name, 1)
+            raise ValueError(text[:text.rindex("Fix: ")] + f"Fix: {fix}.") from None
 
     @classmethod
     def _built(cls, seqlens: tuple[int, ...], padded: tuple[int, ...], cp_size: int, tp_size: int, layout: Layout,
-               fp8: bool, padding: Padding, order: tuple[int, ...] | None) -> ShardPlan:
+               fp8: bool, padding: Padding, order: tuple[int, ...] | None, unit: int) -> ShardPlan:
         """The plan of :meth:`build`'s own values, which are valid by construction: ``__post_init__``'s
         checks (for hand-built plans) would repeat every pass over the lengths that ``build`` made.
         ``tests/test_plan_props.py`` checks that both ways give equal plans. What construction does not
@@ -504,9 +368,9 @@ class ShardPlan(PlanBase):
             order = None
         for name, value in (("seqlens_py", seqlens), ("padded_seqlens_py", padded), ("cp_size", cp_size),
                             ("tp_size", tp_size), ("layout", layout), ("fp8", fp8),
-                            ("alignment", _unit(cp_size, tp_size, layout, fp8, padding)), ("padding", padding),
-                            ("order", order), ("_cache", _Cache())):
+                            ("alignment", unit), ("padding", padding), ("order", order)):
             object.__setattr__(plan, name, value)
+        object.__setattr__(plan, "_indices", PlanIndices(plan))
         return plan
 
     @classmethod
@@ -527,16 +391,16 @@ class ShardPlan(PlanBase):
         # Runs for hand-built plans too (and dataclasses.replace): an invalid plan cannot exist, and
         # every plan starts with its own empty cache.
         object.__setattr__(self, "padding", Padding.parse(self.padding))
-        check_value_fields(self, lambda cp, tp, layout, fp8: _unit(cp, tp, layout, fp8, self.padding))
+        check_value_fields(self, lambda cp, tp, layout, fp8: sequence_unit(cp, tp, layout, fp8, self.padding))
         base = alignment(self.cp_size, self.tp_size, self.layout)
         cp, tp, lens = self.cp_size, self.tp_size, self.seqlens_py
-        padded = _int_tuple("padded_seqlens_py", self.padded_seqlens_py)
+        padded = int_tuple("padded_seqlens_py", self.padded_seqlens_py)
         object.__setattr__(self, "padded_seqlens_py", padded)
         if len(lens) != len(padded):
             fail("padded_seqlens_py", padded, f"must hold one length per sequence ({len(lens)})",
                  "build plans with ShardPlan.build")
         if self.order is not None:
-            order = _int_tuple("order", self.order)
+            order = int_tuple("order", self.order)
             if sorted(order) != list(range(len(lens))):
                 fail("order", order, f"must be a permutation of range({len(lens)}) (buffer position -> the "
                      "caller's sequence)", "build plans with ShardPlan.build(..., reorder='balanced')")
@@ -591,21 +455,20 @@ class ShardPlan(PlanBase):
     @property
     def padded_seqlens(self) -> torch.Tensor:
         """``(B,)`` int32 on the CPU, built once per plan (do not edit it in place)."""
-        return self._cache.get("padded_seqlens", lambda: torch.tensor(self.padded_seqlens_py, dtype=_I32))
+        return self._indices.host("padded_seqlens")
 
     @property
     def cu_seqlens_padded(self) -> torch.Tensor:
         """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
-        return self._cache.get("cu_seqlens_padded", lambda: torch.tensor(self.cu_seqlens_padded_py, dtype=_I32))
+        return self._indices.host("cu_seqlens_padded")
 
     def global_rows(self, cp_rank: int) -> torch.Tensor:
         """``(L,)`` int64: the global padded row each of ``cp_rank``'s local rows holds."""
-        cu = self._cache.get("cu_padded64", lambda: _index.int64_tensor(self.cu_seqlens_padded_py))
-        return self._view("rows", cp_rank, lambda segs: segs.rows(cu))
+        return self._view("rows", cp_rank)
 
-    def _build_segments(self, cp_rank: int) -> _index.Segments:
-        padded = _index.int64_tensor(self.padded_seqlens_py)
-        return _index.rank_segments(padded, self.cp_size, self.layout, cp_rank)
+    def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments:
+        return _index.rank_segments(_index.int64_array(self.padded_seqlens_py), lengths, self.cp_size, self.layout,
+                                    cp_rank)
 
     # -- value semantics ---------------------------------------------------------------------
 
@@ -634,226 +497,38 @@ def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# The internal API between plans and the modules that move data (``ops``, ``distributed``): index
-# tensors derived from a plan, cached per plan outside its value. Both plan kinds take one path.
+# The pure exchanges behind cpshard.distributed's sharded shifts, public so that a user (or a test)
+# can see or check a whole exchange in one process.
 
 
-def shard_index(plan: PlanBase, cp_rank: int, shift: int, device: torch.device,
-                row_stride: int | None = None) -> _index.ShardIndex:
-    """Gather and fill rows of ``cp_rank``'s flattened local rows, on ``device``.
-
-    ``row_stride`` is ``S`` for a padded ``(B, S, ...)`` input (sequence ``b`` starts at row
-    ``b * S``), or None for packed token rows (sequence ``b`` starts at ``cu_seqlens[b]``).
-    """
-    def first_rows() -> np.ndarray:  # per segment, the input row its first row reads (unshifted)
-        seg = rank_rows(plan, cp_rank)
-        if row_stride is None:  # packed input in the caller's order: buffer sequence j is input sequence order[j]
-            cu = np.array(plan.input_cu_seqlens_py[:-1], dtype=np.int64)
-            starts = cu if plan.order is None else cu[np.array(plan.order)]
-        else:
-            starts = np.arange(plan.num_seqs, dtype=np.int64) * row_stride
-        return starts[seg.seq] + seg.pos
-
-    rows = plan.num_tokens if row_stride is None else plan.num_seqs * row_stride
-
-    def base() -> torch.Tensor:
-        # every shift's gather reads this index from a shifted view of the input (ShardIndex). int32
-        # where the input has fewer than 2**31 rows (every packed input: a plan's offsets are int32):
-        # half the memory traffic of int64, and index_select takes it. A padded (B, S) input wider
-        # than the plan can have more rows (B * S): int64 there, never a wrapped index. Pad rows of
-        # the last sequences may point past the input: clamped, segment by segment
-        seg = rank_rows(plan, cp_rank)
-        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
-        src = _index.expand_np(first, seg.length, np.dtype(np.int32 if rows < 2**31 else np.int64))
-        last = max(rows - 1, 0)
-        over = np.flatnonzero(first + seg.length - 1 > last)
-        if over.size > 8:
-            np.minimum(src, last, out=src)
-        else:
-            for lo, n in zip(seg.begin[over].tolist(), seg.length[over].tolist()):
-                np.minimum(src[lo:lo + n], last, out=src[lo:lo + n])
-        return _index.to_device(torch.from_numpy(src), device)
-
-    def safe_ranges() -> tuple[tuple[int, int], ...] | None:
-        # Output rows whose unshifted source lies in the input's last `shift` rows (the only ones a
-        # shifted view cannot serve): per segment, from the first such row to the segment's end
-        # (its later rows are pad rows, clamped to the last input row). Work over segments only.
-        seg = rank_rows(plan, cp_rank)
-        first = plan._cache.get(("first-rows", cp_rank, row_stride), first_rows)
-        start = np.maximum(rows - shift - first, 0)
-        hit = np.flatnonzero(start < seg.length)
-        if not hit.size:
-            return None
-        begin = seg.begin[hit]
-        bad = np.stack([begin + start[hit], begin + seg.length[hit]], 1).tolist()
-        out, at = [], 0
-        for lo, hi in sorted(bad):
-            if lo > at:
-                out.append((at, lo))
-            at = max(at, hi)
-        if at < seg.total:
-            out.append((at, seg.total))
-        return tuple(out)
-
-    def make() -> _index.ShardIndex:
-        src = plan._cache.get(("shard-base", cp_rank, row_stride, device), base)
-        seg = rank_rows(plan, cp_rank)
-        pad = plan._cache.get(("pad", cp_rank, device), lambda: _index.to_device(seg.pad_rows(), device))
-        fill = _index.to_device(seg.fill_rows(shift), device)
-        return _index.ShardIndex(src, pad, fill, shift, safe_ranges() if shift else None)
-    return plan._cache.get(("shard", cp_rank, shift, row_stride, device), make)
-
-
-def unpadded(plan: PlanBase) -> ShardPlan:
-    """The plan of ``plan``'s tokens, unpadded, in the caller's order, on one rank (for ``shift``)."""
-    return plan._cache.get("unpadded", lambda: ShardPlan(plan.input_seqlens_py, plan.input_seqlens_py, 1,
-                                                         alignment=1))
-
-
-def rank_rows(plan: PlanBase, cp_rank: int) -> _index.RankRows:
-    """``cp_rank``'s segments as NumPy arrays with their local starts and token counts, once per plan."""
-    return plan._cache.get(("rank-rows", cp_rank), lambda: _index.RankRows.of(plan._segments(cp_rank),
-                                                                                plan._lens64()))
-
-
-def _restore_order(plan: PlanBase) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every rank's held segments side by side, rank 0's first: ``(rank, begin, length, tokens,
-    order)``, with ``order`` the segments holding tokens in the caller's (sequence, position) order.
-
-    Sorted so, the segments' token rows tile the batch's tokens in order: what the restore copies
-    (by runs, :func:`token_runs`) or gathers (by an index, :func:`unshard_index`), without a
-    permutation of the whole padded buffer.
-    """
-    def make() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        every = [rank_rows(plan, r) for r in range(plan.cp_size)]
-        rank = np.repeat(np.arange(plan.cp_size), [x.length.size for x in every])
-        begin, length, tokens, seq, pos = (np.concatenate([getattr(x, f) for x in every])
-                                           for f in ("begin", "length", "tokens", "seq", "pos"))
-        held = np.flatnonzero(length)  # contiguous: most (rank, sequence) segments are empty
-        rank, begin, length, tokens, seq, pos = (a[held] for a in (rank, begin, length, tokens, seq, pos))
-        caller = seq if plan.order is None else np.array(plan.order, dtype=np.int64)[seq]
-        stride = int((pos + length).max()) + 1 if pos.size else 1
-        order = np.argsort(caller * stride + pos, kind="stable")
-        return rank, begin, length, tokens, order[tokens[order] > 0]
-    return plan._cache.get("restore-order", make)
-
-
-def unshard_index(plan: PlanBase, device: torch.device) -> torch.Tensor:
-    """``(N,)`` int32: the row of the rank-concatenated flat buffer (``cat`` of every rank's flattened
-    local rows) that holds each token, tokens in the caller's order (one expansion of the segments in
-    :func:`_restore_order`; int32, as a plan's buffers hold fewer than 2**31 rows)."""
-    def make() -> torch.Tensor:
-        if isinstance(plan, ShardPlan) and _segments_per_token(plan) > 1 / 16:
-            index = _thd_unshard_np(plan)  # short chunks (many sequences, large cp): per token is cheaper
-        else:
-            rank, begin, _, tokens, order = _restore_order(plan)
-            start = rank * math.prod(plan.local_shape) + begin
-            index = _index.expand_np(start[order], tokens[order], np.dtype(np.int32))
-        return _index.to_device(torch.from_numpy(index), device)
-    return plan._cache.get(("unshard", device), make)
-
-
-def _segments_per_token(plan: ShardPlan) -> float:
-    """How many segments every rank's lists hold per token (each rank lists every sequence: one
-    segment under contiguous, two chunks under zigzag), known before any is built."""
-    per_seq = 2 if plan.layout is Layout.ZIGZAG and plan.cp_size > 1 else 1
-    return plan.num_seqs * plan.cp_size * per_seq / max(plan.num_tokens, 1)
-
-
-def _thd_unshard_np(plan: ShardPlan) -> np.ndarray:
-    """:func:`unshard_index` of a THD plan in closed form, per token (no segments of every rank).
-
-    With ``P`` a sequence's padded length and ``c = P / cp`` rows on each rank: under contiguous
-    (and at ``cp = 1``) the rank-concatenated buffer is the global padded buffer, so token ``p`` of
-    a sequence is row ``cu_padded + p``. Under zigzag, with ``h = P / (2 cp)``, token ``p`` is in
-    chunk ``k = p // h``, held by rank ``k`` (``k < cp``) or ``2 cp - 1 - k``, at that rank's local
-    row ``cu_padded / cp + p % h`` (plus ``h`` in the second chunk). Built over the tokens at once:
-    100k sequences at cp = 64 in ~0.4 s, where every rank's segments (one per row there) took 4-8 s;
-    used where the segments average fewer than 16 tokens (for long chunks the segments' one
-    expansion is cheaper: 1 M tokens in 256 sequences at cp = 4, ~1.5 ms against ~25).
-    """
-    lens = np.asarray(plan.input_seqlens_py, dtype=np.int64)  # caller's order
-    buffer_of = np.arange(plan.num_seqs) if plan.order is None else np.argsort(np.asarray(plan.order))
-    cu_padded = np.asarray(plan.cu_seqlens_padded_py[:-1], dtype=np.int64)[buffer_of]
-    p = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens)  # each token's position
-    cp = plan.cp_size
-    if plan.layout is not Layout.ZIGZAG or cp == 1:
-        p += np.repeat(cu_padded, lens)
-        return p.astype(np.int32)
-    h = np.repeat(np.asarray(plan.padded_seqlens_py, dtype=np.int64)[buffer_of] // (2 * cp), lens)
-    chunk = p // h
-    second = chunk >= cp
-    rank = np.where(second, 2 * cp - 1 - chunk, chunk)
-    p -= chunk * h
-    p += np.where(second, h, 0)
-    p += rank * plan.local_len
-    p += np.repeat(cu_padded // cp, lens)
-    return p.astype(np.int32)
-
-
-_ROWS_PER_RUN = 512  # token_runs: below this many rows per piece, one gather by an index is cheaper
-
-
-def token_runs(plan: PlanBase) -> tuple[list[list[int]], list[int]] | None:
-    """The restore as runs: ``(sizes, keep)`` such that, with ``pieces`` the concatenation of
-    ``part[r].split(sizes[r])`` over the ranks' flat rows, ``cat([pieces[i] for i in keep])`` is
-    :func:`unshard_index`'s gather; or None where that index is the cheaper way.
-
-    ``sizes[r]`` cut rank ``r``'s rows into each held segment's token rows and pad rows, in local
-    order; ``keep`` lists the token pieces in the caller's (sequence, position) order. Copying runs
-    needs no row-level index (which at a million tokens costs more to build than the copy), but each
-    piece costs about a microsecond: runs are used when the pieces average ``_ROWS_PER_RUN`` rows or
-    more, as under the contiguous layout (about ``B + cp`` segments); zigzag's ``2 B cp`` short chunks
-    take the index.
-    """
-    def make() -> tuple[list[list[int]], list[int]] | None:
-        rank, _, length, tokens, order = _restore_order(plan)
-        if not length.size or 2 * length.size * _ROWS_PER_RUN > plan.num_tokens:
-            return None
-        cuts = np.stack([tokens, length - tokens], 1)
-        bounds = np.searchsorted(rank, np.arange(plan.cp_size + 1))
-        sizes = [cuts[a:b].reshape(-1).tolist() for a, b in zip(bounds[:-1], bounds[1:])]
-        return sizes, (2 * order).tolist()
-    return plan._cache.get("token-runs", make)
-
-
-def jagged_offsets(plan: PlanBase, device: torch.device) -> torch.Tensor:
-    """The caller's ``cu_seqlens`` as int64 on ``device``: the offsets of the jagged tensors cpshard returns."""
-    return plan._cache.get(("offsets", device),
-                           lambda: _index.to_device(_index.int64_tensor(plan.input_cu_seqlens_py), device))
-
-
-def shift_exchange(plan: PlanBase, cp_rank: int, shift: int, device: torch.device | None = None) -> Exchange:
+def shift_exchange(plan: Plan, cp_rank: int, shift: int, device: torch.device | str | None = None) -> ShiftExchange:
     """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``.
 
     Pure index math, the same on every rank (Note [Sharded shift exchange] in ``_exchange.py``):
-    call it for every rank in one process to see or test a whole exchange. CPU unless ``device``.
+    call it for every rank in one process to see or test a whole exchange
+    (``ShiftExchange.apply`` and ``_exchange.all_to_all_in_process`` run it there). CPU unless ``device``.
     """
+    check_plan_type(plan)
     cp_rank = check_rank(cp_rank, plan.cp_size)
-    shift = check_int("shift", shift, minimum=0)
-    dev = torch.device("cpu") if device is None else torch.device(device)
-
-    def make() -> Exchange:
-        if dev.type != "cpu":
-            return shift_exchange(plan, cp_rank, shift).to(dev)
-        return build_exchange([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, shift)
-    return plan._cache.get(("exchange", cp_rank, shift, dev), make)
+    shift = check_shift(shift)
+    return plan.indices().shift_exchange(cp_rank, shift, torch.device("cpu" if device is None else device))
 
 
-def halo_exchange(plan: PlanBase, cp_rank: int, shifts: Sequence[int],
-                  device: torch.device | None = None) -> _halo.MultiShift:
+def halo_exchange(plan: Plan, cp_rank: int, shifts: Sequence[int],
+                  device: torch.device | str | None = None) -> _halo.HaloExchange:
     """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``.
 
     One exchange of each segment's halo serves every shift and tensor (Note [Halo exchange for
     several shifts] in ``_halo.py``; ``cpshard.distributed.shift_sharded_multi`` runs it). Pure index
     math, the same on every rank: callable for every rank in one process. CPU unless ``device``.
     """
+    check_plan_type(plan)
     cp_rank = check_rank(cp_rank, plan.cp_size)
-    ks = tuple(check_int("shifts", k, minimum=0) for k in shifts)
-    dev = torch.device("cpu") if device is None else torch.device(device)
+    ks = tuple(check_shift(k, "shifts") for k in shifts)
+    return plan.indices().halo(cp_rank, ks, torch.device("cpu" if device is None else device))
 
-    def make() -> _halo.MultiShift:
-        if dev.type != "cpu":
-            return halo_exchange(plan, cp_rank, ks).to(dev)
-        return _halo.build_multi_shift([plan._segments(r) for r in range(plan.cp_size)], plan._lens64(), cp_rank, ks)
-    return plan._cache.get(("halo", cp_rank, ks, dev), make)
+
+def check_plan_type(plan: Any, fix: str = "build one with ShardPlan.build or BshdPlan.build") -> None:
+    """A clear ``TypeError`` unless ``plan`` is a plan (either kind)."""
+    if not isinstance(plan, Plan):
+        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", fix, kind=TypeError)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from cpshard._errors import fail
-from cpshard.attention import attention_work
+from cpshard.causal import attention_work
 from cpshard.plan import ShardPlan
 
 __all__ = ["draw_plans", "plan_title", "rank_map"]

@@ -33,7 +33,7 @@ import re
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -126,6 +126,27 @@ def _dumps(value: Any) -> bytes:
     buffer = io.BytesIO()
     _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
+
+
+def world_group() -> Any:
+    """The group of every rank a launcher started (``torch.distributed.group.WORLD``): the CP group of
+    a job that is one CP group, as :func:`run_ranks`' functions and ``cpshard verify`` run."""
+    import torch.distributed as dist
+    return dist.group.WORLD
+
+
+@contextlib.contextmanager
+def joined_group(backend: str,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> Iterator[tuple[int, Any]]:
+    """Join the process group a launcher (``torchrun``) describes in the environment, and leave it on
+    exit: ``(rank, the world group)``. For the CLI's ``verify`` under torchrun; a process started by
+    :func:`run_ranks` has joined its group already."""
+    import torch.distributed as dist
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    try:
+        yield dist.get_rank(), dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],

@@ -31,7 +31,6 @@ and runs every configuration of that ``cp`` in it; :func:`verify_launched` runs 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import math
 import os
@@ -42,18 +41,17 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from cpshard._errors import check_int, fail
 from cpshard.attention import attention, attention_work, naive_attention
-from cpshard.distributed import gather, shift_sharded_multi, sum_over_group
+from cpshard.distributed import gather, max_over, shift_sharded_multi, sum_over_group
 from cpshard.layout import Layout, Padding
 from cpshard.mtp import mtp_loss
 from cpshard.ops import shard, unshard
 from cpshard.plan import ShardPlan
-from cpshard.spawn import run_ranks
+from cpshard.spawn import joined_group, run_ranks, world_group
 
 __all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Report", "Result", "TinyDecoder",
            "estimate_seconds", "format_table", "scale_lengths", "verify", "verify_launched"]
@@ -277,11 +275,6 @@ def _batch(lengths: Sequence[int]) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
 
 
-def _all_reduce(t: torch.Tensor, plan: ShardPlan, group: Any) -> torch.Tensor:
-    """Sum over the CP group (one ``all_reduce``, :func:`sum_over_group`); ``t`` itself at ``cp = 1``."""
-    return t if group is None else sum_over_group(t, plan, group)
-
-
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": attention, "naive": naive_attention}
 
 
@@ -312,14 +305,14 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
                    loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), scaling_factor=MTP_SCALE)
     logp = F.log_softmax(model.logits(mtp.hidden), -1)
     token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype, device=dev))
-    count = _all_reduce(mask.sum().to(dtype), plan, group)
+    count = sum_over_group(mask.sum().to(dtype), plan, group)
     loss = -plan.cp_size * token_logp.sum() / count
     loss.backward()
 
     names = [n for n, _ in model.named_parameters()]
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1), mtp.losses])
-    flat = _all_reduce(flat, plan, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
+    flat = sum_over_group(flat, plan, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
     sizes = [g.numel() for g in grads]
     parts = flat.split(sizes + [1, MTP_DEPTHS])
     if group is None:
@@ -469,14 +462,14 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
                progress: Progress) -> list[Outcome] | None:
     """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-    group = dist.group.WORLD
+    group = world_group()
     batch = _batch(lengths)
     model = TinyDecoder(DTYPES[dtype_name])
     outcomes = []
     for config in configs:
         outcome = step(model, batch, _plan(lengths, config), rank, group, attend_fn=_KERNELS[config.attention])
         slowest = torch.tensor([outcome.seconds])
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        slowest = max_over(slowest, group)
         outcomes.append(dataclasses.replace(outcome, seconds=float(slowest)))
         if rank == 0:
             progress.step(f"{config.name} {float(slowest):.1f} s")
@@ -601,9 +594,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(minutes=10))
-    try:
-        rank, group = dist.get_rank(), dist.group.WORLD
+    with joined_group(backend) as (rank, group):
         start = time.perf_counter()
         torch_dtype = DTYPES[dtype]
         configs = [dataclasses.replace(c, attention=attention)
@@ -628,8 +619,6 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         if rank != 0:
             return None
         return Report(results[:-1], results[-1], lens, dtype, TOLERANCE[torch_dtype], time.perf_counter() - start)
-    finally:
-        dist.destroy_process_group()
 
 
 # -- the table ------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from cpshard._index import expand_np
 from cpshard.bshd import BshdPlan
 from cpshard.layout import Layout, alignment, fp8_alignment
 from cpshard.ops import shard
-from cpshard.plan import ShardPlan, rank_rows
+from cpshard.plan import ShardPlan
 
 __all__ = ["Rules", "bshd_rows", "rules_for", "thd_rows"]
 
@@ -105,12 +105,12 @@ def bshd_rows(rows: torch.Tensor, values: torch.Tensor, plan: BshdPlan, cp_rank:
     """verl's ``preprocess_bshd_engine`` under need_roll from ``shard(..., shift=1, fill=0)``'s rows
     ``(B, M / cp, ...)``: verl rolls each padded row, so the last column (global ``M - 1``, held by
     rank 0 under zigzag) takes the row's first token (0 for an empty row). Per segment."""
-    segs = rank_rows(plan, cp_rank)
+    segs = plan.indices().segments(cp_rank)
     ends = segs.pos + segs.length == plan.max_seqlen  # the segment that holds the last column
     lens = np.asarray(plan.seqlens_py, dtype=np.int64)[segs.seq[ends]]
     src = np.where(lens > 0, _first_rows(plan)[segs.seq[ends]], -1)
     flat = rows.reshape(-1, *rows.shape[2:])
-    return _put(flat, (segs.begin + segs.length - 1)[ends], values, src).view(rows.shape)
+    return _put(flat, (segs.start + segs.length - 1)[ends], values, src).view(rows.shape)
 
 
 def thd_rows(values: torch.Tensor, plan: ShardPlan, cp_rank: int, need_roll: bool,
@@ -121,7 +121,7 @@ def thd_rows(values: torch.Tensor, plan: ShardPlan, cp_rank: int, need_roll: boo
     One ``shard`` of the rows, one roll where verl rolls, and a few rows per sequence written after:
     the index math is per segment and per sequence (NumPy), never per row."""
     cp, zigzag = plan.cp_size, plan.layout is Layout.ZIGZAG
-    segs = rank_rows(plan, cp_rank)
+    segs = plan.indices().segments(cp_rank)
     lens = np.asarray(plan.seqlens_py, dtype=np.int64)
     padded = np.asarray(plan.padded_seqlens_py, dtype=np.int64)
     offsets = _first_rows(plan)
@@ -130,11 +130,11 @@ def thd_rows(values: torch.Tensor, plan: ShardPlan, cp_rank: int, need_roll: boo
     zeroed = segs.tokens < segs.length
     if zigzag and cp > 1:
         zeroed &= segs.pos >= padded[segs.seq] // 2
-    pad_rows = torch.from_numpy(expand_np((segs.begin + segs.tokens)[zeroed], (segs.length - segs.tokens)[zeroed]))
+    pad_rows = torch.from_numpy(expand_np((segs.start + segs.tokens)[zeroed], (segs.length - segs.tokens)[zeroed]))
     if need_roll and not zigzag:  # each sequence wraps to its own first token (position id 0)
         rows = shard(values, plan, cp_rank, shift=1, pad_value=0, fill=0)
         ends = (segs.tokens > 0) & (segs.pos + segs.tokens == lens[segs.seq])  # holds its sequence's last token
-        at = (segs.begin + segs.tokens - 1)[ends]
+        at = (segs.start + segs.tokens - 1)[ends]
         pos = plan.position_ids(cp_rank).add_(1)
         pos[pad_rows] = 0
         pos[torch.from_numpy(at)] = 0

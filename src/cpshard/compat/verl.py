@@ -42,15 +42,16 @@ from typing import Any
 import torch
 
 from cpshard._errors import check_int, check_tensor, fail
+from cpshard._parse import jagged_lengths
 from cpshard.bshd import BshdPlan
 from cpshard.compat import _verl_rows
 from cpshard.distributed import gather, gather_tokens
-from cpshard.layout import Layout, alignment, fp8_total_alignment
-from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params, plan_from_padded
+from cpshard.layout import Layout, alignment, fp8_total_alignment, total_problem
+from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params
 from cpshard.megatron.state import ParallelContext, parallel_context
 from cpshard.ops import as_flat, shard, unshard
 from cpshard.padded import to_padded
-from cpshard.plan import ShardPlan, jagged_lengths
+from cpshard.plan import ShardPlan
 
 __all__ = [
     "VerlPatch",
@@ -148,13 +149,10 @@ def thd_plan(
     if pad_to_length_bucket is not None:
         multiple = math.lcm(pad_to_length_bucket, cp, fp8_total if use_fp8_padding else 1)
         total = -(-total // multiple) * multiple
-    if total == ours.total_len or (use_fp8_padding and total % fp8_total):
-        return ours
-    padded = (*base.padded_seqlens_py[:-1], base.padded_seqlens_py[-1] + total - base.total_len)
-    try:
-        return plan_from_padded(base.seqlens_py, padded, cp_size=cp, tp_size=tp, layout=layout, fp8=use_fp8_padding)
-    except ValueError:  # verl's padding would drop tokens here: keep cpshard's
-        return ours
+    if total == ours.total_len or total_problem(total, total - base.total_len, cp, tp, layout, use_fp8_padding):
+        return ours  # the same rows, or verl's padding would drop tokens here: keep cpshard's
+    return ShardPlan.build(base.seqlens_py, cp_size=cp, tp_size=tp, layout=layout, fp8=use_fp8_padding,
+                           total_len=total)
 
 
 def bshd_plan(

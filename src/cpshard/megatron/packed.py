@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from cpshard._errors import check_int, fail
+from cpshard._parse import parse_seqlens
 from cpshard.layout import Layout
 from cpshard.megatron._import import import_megatron, megatron_version
-from cpshard.plan import ShardPlan, parse_seqlens
+from cpshard.plan import ShardPlan
 
 __all__ = ["packed_seq_params", "packed_seq_params_class", "plan_from_packed_seq_params", "plan_from_padded",
            "supports_cp_partition_mode"]
@@ -218,9 +218,6 @@ def plan_from_packed_seq_params(
         lens = tuple(b - a for a, b in zip(q[:-1], q[1:]))
     else:
         lens = padded
-    if len(lens) != len(padded) or any(n > p for n, p in zip(lens, padded)):
-        fail("seqlens", list(lens), f"must give one length per sequence, each <= its padded length {list(padded)}",
-             "pass the micro-batch's real token counts")
     mode = getattr(psp, "cp_partition_mode", None)
     if layout is None:
         layout = Layout.ZIGZAG if mode is None else Layout.parse(mode, "psp.cp_partition_mode")
@@ -229,30 +226,14 @@ def plan_from_packed_seq_params(
         if mode is not None and Layout.parse(mode, "psp.cp_partition_mode") is not layout:
             fail("layout", repr(layout.value), f"contradicts psp.cp_partition_mode={mode!r}",
                  "leave layout=None to read it from the PackedSeqParams")
-    total = sum(padded)
-    if total % cp_size or (total // cp_size) % tp_size:
-        fail("psp.cu_seqlens_q_padded", list(cu_padded), f"a total of {total} rows must split into cp_size={cp_size} "
-             f"equal parts each divisible by tp_size={tp_size}", "pass the cp_size and tp_size it was padded for")
-    if layout is Layout.ZIGZAG and cp_size > 1 and any(p % (2 * cp_size) for p in padded):
-        fail("psp.cu_seqlens_q_padded", list(cu_padded),
-             f"every zigzag sequence must be padded to a multiple of 2 * cp_size = {2 * cp_size}",
-             "pass the cp_size it was padded for, or layout='contiguous' if it was sharded contiguously")
-    return plan_from_padded(lens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8)
+    return ShardPlan.from_padded(lens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8,
+                                 name="psp.cu_seqlens_q_padded",
+                                 fix="pass the cp_size and tp_size it was padded for (layout='contiguous' if it "
+                                     "was sharded contiguously), and the real token counts as seqlens")
 
 
 def plan_from_padded(seqlens: Sequence[int], padded: Sequence[int], *, cp_size: int, tp_size: int = 1,
                      layout: Layout | str = Layout.ZIGZAG, fp8: bool = False) -> ShardPlan:
-    """The plan whose sequences hold ``seqlens`` tokens padded to exactly ``padded`` rows.
-
-    Where every padded length is a multiple of SPEC's alignment this is the plan ``ShardPlan.build``
-    gives for them (equal to it, extensions included); padding another framework chose (a last
-    sequence extended to a multiple of ``2 * cp`` only, say) keeps the same rows with the alignment
-    those lengths share. Raises ``ValueError`` when the lengths break a plan invariant (SPEC.md,
-    "Padding").
-    """
-    fields: dict[str, Any] = dict(seqlens_py=tuple(seqlens), padded_seqlens_py=tuple(padded), cp_size=cp_size,
-                                  tp_size=tp_size, layout=Layout.parse(layout), fp8=fp8)
-    try:
-        return ShardPlan(**fields)
-    except ValueError:
-        return ShardPlan(**fields, alignment=max(math.gcd(*fields["padded_seqlens_py"]), 1))
+    """The plan whose sequences hold ``seqlens`` tokens padded to exactly ``padded`` rows:
+    :meth:`cpshard.ShardPlan.from_padded` (kept under this name for callers of 0.1)."""
+    return ShardPlan.from_padded(seqlens, padded, cp_size=cp_size, tp_size=tp_size, layout=layout, fp8=fp8)

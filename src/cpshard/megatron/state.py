@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cpshard._errors import check_int, fail
+from cpshard.distributed import read_group
 from cpshard.layout import Layout, layout_for
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.plan import ShardPlan
@@ -43,13 +44,10 @@ def _group_read(group: Any, name: str, what: str) -> int:
     ``get_world_size(group=)`` (which answer for any group torch knows, and which tests may fake),
     else the object's own ``rank()`` / ``size()``."""
     reader_name = "get_rank" if what == "rank" else "get_world_size"
-    reader = getattr(torch.distributed, reader_name, None)
-    if reader is not None and torch.distributed.is_available():
-        try:
-            return int(reader(group=group))
-        except (RuntimeError, ValueError, KeyError, AttributeError, TypeError):
-            pass  # torch does not know this group (not initialized, or a stand-in): ask the object
-    try:
+    known = read_group(group, what)
+    if known is not None:
+        return known
+    try:  # torch does not know this group (not initialized, or a stand-in): ask the object
         return int(getattr(group, what)())
     except (AttributeError, TypeError):
         fail(name, type(group).__name__, f"must be a process group (torch.distributed.{reader_name}(group=...) "
