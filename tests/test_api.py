@@ -347,3 +347,23 @@ def test_import_cpshard_is_the_index_math_alone():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     with pytest.raises(AttributeError, match="module 'cpshard' has no attribute 'nothing'"):
         cpshard.nothing  # noqa: B018
+
+
+def test_a_dropped_plan_is_freed_at_once():
+    """No reference cycle between a plan and its index service: dropping the last reference frees its
+    indices at once, not when the cyclic collector next runs (inside some later step's timing)."""
+    import gc
+    import weakref
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        plan = ShardPlan.build([5, 3, 9], cp_size=2)
+        shard(torch.arange(17), plan, 1, shift=1)
+        unshard([shard(torch.arange(17), plan, r) for r in range(2)], plan)
+        ref = weakref.ref(plan)
+        del plan
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -67,12 +68,21 @@ chunks) one gather by an index is cheaper: each piece costs about a microsecond.
 class PlanIndices:
     """Every index derived from one plan, built on first use and kept (module docstring)."""
 
-    __slots__ = ("_data", "_lock", "plan")
+    __slots__ = ("_data", "_lock", "_plan")
 
     def __init__(self, plan: Plan) -> None:
-        self.plan = plan
+        # a weak reference: the plan owns its service, and a cycle between them would keep a dropped
+        # plan's indices (megabytes at a million tokens) alive until the cyclic collector runs, which
+        # then frees them at a random point of some later step
+        self._plan = weakref.ref(plan)
         self._data: dict[str, OrderedDict[Hashable, Any]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def plan(self) -> Plan:
+        plan = self._plan()
+        assert plan is not None, "a plan's index service outlived its plan"
+        return plan
 
     def _kept(self, kind: str, key: Hashable, make: Callable[[], _T]) -> _T:
         with self._lock:
