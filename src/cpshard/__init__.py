@@ -8,6 +8,7 @@ Public API (documented in the README):
 - :func:`shard` / :func:`unshard`: a rank's rows (optionally shifted) and the exact inverse.
 - :func:`shift`: SPEC's ``shift(x, k)`` on unsharded sequences.
 - :func:`shift_exchange`: the pure index math behind ``cpshard.distributed.shift_sharded``.
+- :func:`twin_plan`: a plan's twin under another layout or order (``cpshard.distributed.relayout``).
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
 - :class:`Layout`, :class:`Padding`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
@@ -21,6 +22,7 @@ that uses ``torch.distributed``); framework adapters live in ``cpshard.megatron`
 
 from cpshard import _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
 from cpshard._exchange import Exchange
+from cpshard._relayout import twin_plan
 from cpshard.bshd import BshdPlan
 from cpshard.layout import GradReduction, Layout, Padding, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
@@ -59,5 +61,6 @@ __all__ = [
     "shift",
     "shift_exchange",
     "to_padded",
+    "twin_plan",
     "unshard",
 ]
