@@ -617,7 +617,10 @@ def gather_states(states: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
 
     Autograd: every rank's result feeds every rank's later computation, so the gradient of a rank's
     ``states`` is the sum over the group of the gradients of its slice (one ``all_reduce`` in
-    backward): if the ranks' losses add up to the batch's, it is the single-process gradient.
+    backward): if the ranks' losses add up to the batch's, it is the single-process gradient. That
+    backward is a collective: every rank's loss must depend on its result (a rank that reads no
+    carry attaches it anyway, as ``cpshard.scan`` does), or the ranks that skip it leave the
+    others waiting.
     """
     states = check_tensor("states", states)
     rank = _group_rank(plan, group)
