@@ -139,3 +139,12 @@ def _suites(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_scan_across_gloo_ranks(world):
     assert [r["_scan_cases"] for r in _suites(world)] == [12] * world
+
+
+def test_verify_hybrid_equals_cp1_and_catches_the_naive_scan():
+    from cpshard._hybrid import verify_hybrid
+    from cpshard.verify import format_table
+    report = verify_hybrid([37, 1, 0, 12, 5], cps=[2], tps=[2], paddings=["minimal"], progress=False)
+    assert [r.ok for r in report.results] == [True, True] and report.naive_kernel_caught and report.ok
+    assert report.naive.max_abs_diff["logprobs"] > 1e-3
+    assert "layout-naive scan on zigzag rows was caught" in format_table(report)
