@@ -3,6 +3,7 @@ real gloo ranks (cpshard.distributed.relayout: exact, differentiable, one collec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -200,3 +201,48 @@ def _suites(world):
 def test_relayout_across_gloo_ranks(world):
     want = 3 * 2 * 2 * 5 * 2
     assert [r["_relayout_cases"] for r in _suites(world)] == [want] * world
+
+
+# -- Megatron-LM dev's cp_partition_route ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _ThdCpRoute:  # the stand-in for megatron.core.context_parallel_layout.ThdCpRoute (dev)
+    zigzag_index: torch.Tensor | None
+    zigzag_split_sizes: list
+    contiguous_index: torch.Tensor | None
+    contiguous_split_sizes: list
+
+
+def _megatron_convert(locals_, routes, source):
+    """What Megatron's THD conversion does with the routes, every rank in one process: send
+    x[source_index] cut by source splits, receive by target splits, scatter to target_index."""
+    other = "contiguous" if source == "zigzag" else "zigzag"
+    pieces = [list((x if getattr(rt, f"{source}_index") is None else x[getattr(rt, f"{source}_index")])
+                   .split(getattr(rt, f"{source}_split_sizes"))) for x, rt in zip(locals_, routes)]
+    out = []
+    for r, rt in enumerate(routes):
+        recv = torch.cat([pieces[s][r] for s in range(len(routes))])
+        assert recv.shape[0] == sum(getattr(rt, f"{other}_split_sizes"))
+        index = getattr(rt, f"{other}_index")
+        out.append(recv if index is None else recv.new_empty(recv.shape).index_copy_(0, index, recv))
+    return out
+
+
+@pytest.mark.parametrize("lens,cp,tp,padding", [([5, 3], 2, 1, "aligned"), ([0, 1, 17, 40, 3], 4, 2, "minimal"),
+                                                 ([100], 3, 1, "aligned"), ([7, 7], 1, 1, "aligned")])
+def test_megatron_cp_partition_route_converts_both_ways(lens, cp, tp, padding):
+    from cpshard.megatron.route import cp_partition_route
+    zz = ShardPlan.build(lens, cp_size=cp, tp_size=tp, padding=padding)
+    cont = twin(zz, "contiguous")
+    x = _x(lens, (2,))
+    for plan in (zz, cont):  # either side builds the same route
+        routes = [cp_partition_route(plan, r, route_type=_ThdCpRoute) for r in range(cp)]
+        got = _megatron_convert([shard(x, zz, r) for r in range(cp)], routes, "zigzag")
+        back = _megatron_convert([shard(x, cont, r) for r in range(cp)], routes, "contiguous")
+        for r in range(cp):
+            assert torch.equal(got[r], shard(x, cont, r)) and torch.equal(back[r], shard(x, zz, r))
+    reordered = ShardPlan.build([3, 40, 1, 9], cp_size=2, layout="contiguous", reorder="balanced")
+    assert reordered.order is not None
+    with pytest.raises(ValueError, match="without reorder='balanced'"):
+        cp_partition_route(reordered, 0, route_type=_ThdCpRoute)
