@@ -14,10 +14,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "cpshard"
 
 LAYERS = {
     0: {"_errors", "_types", "_deps", "_dtypes"},
-    1: {"layout", "_parse", "plan", "bshd", "_index", "_exchange", "_halo", "_indices", "_balance", "causal"},
+    1: {"layout", "_parse", "plan", "bshd", "_index", "_exchange", "_halo", "_indices", "_balance", "causal",
+        "_relayout", "pack"},
     2: {"ops", "padded"},
     3: {"_agree", "distributed", "spawn"},
-    4: {"attention", "loss", "mtp", "verify"},
+    4: {"attention", "loss", "mtp", "verify", "scan", "_hybrid"},
     5: {"cli", "plot", "__main__", "__init__", "megatron", "compat"},
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -10,6 +10,7 @@ Public API (documented in the README):
 - :func:`shift_exchange` / :func:`halo_exchange`: the pure index math behind
   ``cpshard.distributed.shift_sharded`` / ``shift_sharded_multi`` (:class:`ShiftExchange`,
   :class:`HaloExchange`), callable for every rank in one process.
+- :func:`twin_plan`: a plan's twin under another layout or order (``cpshard.distributed.relayout``).
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
 - :class:`Layout`, :class:`Padding`, :class:`Reorder`, :func:`alignment`, :func:`layout_for`,
@@ -27,6 +28,7 @@ the layers.
 from cpshard import _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
 from cpshard._exchange import Exchange, ShiftExchange
 from cpshard._halo import HaloExchange
+from cpshard._relayout import twin_plan
 from cpshard.bshd import BshdPlan
 from cpshard.layout import GradReduction, Layout, Padding, Reorder, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
@@ -70,5 +72,6 @@ __all__ = [
     "shift",
     "shift_exchange",
     "to_padded",
+    "twin_plan",
     "unshard",
 ]

@@ -27,11 +27,14 @@ unshard         the restore index                                device
 offsets         the jagged offsets cpshard returns               device
 shift_exchange  :class:`~cpshard._exchange.ShiftExchange`        rank, shift, device
 halo            :class:`~cpshard._halo.HaloExchange`             rank, shifts, device
+relayout        where every row goes under a twin plan           the twin
+route           :class:`~cpshard._relayout.Route`                the twin, rank, device
 ==============  ===============================================  ==========================
 
 Not part of the plan's value: equality, hashing and pickling ignore it. Safe to share between
 threads: a value is computed outside the lock (it may use the service itself) and the first one
-stored wins, so every caller sees one object per key.
+stored wins, so every caller sees one object per key. The lock is re-entrant: looking a key up
+hashes it, and the hash of a plan (the key of its twins' indices) is itself kept by its service.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class PlanIndices:
         # then frees them at a random point of some later step
         self._plan = weakref.ref(plan)
         self._data: dict[str, OrderedDict[Hashable, Any]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered when a key's hash is itself kept (a twin plan)
 
     @property
     def plan(self) -> Plan:
@@ -97,6 +100,10 @@ class PlanIndices:
             while len(entries) > _BOUND:
                 entries.popitem(last=False)
             return value
+
+    def hash_of(self, key: Callable[[], Any]) -> int:
+        """The plan's hash, computed once from its value ``key()``."""
+        return self._kept("host", "hash", lambda: hash(key()))
 
     def kept(self) -> dict[str, int]:
         """How many entries each kind holds now (for tests and for a look at a long-running job)."""
@@ -340,6 +347,21 @@ class PlanIndices:
         return self._kept("restore", "runs", make)
 
     # -- exchanges --------------------------------------------------------------------------
+
+    def permutation(self, dst: Plan) -> tuple[np.ndarray, np.ndarray, int]:
+        """Where every rank's rows go under the twin ``dst`` (``_relayout.permutation``): two
+        ``(cp * R,)`` int64 arrays, kept for a few twins."""
+        from cpshard import _relayout
+        return self._kept("relayout", dst, lambda: _relayout.permutation(self.plan, dst))
+
+    def relayout(self, dst: Plan, cp_rank: int, device: torch.device) -> Any:
+        """``cp_rank``'s :class:`~cpshard._relayout.Route` from this plan's rows to the twin ``dst``'s."""
+        def make() -> Any:
+            if device.type != "cpu":
+                return self.relayout(dst, cp_rank, torch.device("cpu")).to(device)
+            from cpshard import _relayout
+            return _relayout.build_route(self.plan, dst, cp_rank)
+        return self._kept("route", (dst, cp_rank, device), make)
 
     def shift_exchange(self, cp_rank: int, shift: int, device: torch.device) -> _exchange.ShiftExchange:
         """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``."""

@@ -353,6 +353,9 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     v.add_argument("--attention", default="reference", choices=["reference", "naive"],
                    help="'naive': run every configuration with the layout-naive attention (zigzag must fail)")
+    v.add_argument("--model", default="decoder", choices=["decoder", "hybrid"],
+                   help="'hybrid': attention on zigzag alternating with a causal convolution and a scan on the "
+                   "contiguous twin, relayout between them (default paddings aligned,minimal and both twin orders)")
     v.add_argument("--backend", default=None, choices=["nccl", "gloo"],
                    help="under torchrun: the process-group backend (default nccl with CUDA, else gloo)")
     v.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
@@ -405,6 +408,14 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
     layouts, paddings = args.layouts, args.padding
     reorders: list[str | None] = [None, "balanced"] if args.reorder else [None]
     try:
+        if args.model == "hybrid":
+            if verify.launched() or args.backend is not None:
+                v.error("--model hybrid runs on spawned gloo ranks only (not under torchrun, no --backend)")
+            hybrid = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, dtype=args.dtype,
+                                   paddings=paddings if paddings != [Padding.ALIGNED.value] else ["aligned", "minimal"],
+                                   reorders=[None, "balanced"], progress=args.progress, model="hybrid")
+            print(json.dumps(hybrid.as_json()) if args.json else verify.format_table(hybrid), flush=True)
+            return 0 if hybrid.ok else 1
         if verify.launched():
             world = int(os.environ["WORLD_SIZE"])
             if args.cp is not None and args.cp != [world]:

@@ -491,3 +491,101 @@ def group_size(group: Any, name: str = "group") -> int:
 def group_rank(plan: Plan, group: Any) -> int:
     """This process's rank in ``group`` (its CP rank), after checking the group fits ``plan``. No communication."""
     return _group_rank(plan, group)
+
+
+# -- changing layout inside a model; states across ranks (cpshard.scan) --------------------------
+
+__all__ += ["gather_states", "relayout"]
+
+
+def _run_relayout(flat: torch.Tensor, route: Any, group: Any) -> torch.Tensor:
+    """``flat``'s rows moved by ``route`` (``cpshard._relayout.Route``): one all-to-all, or none when no
+    row of the group changes rank."""
+    received = None
+    if route.total_remote:
+        received = flat.new_empty((sum(route.recv_splits), *flat.shape[1:]))
+        _all_to_all(received, flat.index_select(0, route.send_rows), route.recv_splits, route.send_splits, group)
+    return route.apply(flat, received)
+
+
+class _Relayout(torch.autograd.Function):
+    """Forward: the route from src to dst. Backward: the reverse route (dst to src), one all-to-all."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, forward_route: Any, backward_route: Any, group: Any) -> torch.Tensor:
+        ctx.route, ctx.group = backward_route, group
+        return _run_relayout(flat.contiguous(), forward_route, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _run_relayout(grad.contiguous(), ctx.route, ctx.group), None, None, None
+
+
+def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
+             check: bool | None = None) -> torch.Tensor:
+    """This rank's rows under ``dst_plan`` from its rows under ``src_plan``, its twin: exactly
+    ``shard(x, dst_plan, cp_rank)`` when ``local == shard(x, src_plan, cp_rank)``.
+
+    For hybrid models whose attention layers run on a zigzag plan and whose linear-attention or
+    state-space layers run on its contiguous twin (``cpshard.twin_plan(plan, "contiguous")``; SPEC.md,
+    "Changing layout inside a model"). One ``all_to_all_single`` per call that moves only the rows
+    whose rank changes; rows that stay are copied locally; no collective at all when no row of the
+    group changes rank (``cp_size == 1``, equal plans). Every rank derives the route from the two
+    plans (Note [Twin plans and their route] in ``_relayout.py``): no metadata message, split sizes
+    as Python ints, so no host sync on CUDA (the route's indices are copied to the device once per
+    plan pair, rank and device).
+
+    Args:
+        local: this rank's rows, ``src_plan.local_shape + trailing``, any dtype (bytes on the wire).
+        src_plan: the plan ``local`` is sharded with.
+        dst_plan: its twin (same sequences, same padded lengths; another layout or order).
+        group: the context-parallel group (required); its size must be ``src_plan.cp_size``.
+        check: as in :func:`gather` (the agreement covers both plans).
+
+    Returns:
+        ``dst_plan.local_shape + trailing``, ``local``'s dtype.
+
+    Autograd: differentiable; the gradient is the reverse relayout of the output's gradient (one
+    more all-to-all in backward), so every row's gradient returns to the rank and row it came from.
+    """
+    from cpshard._dtypes import carrier
+    from cpshard._relayout import check_twins, relayout_route
+
+    def validate() -> tuple[tuple[torch.Tensor, Plan], dict[str, Any]]:
+        _, dst = check_twins(src_plan, dst_plan)
+        checked = _check_local(local, src_plan)
+        return (checked, dst), {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(src_plan.local_shape):]),
+                                "dst_plan": plan_fingerprint(dst).tolist()}
+
+    (checked, dst), rank = _checked(src_plan, group, check, validate)
+    lead = len(src_plan.local_shape)
+    trailing = checked.shape[lead:]
+    flat = checked.reshape(math.prod(src_plan.local_shape), *trailing)
+    over = carrier(flat.dtype)
+    if over is not None:  # fp8 / uintN move as their same-width carrier (no index_select there)
+        flat = flat.view(over)
+    device = flat.device
+    forward_route = relayout_route(src_plan, dst, rank, device)
+    backward_route = relayout_route(dst, src_plan, rank, device)
+    out = _Relayout.apply(flat, forward_route, backward_route, group)
+    if over is not None:  # only then: view(dtype), even to the same dtype, leaves the autograd graph
+        out = out.view(checked.dtype)
+    return out.view(*dst.local_shape, *trailing)
+
+
+def gather_states(states: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
+    """``(cp, *states.shape)``: every rank's ``states`` (one shape and dtype on every rank), in rank order.
+
+    What a recurrence needs from the ranks before it: each rank's segment end states and decay
+    products (``cpshard.scan``), or the last rows a causal convolution looks back at. One
+    ``all_gather_single``; the group's size must be ``plan.cp_size``.
+
+    Autograd: every rank's result feeds every rank's later computation, so the gradient of a rank's
+    ``states`` is the sum over the group of the gradients of its slice (one ``all_reduce`` in
+    backward): if the ranks' losses add up to the batch's, it is the single-process gradient. That
+    backward is a collective: every rank's loss must depend on its result (a rank that reads no
+    carry attaches it anyway, as ``cpshard.scan`` does), or the ranks that skip it leave the
+    others waiting.
+    """
+    states = check_tensor("states", states)
+    return all_gather_rows(states.unsqueeze(0), plan, group).reshape(plan.cp_size, *states.shape)

@@ -188,13 +188,21 @@ class Plan:
         """
         return self._view("label", cp_rank, check_shift(shift))
 
+    def twin(self, layout: Layout | str | None = None, order: str = "same") -> Plan:
+        """The plan's twin: the same sequences and padded lengths under ``layout`` (and, for THD,
+        ``order``: ``"same"``, ``"caller"`` or ``"balanced"``), for ``cpshard.distributed.relayout``
+        (SPEC.md, "Changing layout inside a model"; ``cpshard.twin_plan``)."""
+        from cpshard._relayout import twin
+        return twin(self, layout, order)
+
     # -- value semantics ----------------------------------------------------------------------
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        # hashed once (a plan of 100k lengths takes a millisecond): plans key the caches of their twins
+        return self._indices.hash_of(self._key)
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickle the value, not its indices (device tensors, a lock): a copy rebuilds what it needs.

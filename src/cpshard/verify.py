@@ -249,6 +249,7 @@ class Report:
     dtype: str
     tolerance: float
     seconds: float
+    model: str = "decoder"  # or "hybrid" (cpshard._hybrid: attention on zigzag, a scan on its contiguous twin)
 
     @property
     def naive_kernel_caught(self) -> bool:
@@ -264,7 +265,7 @@ class Report:
                 "results": [r.as_json() for r in self.results],
                 "naive": self.naive.as_json() if self.naive is not None else None,
                 "lengths": list(self.lengths), "dtype": self.dtype, "tolerance": self.tolerance,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "model": self.model}
 
 
 # -- one step -----------------------------------------------------------------------------------
@@ -519,13 +520,21 @@ def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int], 
 def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
            layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
            paddings: Sequence[str] = ("aligned",), reorders: Sequence[str | None] = (None,), progress: bool = True,
-           timeout: float = 600.0) -> Report:
+           timeout: float = 600.0, model: str = "decoder") -> Report:
     """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
 
     ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
     configurations must then fail). The naive attention under zigzag is always run once more, at the
     smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
+    ``model="hybrid"``: the hybrid decoder of ``cpshard._hybrid`` instead (zigzag attention, a scan on
+    the contiguous twin; ``layouts`` and ``attention`` do not apply), whose naive scan must be caught.
     """
+    if model == "hybrid":
+        from cpshard._hybrid import verify_hybrid
+        return verify_hybrid(lengths, cps=cps, tps=tps, dtype=dtype, paddings=paddings, reorders=reorders,
+                             progress=progress, timeout=timeout)
+    if model != "decoder":
+        fail("model", repr(model), "must be 'decoder' or 'hybrid'", "pass model='hybrid' or leave the default")
     start = time.perf_counter()
     lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype, reorders)
     if attention not in ("reference", "naive"):
@@ -640,8 +649,9 @@ def format_table(report: Report) -> str:
     lines.insert(1, "-" * len(lines[0]))
     summary = (f"lengths {list(report.lengths)}, {report.dtype}, max |difference| from cp=1 "
                f"(tolerance {report.tolerance:.0e} x max(1, |cp=1 value|)); {report.seconds:.1f} s")
-    verdict = ("OK: every configuration equals cp=1, and the layout-naive attention under zigzag was caught"
+    naive = "scan on zigzag rows" if report.model == "hybrid" else "attention under zigzag"
+    verdict = (f"OK: every configuration equals cp=1, and the layout-naive {naive} was caught"
                if report.ok else "FAILED: " + "; ".join(
                    [f"{r.config.name} differs from cp=1" for r in report.results if not r.ok]
-                   + ([] if report.naive_kernel_caught else ["the layout-naive attention was not caught"])))
+                   + ([] if report.naive_kernel_caught else [f"the layout-naive {naive} was not caught"])))
     return "\n".join([summary, ""] + lines + ["", verdict])
