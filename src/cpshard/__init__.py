@@ -11,6 +11,8 @@ Public API (documented in the README):
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
 - :class:`Layout`, :class:`Padding`, :func:`alignment`, :func:`layout_for`, :func:`register_layout_rule`.
+- :func:`pack` / :class:`Packing`: a global batch split into micro-batches under a padded token budget,
+  scored by every CP rank's causal work (``cpshard.pack``).
 - :func:`describe_plan` / :func:`describe_bshd`: the text ``cpshard plan`` prints (which rows each rank
   holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
@@ -24,6 +26,7 @@ from cpshard._exchange import Exchange
 from cpshard.bshd import BshdPlan
 from cpshard.layout import GradReduction, Layout, Padding, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
+from cpshard.pack import Packing, pack  # eager: the function must shadow its module's name (pure, NumPy)
 from cpshard.padded import from_padded, to_padded
 from cpshard.plan import DeviceTensors, ShardPlan, shift_exchange
 
@@ -46,6 +49,7 @@ __all__ = [
     "Exchange",
     "GradReduction",
     "Layout",
+    "Packing",
     "Padding",
     "ShardPlan",
     "alignment",
@@ -54,6 +58,7 @@ __all__ = [
     "draw_plans",
     "from_padded",
     "layout_for",
+    "pack",
     "register_layout_rule",
     "shard",
     "shift",
