@@ -135,6 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 global batches, fewer timing repeats")
     parser.add_argument("--batches", type=int, default=None, help="global batches per configuration (default 20)")
+    parser.add_argument("--no-large", action="store_true", help="skip the 1024-sequence timing")
     args = parser.parse_args()
     batches = args.batches or (3 if args.quick else 20)
     repeats = 1 if args.quick else 3
@@ -182,6 +183,8 @@ def main() -> None:
               f"{m['pbal']:>9.3f} {m['bound']:>6.3f} {m['pack'] / m['vbal'] - 1:>+7.1%} "
               f"{statistics.mean(mb_v):>6.1f}/{statistics.mean(mb_p):<6.1f} "
               f"{max(over_v):>9.3f}/{max(over_p):<9.3f} {m['ms']:>7.1f}")
+    if args.no_large:
+        return
     rng = random.Random(1024)
     lens = [min(MAX_TOKENS, max(1, round(rng.expovariate(1 / MEAN_LEN)))) for _ in range(1024)]
     for layout, cp in (("zigzag", 4), ("contiguous", 8)):
