@@ -22,6 +22,7 @@ CASES = [
     ("balance.py", ["--quick", "--batches", "3", "--max-doc", "8192"], ["balanced", "bound/mean"]),
     ("gather.py", ["--quick", "--repeats", "2"], ["baseline/cpshard"]),
     ("verl.py", ["--quick", "--repeats", "1"], ["postprocess_thd_engine contiguous", "verl/cpshard"]),
+    ("pack.py", ["--quick", "--batches", "1", "--no-large"], ["verl+bal", "pack+bal", "bound"]),
 ]
 
 

@@ -15,6 +15,8 @@ Public API (documented in the README):
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
 - :class:`Layout`, :class:`Padding`, :class:`Reorder`, :func:`alignment`, :func:`layout_for`,
   :func:`register_layout_rule`.
+- :func:`pack` / :class:`Packing`: a global batch split into micro-batches under a padded token budget,
+  scored by every CP rank's causal work (``cpshard.pack``).
 - :func:`describe_plan` / :func:`describe_bshd`: the text ``cpshard plan`` prints (which rows each rank
   holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
@@ -32,6 +34,7 @@ from cpshard._relayout import twin_plan
 from cpshard.bshd import BshdPlan
 from cpshard.layout import GradReduction, Layout, Padding, Reorder, alignment, layout_for, register_layout_rule
 from cpshard.ops import shard, shift, unshard
+from cpshard.pack import Packing, pack  # eager: the function must shadow its module's name (pure, NumPy)
 from cpshard.padded import from_padded, to_padded
 from cpshard.plan import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
 
@@ -55,6 +58,7 @@ __all__ = [
     "GradReduction",
     "HaloExchange",
     "Layout",
+    "Packing",
     "Padding",
     "Plan",
     "Reorder",
@@ -67,6 +71,7 @@ __all__ = [
     "from_padded",
     "halo_exchange",
     "layout_for",
+    "pack",
     "register_layout_rule",
     "shard",
     "shift",

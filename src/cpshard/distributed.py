@@ -419,16 +419,23 @@ def _summed(values: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
 
 
 def max_over(values: torch.Tensor, group: Any) -> torch.Tensor:
-    """``values``' elementwise maximum over the ranks of ``group`` (one ``all_reduce``), as a new
-    tensor: the slowest rank's time, say. No gradient flows."""
+    """``values``' elementwise maximum over the ranks of ``group`` (one ``all_reduce``, on the group's
+    device: CUDA under NCCL), as a new tensor on ``values``' device: the slowest rank's time, or the
+    largest micro-batch count of a DP group. No gradient flows."""
     values = check_tensor("values", values)
     _require_group(group)
-    return _summed(values, group, dist.ReduceOp.MAX)
+    device = _collective_device(group)
+    return _summed(values.to(device), group, dist.ReduceOp.MAX).to(values.device)
+
+
+def initialized() -> bool:
+    """Whether ``torch.distributed`` is available and initialized (no communication)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 # -- the reference attention's gather (cpshard.attention) ----------------------------------------
 
-__all__ += ["all_gather_rows", "max_over"]
+__all__ += ["all_gather_rows", "initialized", "max_over"]
 
 
 class _GatherRowsSumGrad(torch.autograd.Function):

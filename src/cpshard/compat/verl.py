@@ -45,6 +45,8 @@ from cpshard._errors import check_int, check_tensor, fail
 from cpshard._parse import jagged_lengths
 from cpshard.bshd import BshdPlan
 from cpshard.compat import _verl_rows
+from cpshard.compat._verl_pack import patch_sites as _patch_pack_sites
+from cpshard.compat._verl_pack import rearrange_micro_batches
 from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment, total_problem
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params
@@ -65,6 +67,7 @@ __all__ = [
     "preprocess_bshd_engine",
     "preprocess_packed_seqs",
     "preprocess_thd_engine",
+    "rearrange_micro_batches",
     "thd_plan",
 ]
 
@@ -660,7 +663,9 @@ def patch() -> VerlPatch:
     functions of this module in ``verl.models.mcore.util`` and at every site where verl binds them by
     name (``model_forward``, ``model_forward_fused``, ``model_forward_1f1b_overlap``,
     ``verl.utils.megatron.router_replay_utils``, ``verl.trainer.distillation.megatron.losses``), and
-    routes verl's MTP loss through :func:`cpshard.megatron.process_mtp_loss`. A site that does not
+    routes verl's MTP loss through :func:`cpshard.megatron.process_mtp_loss`, and puts
+    :func:`rearrange_micro_batches` in ``verl.utils.seqlen_balancing`` and ``verl.workers.engine.utils``.
+    A site that does not
     bind a name (verl main's ``model_forward_fused`` has no ``build_vlm_attn_mask_thd``) is skipped
     and logged (``VerlPatch.skipped``). Checks first, changing nothing on failure: every function
     must exist in util with verl's positional parameters, and no site may bind another object (a
@@ -720,6 +725,7 @@ def patch() -> VerlPatch:
     mtp_patch = _mtp_patch_module(version)
     for module, name in sites:
         result._replace(module, name, _DROP_INS[name])
+    _patch_pack_sites(result._replace)  # rearrange_micro_batches: verl.utils.seqlen_balancing and its binders
     if result.skipped:
         logger.info("cpshard.compat.verl: verl %s does not bind %s; left alone", version, ", ".join(result.skipped))
     result._originals = originals

@@ -1,0 +1,197 @@
+"""Benchmark: micro-batch packing against verl's partition (issue 19).
+
+Run (CPU, one process, one torch thread)::
+
+    .venv/bin/python benchmarks/pack.py            # 20 global batches per configuration
+    .venv/bin/python benchmarks/pack.py --quick    # 3 global batches, fewer timing repeats
+
+Global batches: document lengths ~ exponential(mean 2048), at least 1, capped at 32768, drawn until
+they fill ``dp * 16`` micro-batches of 32768 tokens (the last one cut to fill it exactly; the longest cut in
+two while the count does not divide by ``dp``, as verl's DP split needs), one fixed
+seed per batch; ``dp = 2``; ``max_tokens = 32768``. Configurations: cp 4 and 8 contiguous, cp 4
+zigzag (tp 1). Also RL-like batches: 512 responses of 64..4096 tokens (uniform), tp 8, cp 8, zigzag
+and contiguous, ``max_tokens = 32768``.
+
+Columns, per configuration, the mean over the batches:
+
+* ``verl``: verl's partition with the plain order. The DP split is verl's ``_balance_batch``
+  (Karmarkar-Karp into ``dp`` equal-sized parts on ``24576 s + s**2``), then on every DP rank verl's
+  ``rearrange_micro_batches`` rule: ``ceil(tokens / max_tokens)`` micro-batches (the max over DP ranks),
+  Karmarkar-Karp on the same workload, raised by one until every part's **unpadded** tokens fit.
+  With verl installed its own ``get_seqlen_balanced_partitions`` runs; without it, a re-statement
+  (longest-processing-time greedy; see ``_greedy``) and the header says so.
+* ``verl+bal``: the same partition, every contiguous micro-batch built with ``reorder="balanced"``.
+* ``pack``: ``cpshard.pack`` (its own buffer order); ``pack+bal``: the same with ``reorder="balanced"``.
+* ``bound``: ``Packing.lower_bound``, a ratio no packing reaches below.
+* ``vs bal``: ``pack / verl+bal - 1`` (negative: better); ``mb``: micro-batches per DP rank (verl, pack);
+  ``rows/max``: the largest padded micro-batch over ``max_tokens`` (verl, pack); ``ms``: the median
+  time of one ``cpshard.pack`` call (no reorder).
+
+The step ratio is ``max_d sum_m max_r work / (total work / (dp cp))`` (Note [Micro-batch packing]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cpshard import ShardPlan
+from cpshard.pack import pack, plan_work, step_ratio
+
+MAX_TOKENS = 32768
+MEAN_LEN = 2048
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PATH = sys.path[:]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/verl.py is not verl
+try:  # verl's own partitioner when installed
+    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions as _verl_partitions
+
+    VERL = True
+except Exception:  # noqa: BLE001  (verl's import pulls many packages; any failure means "not usable")
+    VERL = False
+finally:
+    sys.path[:] = _PATH
+
+
+def _greedy(weights: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
+    """Without verl: the heaviest item to the lightest part (a part with room, under ``equal_size``)."""
+    cap = len(weights) // k if equal_size else len(weights)
+    heap = [(0, b) for b in range(k)]
+    parts: list[list[int]] = [[] for _ in range(k)]
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        skipped = []
+        while len(parts[heap[0][1]]) >= cap:
+            skipped.append(heapq.heappop(heap))
+        w, b = heapq.heappop(heap)
+        parts[b].append(i)
+        heapq.heappush(heap, (w + weights[i], b))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return [sorted(p) for p in parts]
+
+
+def _partitions(weights: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
+    return _verl_partitions(list(weights), k, equal_size) if VERL else _greedy(weights, k, equal_size)
+
+
+def verl_partition(lens: list[int], dp: int, max_tokens: int) -> list[list[list[int]]]:
+    """verl's DP split, then its micro-batches per DP rank (the same count on every rank), as indices."""
+    work = [24576 * n + n * n for n in lens]
+    ranks = _partitions(work, dp, True) if dp > 1 else [list(range(len(lens)))]
+    count = max(-(-sum(lens[i] for i in r) // max_tokens) for r in ranks)
+    while True:
+        out = []
+        for r in ranks:
+            parts = _partitions([work[i] for i in r], min(count, len(r)), False)
+            out.append([[r[j] for j in p] for p in parts])
+        if all(sum(lens[i] for i in mb) <= max_tokens for rank in out for mb in rank):
+            return out
+        count += 1
+
+
+def _plans(lens: list[int], partition: list[list[list[int]]], **kw: object) -> list[list[ShardPlan]]:
+    return [[ShardPlan.build([lens[i] for i in mb], **kw) for mb in rank] for rank in partition]  # type: ignore[arg-type]
+
+
+def _ratio(plans: list[list[ShardPlan]], cp: int) -> float:
+    return step_ratio([[plan_work(p) for p in rank] for rank in plans], cp)
+
+
+def _global_batch(rng: random.Random, dp: int) -> list[int]:
+    total = dp * 16 * MAX_TOKENS
+    lens: list[int] = []
+    while sum(lens) < total:
+        n = min(MAX_TOKENS, max(1, round(rng.expovariate(1 / MEAN_LEN))))
+        lens.append(min(n, total - sum(lens)))
+    while len(lens) % dp:  # verl's DP split takes equal counts: cut the longest document in two
+        i = max(range(len(lens)), key=lambda i: lens[i])
+        lens[i:i + 1] = [lens[i] // 2, lens[i] - lens[i] // 2]
+    return lens
+
+
+def _rl_batch(rng: random.Random) -> list[int]:
+    return [rng.randint(64, 4096) for _ in range(512)]
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 global batches, fewer timing repeats")
+    parser.add_argument("--batches", type=int, default=None, help="global batches per configuration (default 20)")
+    parser.add_argument("--no-large", action="store_true", help="skip the 1024-sequence timing")
+    args = parser.parse_args()
+    batches = args.batches or (3 if args.quick else 20)
+    repeats = 1 if args.quick else 3
+    torch.set_num_threads(1)
+    dp = 2
+    source = "verl's get_seqlen_balanced_partitions" if VERL else "a re-statement (verl not installed)"
+    print(f"{batches} global batches a configuration, dp={dp}, max_tokens={MAX_TOKENS}; verl's partition: {source}")
+    header = (f"{'batch':>8} {'cp':>3} {'tp':>3} {'layout':>10} {'verl':>6} {'verl+bal':>9} {'pack':>6} "
+              f"{'pack+bal':>9} {'bound':>6} {'vs bal':>7} {'mb verl/pack':>13} {'rows/max verl/pack':>19} {'ms':>7}")
+    print(header)
+    print("-" * len(header))
+    configs = [("exp2048", 4, 1, "contiguous"), ("exp2048", 8, 1, "contiguous"), ("exp2048", 4, 1, "zigzag"),
+               ("rl512", 8, 8, "zigzag"), ("rl512", 8, 8, "contiguous")]
+    for kind, cp, tp, layout in configs:
+        cols: dict[str, list[float]] = {k: [] for k in ("verl", "vbal", "pack", "pbal", "bound", "ms")}
+        mb_v, mb_p, over_v, over_p = [], [], [], []
+        for seed in range(batches):
+            rng = random.Random(seed)
+            lens = _global_batch(rng, dp) if kind == "exp2048" else _rl_batch(rng)
+            kw = {"cp_size": cp, "tp_size": tp, "layout": layout}
+            part = verl_partition(lens, dp, MAX_TOKENS)
+            plain = _plans(lens, part, **kw)
+            cols["verl"].append(_ratio(plain, cp))
+            if layout == "contiguous":
+                cols["vbal"].append(_ratio(_plans(lens, part, reorder="balanced", **kw), cp))
+            else:
+                cols["vbal"].append(cols["verl"][-1])
+            packed = pack(lens, max_tokens=MAX_TOKENS, dp_size=dp, **kw)  # type: ignore[arg-type]
+            cols["pack"].append(packed.step_ratio)
+            cols["bound"].append(packed.lower_bound)
+            if layout == "contiguous":
+                cols["pbal"].append(pack(lens, max_tokens=MAX_TOKENS, dp_size=dp, reorder="balanced",
+                                         **kw).step_ratio)  # type: ignore[arg-type]
+            else:
+                cols["pbal"].append(packed.step_ratio)
+            if seed < max(1, repeats):
+                cols["ms"].append(_median_ms(lambda: pack(lens, max_tokens=MAX_TOKENS, dp_size=dp, **kw),  # type: ignore[arg-type]
+                                             repeats))
+            mb_v.append(len(part[0]))
+            mb_p.append(packed.num_micro_batches[0])
+            over_v.append(max(p.total_len for rank in plain for p in rank) / MAX_TOKENS)
+            over_p.append(max(p.total_len for rank in packed.plans for p in rank) / MAX_TOKENS)
+        m = {k: statistics.mean(v) for k, v in cols.items()}
+        print(f"{kind:>8} {cp:>3} {tp:>3} {layout:>10} {m['verl']:>6.3f} {m['vbal']:>9.3f} {m['pack']:>6.3f} "
+              f"{m['pbal']:>9.3f} {m['bound']:>6.3f} {m['pack'] / m['vbal'] - 1:>+7.1%} "
+              f"{statistics.mean(mb_v):>6.1f}/{statistics.mean(mb_p):<6.1f} "
+              f"{max(over_v):>9.3f}/{max(over_p):<9.3f} {m['ms']:>7.1f}")
+    if args.no_large:
+        return
+    rng = random.Random(1024)
+    lens = [min(MAX_TOKENS, max(1, round(rng.expovariate(1 / MEAN_LEN)))) for _ in range(1024)]
+    for layout, cp in (("zigzag", 4), ("contiguous", 8)):
+        ms = _median_ms(lambda: pack(lens, max_tokens=MAX_TOKENS, cp_size=cp, layout=layout, dp_size=dp),
+                        repeats + 2)
+        print(f"pack time, 1024 sequences, {layout} cp={cp}: {ms:.1f} ms (median of {repeats + 2})")
+
+
+if __name__ == "__main__":
+    main()

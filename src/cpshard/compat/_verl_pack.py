@@ -1,0 +1,143 @@
+"""verl's ``rearrange_micro_batches`` (``verl/utils/seqlen_balancing.py``), packed by :func:`cpshard.pack`.
+
+verl splits one DP rank's batch by **unpadded** token counts (Karmarkar-Karp over ``24576 s + s**2``);
+after CP/TP padding a micro-batch can exceed ``max_token_len``, and the split is blind to where each CP
+rank's attention work falls. This drop-in keeps verl's parameters and return structure (the
+micro-batches, each ``index_select_tensor_dict(batch, indices)``, and the index lists, which
+``get_reverse_idx(list(chain(*indices)))`` restores as in verl's ``restore_dynamic_batch``), and packs
+with :func:`cpshard.pack` so that every micro-batch's **padded** rows fit ``max_token_len``.
+
+Sources read (not copied): verl 0.9.1's ``verl/utils/seqlen_balancing.py`` (``rearrange_micro_batches``,
+``get_reverse_idx``, ``restore_dynamic_batch``) and ``verl/utils/tensordict_utils.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from cpshard._errors import check_int, fail
+from cpshard.layout import Layout, Padding
+from cpshard.pack import pack
+
+__all__ = ["patch_sites", "rearrange_micro_batches"]
+
+logger = logging.getLogger("cpshard.compat.verl")
+
+
+def _lengths(batch: Any) -> list[int]:
+    """Token counts per sample, read as verl reads them (nested ``input_ids``, else the attention mask)."""
+    input_ids = batch["input_ids"]
+    if isinstance(input_ids, torch.Tensor) and input_ids.is_nested:
+        return input_ids.offsets().diff().tolist()  # type: ignore[attr-defined]
+    return batch["attention_mask"].sum(dim=1).tolist()
+
+
+def _select(batch: Any, indices: list[int]) -> Any:
+    try:
+        from verl.utils import tensordict_utils as tu
+    except ImportError:  # without verl: TensorDict's own indexing (dense fields)
+        return batch[torch.tensor(indices, dtype=torch.long)]
+    return tu.index_select_tensor_dict(batch, indices)
+
+
+def _dp_count(count: int, dp_group: Any) -> int:
+    """The largest count over the DP group: one ``all_reduce(MAX)`` of one int (verl's own collective)."""
+    from cpshard.distributed import max_over
+
+    return int(max_over(torch.tensor([count], dtype=torch.long), dp_group).item())
+
+
+def rearrange_micro_batches(
+    batch: Any,
+    max_token_len: int,
+    dp_group: Any = None,
+    num_batches_divided_by: int | None = None,
+    same_micro_num_in_dp: bool = True,
+    min_num_micro_batch: int | None = None,
+    use_dynamic_bsz_balance: bool = True,
+    force_group_size: int = 1,
+    *,
+    cp_size: int | None = None,
+    tp_size: int | None = None,
+    layout: Layout | str = "zigzag",
+    padding: Padding | str = "aligned",
+    reorder: str | None = None,
+    seed: int = 0,
+) -> tuple[list[Any], list[list[int]]]:
+    """verl's ``rearrange_micro_batches``: ``(micro_batches, indices)``, every micro-batch's padded rows
+    (all CP ranks together, as ``ShardPlan.build`` pads them) at most ``max_token_len``.
+
+    ``indices[m]`` lists the samples of micro-batch ``m`` in the order ``micro_batches[m]`` holds them
+    (under the contiguous layout, the buffer order :func:`cpshard.pack` chose; else ascending, as
+    verl's); ``get_reverse_idx(list(itertools.chain(*indices)))`` restores the batch's order.
+    ``use_dynamic_bsz_balance`` orders the micro-batches as verl does (by work, the lighter ones at both
+    ends). ``cp_size`` / ``tp_size``: the plan's sizes, read from Megatron's parallel state when not
+    given; ``layout``, ``padding``, ``reorder``: the ones the micro-batches' plans are built with.
+
+    The count: :func:`cpshard.pack`'s for this rank's lengths; with ``dp_group`` and
+    ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, one
+    ``all_reduce(MAX)`` of one integer, as verl does. ``force_group_size`` other than 1 is refused.
+    """
+    max_token_len = check_int("max_token_len", max_token_len, minimum=1)
+    force_group_size = check_int("force_group_size", force_group_size, minimum=1)
+    if force_group_size != 1:
+        fail("force_group_size", force_group_size, "cpshard's packing places samples one by one",
+             "use verl's own rearrange_micro_batches for grouped samples (reward-model training)")
+    if cp_size is None or tp_size is None:
+        from cpshard.megatron.state import parallel_context
+
+        ctx = parallel_context(tp_size=tp_size, cp_size=cp_size, cp_rank=0, need_group=False)
+        cp_size, tp_size = ctx.cp_size, ctx.tp_size
+    lens = _lengths(batch)
+    kw: dict[str, Any] = {"max_tokens": max_token_len, "cp_size": cp_size, "tp_size": tp_size, "layout": layout,
+                          "padding": padding, "reorder": reorder, "divisible_by": num_batches_divided_by,
+                          "seed": seed}
+    packing = pack(lens, min_micro_batches=min_num_micro_batch, **kw)
+    from cpshard.distributed import initialized
+
+    if same_micro_num_in_dp and dp_group is not None and initialized():
+        count = _dp_count(packing.num_micro_batches[0], dp_group)
+        if count != packing.num_micro_batches[0]:
+            packing = pack(lens, min_micro_batches=count, **kw)
+    indices = [list(mb) for mb in packing.micro_batches[0]]
+    if use_dynamic_bsz_balance:
+        work = [sum(w) for w in packing.work[0]]
+        order = sorted(range(len(indices)), key=lambda m: (work[m], indices[m][0]), reverse=True)
+        order = order[::2][::-1] + order[1::2]  # verl's rule: the lighter micro-batches at both ends
+        indices = [indices[m] for m in order]
+    return [_select(batch, idx) for idx in indices], indices
+
+
+# Where verl binds it by name (0.9.1): its own module (``prepare_dynamic_batch`` calls it from there)
+# and the engine's utilities (``from verl.utils.seqlen_balancing import rearrange_micro_batches``).
+_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
+
+
+def patch_sites(replace: Callable[[ModuleType, str, Any], None]) -> None:
+    """Put :func:`rearrange_micro_batches` at every importable site that binds verl's own (through
+    ``replace(module, name, new)``, :class:`cpshard.compat.verl.VerlPatch`'s, so ``undo()`` restores it).
+    A site whose function takes other positional parameters than verl 0.9.1's is left alone and logged."""
+    want = [p.name for p in inspect.signature(rearrange_micro_batches).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD]
+    for name in _SITES:
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  (verl's engine imports many optional packages)
+            logger.debug("cpshard.compat.verl: %s not importable (%s)", name, exc)
+            continue
+        bound = getattr(module, "rearrange_micro_batches", None)
+        if bound is None or bound is rearrange_micro_batches:
+            continue
+        got = [p.name for p in inspect.signature(bound).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        if got != want:
+            logger.warning("cpshard.compat.verl: %s.rearrange_micro_batches takes (%s), not verl 0.9.1's (%s); "
+                           "left alone", name, ", ".join(got), ", ".join(want))
+            continue
+        replace(module, "rearrange_micro_batches", rearrange_micro_batches)

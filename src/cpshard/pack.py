@@ -1,0 +1,618 @@
+"""Micro-batches that know the plan: a global batch split into token-budgeted micro-batches per DP rank.
+
+Pure: lengths in, indices, plans and works out (NumPy and Python ints; no communication). Every rank
+that holds the global batch's lengths computes the same packing, so no collective is needed.
+
+Note [Micro-batch packing]
+--------------------------
+A **step** runs, on every DP rank ``d``, its micro-batches one after the other; a micro-batch takes
+as long as its slowest CP rank. With ``w(m, r)`` the causal attention work of CP rank ``r`` in
+micro-batch ``m`` (the (query, key) pairs it scores, ``sum(position + 1)`` over its token rows, as
+:func:`cpshard.causal.attention_work` and the contiguous balancer count it), the step takes::
+
+    T = max_d sum_{m on d} max_r w(m, r)
+
+and its ideal is ``W / (dp * cp)``, ``W = sum_i tri(n_i)`` (``tri(x) = x (x + 1) / 2``), the total
+work, which no partition or order changes. :func:`pack` reports ``T / (W / (dp cp))`` (the **step
+ratio**, 1 at best) and a proven lower bound on it (Note [Why no packing beats the bound]).
+
+The **budget**: every micro-batch's padded rows, ``plan.total_len`` (the whole micro-batch, all CP
+ranks together, pad rows included), are at most ``max_tokens``. Sequence ``i`` pads to
+``P_i = roundup(n_i, a)`` (``a`` the plan's per-sequence alignment) and a micro-batch's total is
+rounded up to ``k = lcm(a, cp tp)`` (minimal padding), so the budget is ``sum P_i <= C`` with
+``C = floor(max_tokens / k) * k``.
+
+The **search**: the count is the first-fit-decreasing count on the padded lengths (no larger than
+what verl's method needs once padding is counted: its count is raised until its partition fits,
+and a fitting partition has at least as many parts as the least one), raised to ``min_micro_batches``
+and ``divisible_by`` per DP rank. The micro-batches are laid out per DP rank up front, then filled
+longest first, each sequence into the micro-batch, among those with room, that raises the step least
+(ties: the DP rank with the least work, then the least loaded), scored by a per-micro-batch model:
+
+- zigzag: exact, every sequence's per-rank work depends only on its own padded length (chunks ``r``
+  and ``2 cp - 1 - r``), so a micro-batch's is the sum;
+- contiguous: ``max(ceil(W_m / cp), max_i h_i)``, ``h_i`` the least heaviest piece of sequence ``i``
+  at ``C / cp`` rows per rank (Note [Why no packing beats the bound]): what a good order inside the
+  micro-batch reaches when short sequences fill around the long ones. Long documents then share
+  micro-batches, where their heavy tails run at once on different ranks.
+
+Then moves and swaps of sequences out of the slowest DP rank's micro-batches, while the step (and
+then the sum of squares of the DP ranks' times) falls. Under the contiguous layout each
+micro-batch's buffer order is then chosen (longest first onto the least loaded rank with room, as
+the balancer's start does) unless ``reorder="balanced"``, where the plan balances it itself; the
+result is scored exactly on the plans built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cpshard._errors import check_int, fail
+from cpshard.layout import Layout, Padding, sequence_unit
+from cpshard.plan import ShardPlan
+
+__all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
+
+_SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
+_ORDER_BUDGET = 1 << 14  # candidate rows (orders scored times B) of each micro-batch's order descent
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """What :func:`pack` returns.
+
+    - ``micro_batches[d][m]``: the caller's sequence indices of DP rank ``d``'s micro-batch ``m``, in the
+      order to pass them to ``ShardPlan.build`` (the buffer order under the contiguous layout).
+    - ``plans[d][m]``: that micro-batch's plan (``plans[d][m].total_len <= max_tokens``).
+    - ``work[d][m]``: its per-CP-rank causal attention work (``cp_size`` ints).
+    - ``step_ratio``: ``max_d sum_m max(work[d][m])`` over ``total_work / (dp_size * cp_size)``.
+    - ``lower_bound``: a ratio no packing of these lengths under this budget can beat.
+    - ``num_micro_batches``: the micro-batch count of every DP rank (a tuple, ``dp_size`` long).
+    """
+
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    plans: tuple[tuple[ShardPlan, ...], ...]
+    work: tuple[tuple[tuple[int, ...], ...], ...]
+    step_ratio: float
+    lower_bound: float
+    num_micro_batches: tuple[int, ...]
+    max_tokens: int
+    total_work: int
+
+    @property
+    def step_work(self) -> int:
+        """``max_d sum_m max_r work``: the step's time in (query, key) pairs."""
+        return max(sum(max(w) for w in rank) for rank in self.work)
+
+
+# -- shared arithmetic -----------------------------------------------------------------------------
+
+
+def _tri(x: np.ndarray) -> np.ndarray:
+    return x * (x + 1) // 2
+
+
+def _zigzag_work(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
+    """``(B, cp)``: each sequence's work on every rank under zigzag (chunks ``r`` and ``2 cp - 1 - r``
+    of ``P / (2 cp)`` rows; with ``cp = 1``, all of it)."""
+    if cp == 1:
+        return _tri(n)[:, None]
+    c = (p // (2 * cp))[:, None]
+    k = np.arange(2 * cp + 1, dtype=np.int64)[None, :]
+    g = _tri(np.minimum(n[:, None], k * c))  # work of the first k chunks
+    chunk = np.diff(g, axis=1)
+    return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
+
+
+def _two_piece(n: np.ndarray, local: np.ndarray) -> np.ndarray:
+    """``(B,)``: a work some rank holds of sequence ``i`` whatever its offset, at ``local[i]`` rows a rank
+    (contiguous): ``min_c max(tri(n) - tri(c), tri(c) - tri(max(c - L, 0)))`` over ``c`` in
+    ``[max(0, n - L), n - 1]`` (Note [Why no packing beats the bound], (2))."""
+    n = n.astype(np.int64)
+    local = np.broadcast_to(np.asarray(local, dtype=np.int64), n.shape)
+    lo = np.maximum(0, n - local)
+    hi = np.maximum(lo, n - 1)
+    tn = _tri(n)
+
+    def tail(c: np.ndarray) -> np.ndarray:
+        return tn - _tri(c)
+
+    def head(c: np.ndarray) -> np.ndarray:
+        return _tri(c) - _tri(np.maximum(c - local, 0))
+
+    a, b = lo.copy(), hi.copy()  # the least c in [lo, hi] with head >= tail (hi when none)
+    while True:
+        open_ = a < b
+        if not open_.any():
+            break
+        mid = (a + b) // 2
+        up = head(mid) >= tail(mid)
+        b = np.where(open_ & up, mid, b)
+        a = np.where(open_ & ~up, mid + 1, a)
+    best = np.maximum(tail(a), head(a))
+    prev = np.maximum(a - 1, lo)
+    best = np.minimum(best, np.maximum(tail(prev), head(prev)))
+    return np.where(n > 0, best, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    n: np.ndarray  # (B,) lengths
+    p: np.ndarray  # (B,) per-sequence padded lengths
+    w: np.ndarray  # (B,) tri(n)
+    cp: int
+    tp: int
+    layout: Layout
+    padding: Padding
+    keep: int  # a micro-batch's total is a multiple of this
+    capacity: int  # sum of P in one micro-batch, at most
+
+
+def _problem(seqlens: Sequence[int], max_tokens: int, cp: int, tp: int, layout: Layout,
+             padding: Padding) -> _Problem:
+    unit = sequence_unit(cp, tp, layout, False, padding)
+    keep = math.lcm(unit, cp * tp)
+    n = np.array(seqlens, dtype=np.int64)
+    p = -(-n // unit) * unit
+    capacity = max_tokens // keep * keep
+    alone = -(-p // keep) * keep  # the rows of a micro-batch of that sequence alone (0 for an empty one)
+    over = np.flatnonzero(alone > max_tokens)
+    if over.size:
+        i = int(over[0])
+        fail(f"seqlens[{i}]", int(n[i]), f"pads to {int(alone[i])} rows (a micro-batch's rows are a multiple of "
+             f"{keep} at cp_size={cp}, tp_size={tp}, layout={layout.value!r}, padding={padding.value!r}), more than "
+             f"max_tokens={max_tokens}", f"raise max_tokens to at least {int(alone.max())}, or cut sequence {i}")
+    return _Problem(n, p, _tri(n), cp, tp, layout, padding, keep, capacity)
+
+
+def _filler(prob: _Problem) -> tuple[np.ndarray, np.ndarray]:
+    """The most work any set of sequences fits into ``x`` padded rows, relaxed to a fractional knapsack
+    (densest first): cumulative rows and work at each breakpoint, for :func:`np.interp`."""
+    keep = prob.p > 0
+    density = prob.w[keep] / prob.p[keep]
+    by = np.argsort(-density, kind="stable")
+    rows = np.concatenate([[0], np.cumsum(prob.p[keep][by])]).astype(np.float64)
+    work = np.concatenate([[0], np.cumsum(prob.w[keep][by])]).astype(np.float64)
+    return rows, work
+
+
+def _bound_work(prob: _Problem, dp: int) -> int:
+    """A step time (Note [Why no packing beats the bound]) no packing under the budget goes below."""
+    cp, n, w = prob.cp, prob.n, prob.w
+    total = int(w.sum())
+    if total == 0:
+        return 0
+    rows_min = np.maximum(-(-prob.p // prob.keep) * prob.keep, prob.keep)  # a micro-batch holding i, at least
+    grid = 8
+    steps = np.linspace(0.0, 1.0, grid + 1)
+    frows, fwork = _filler(prob)
+    excess = np.full(n.shape, np.inf)
+    for k in range(grid):
+        lo = rows_min + ((prob.capacity - rows_min) * steps[k]).astype(np.int64) // prob.keep * prob.keep
+        hi = rows_min + -(-((prob.capacity - rows_min) * steps[k + 1]).astype(np.int64) // prob.keep) * prob.keep
+        hi = np.minimum(np.maximum(hi, lo), prob.capacity)
+        heavy = _heaviest(prob, lo // cp)
+        fill = np.interp((hi - prob.p).astype(np.float64), frows, fwork)
+        excess = np.minimum(excess, heavy - (w + fill) / cp)
+    heavy_min = _heaviest(prob, rows_min // cp)
+    excess = np.maximum(excess, 0.0)
+    spread = (total / cp + float((excess * prob.p).sum()) / prob.capacity) / dp
+    bound = max(-(-total // (dp * cp)), int(heavy_min.max()), math.ceil(spread * (1 - 1e-12)) - 1)
+    return bound
+
+
+def _heaviest(prob: _Problem, local: np.ndarray) -> np.ndarray:
+    """``(B,)`` a work the most loaded rank of any micro-batch with ``local`` rows a rank holding sequence
+    ``i`` has at least (parts (2) and (3) of Note [Why no packing beats the bound])."""
+    if prob.cp == 1:
+        return prob.w.astype(np.float64)
+    if prob.layout is Layout.ZIGZAG:
+        if prob.padding is Padding.ALIGNED:
+            return _zigzag_work(prob.n, prob.p, prob.cp).max(1).astype(np.float64)
+        return -(-prob.w // prob.cp).astype(np.float64)
+    return _two_piece(prob.n, local).astype(np.float64)
+
+
+def packing_bound(seqlens: Sequence[int], *, max_tokens: int, cp_size: int, tp_size: int = 1,
+                  layout: Layout | str = "zigzag", dp_size: int = 1, padding: Padding | str = "aligned") -> float:
+    """The least step ratio (Note [Micro-batch packing]) any packing of ``seqlens`` under ``max_tokens``
+    can reach, with any number of micro-batches, any DP split and any order inside them.
+
+    Note [Why no packing beats the bound]
+    -------------------------------------
+    Write ``c_m = max_r w(m, r)``, ``W_m`` micro-batch ``m``'s work and ``R_m <= C`` its padded rows,
+    ``L_m = R_m / cp`` a rank's. Then ``T >= sum_m c_m / dp`` (the slowest DP rank is at least the
+    mean) and, for each ``m``:
+
+    1. ``c_m >= W_m / cp`` (the slowest rank holds at least the mean), so ``T >= W / (dp cp)``.
+    2. ``c_m >= b_i(L_m)`` for every sequence ``i`` of ``m``, the most of ``i``'s work one rank must
+       hold. Zigzag, aligned padding: ``i``'s per-rank work is fixed by ``P_i`` (its chunks), so
+       ``b_i`` is its largest; minimal zigzag padding may lengthen one sequence, so only
+       ``ceil(tri(n_i) / cp)`` is used. Contiguous: the rank boundaries inside the sequence are
+       ``L_m`` apart, so the piece holding its last token starts at some ``c`` in
+       ``[max(0, n - L), n - 1]`` and costs ``tri(n) - tri(c)``, and the piece before it is
+       ``[max(0, c - L), c)``, costing ``tri(c) - tri(max(0, c - L))``; the two are on different ranks, so
+       ``c_m`` is at least the least over ``c`` of the larger (``_two_piece``). That least grows with
+       ``L``: a larger ``L`` raises the second term for every ``c`` and adds only ``c < n - L``,
+       whose tail ``tri(n) - tri(c)`` exceeds ``tri(n) - tri(n - L)``, the larger term at ``c = n - L``
+       (later positions cost more). So ``b_i`` at the least ``L`` a micro-batch holding ``i`` has
+       (``roundup(P_i, k) / cp``) bounds every micro-batch holding it: ``T >= max_i b_i``.
+    3. With ``F(x)`` the most work any sequences fit into ``x`` padded rows (a fractional knapsack,
+       densest first, over all sequences: an upper bound), ``W_m <= tri(n_i) + F(R_m - P_i)``, so
+       ``c_m - W_m / cp >= e_i := min_R (b_i(R / cp) - (tri(n_i) + F(R - P_i)) / cp)^+`` over the rows
+       ``R`` a micro-batch holding ``i`` can have (evaluated on a grid: over each interval, ``b_i`` at
+       its lower end, which is no more by the monotonicity above, and ``F`` at its upper end). Since
+       ``sum_{i in m} P_i <= C``, ``max_{i in m} e_i >= sum_{i in m} e_i P_i / C``, and summing (1)
+       with that over the micro-batches: ``T >= (W / cp + sum_i e_i P_i / C) / dp``.
+
+    ``T`` is an integer; the bound is the ceiling of the largest of the three (minus one unit
+    against float rounding in (3)), over ``W / (dp cp)``. It ignores the count and DP-agreement
+    rules, so it holds for every packing :func:`pack` may return. It is tight when no
+    sequence's heaviest piece dominates its micro-batch (zigzag: usually within a few percent) and
+    loose when long documents could share micro-batches only fractionally.
+    """
+    max_tokens = check_int("max_tokens", max_tokens, minimum=1)
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
+    dp_size = check_int("dp_size", dp_size, minimum=1)
+    lens = _lengths(seqlens)
+    prob = _problem(lens, max_tokens, cp_size, tp_size, Layout.parse(layout), Padding.parse(padding))
+    return _as_ratio(_bound_work(prob, dp_size), int(prob.w.sum()), dp_size, cp_size)
+
+
+def _as_ratio(step: int, total: int, dp: int, cp: int) -> float:
+    return 1.0 if total == 0 else step * dp * cp / total
+
+
+def step_ratio(work: Sequence[Sequence[Sequence[int]]], cp_size: int) -> float:
+    """``max_d sum_m max_r work[d][m][r]`` over ``sum(work) / (dp cp)``: the step ratio of per-rank works."""
+    total = sum(sum(w) for rank in work for w in rank)
+    step = max(sum(max(w) for w in rank) for rank in work)
+    return _as_ratio(step, total, len(work), cp_size)
+
+
+# -- the search -------------------------------------------------------------------------------------
+
+
+def _lengths(seqlens: Any) -> list[int]:
+    if isinstance(seqlens, (str, bytes)) or not hasattr(seqlens, "__len__"):
+        fail("seqlens", repr(seqlens), "must be a sequence of non-negative ints", "pass the global batch's lengths",
+             kind=TypeError)
+    lens = seqlens.tolist() if hasattr(seqlens, "tolist") else list(seqlens)
+    if not lens:
+        fail("seqlens", "[]", "must hold at least one sequence", "pass the global batch's lengths")
+    if not (set(map(type, lens)) == {int} and min(lens) >= 0):
+        lens = [check_int(f"seqlens[{i}]", v, minimum=0) for i, v in enumerate(lens)]
+    return lens
+
+
+def _ffd_count(p: np.ndarray, capacity: int) -> int:
+    """First-fit decreasing on the padded lengths: the bins it opens."""
+    free: list[int] = []
+    for size in sorted(p.tolist(), reverse=True):
+        for b, room in enumerate(free):
+            if size <= room:
+                free[b] = room - size
+                break
+        else:
+            free.append(capacity - size)
+    return max(1, len(free))
+
+
+def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int) -> list[int]:
+    """Micro-batches per DP rank: at least ``least`` each, multiples of ``by``, together ``>= total``."""
+    if same:
+        k = max(least, -(-total // dp))
+        k = -(-k // by) * by
+        counts = [k] * dp
+    else:
+        units = max(dp * (-(-least // by)), -(-total // by))
+        counts = [by * (units // dp + (d < units % dp)) for d in range(dp)]
+    if sum(counts) > num_seqs:
+        fail("seqlens", f"{num_seqs} sequences", f"cannot fill {sum(counts)} micro-batches ({counts} per DP rank: "
+             f"at least {least} each, a multiple of divisible_by={by}"
+             + (", the same on every DP rank" if same else "") + "), and a micro-batch holds at least one",
+             "pass more sequences, a smaller min_micro_batches or divisible_by, or a larger max_tokens")
+    return counts
+
+
+class _Search:
+    """Micro-batches laid out per DP rank, filled and improved under the per-micro-batch model.
+
+    Arrays over micro-batches: rows, the model's additive part ``acc`` (zigzag: per-rank work;
+    contiguous: total work), the two largest heaviest pieces (contiguous) and the cost."""
+
+    def __init__(self, prob: _Problem, counts: list[int], seed: int) -> None:
+        self.prob = prob
+        self.owner = np.repeat(np.arange(len(counts)), counts)  # micro-batch -> DP rank
+        self.dp = len(counts)
+        k = len(self.owner)
+        self.where = np.full(prob.n.size, -1, dtype=np.int64)  # sequence -> micro-batch
+        self.rng = np.random.default_rng(seed)
+        cp = prob.cp
+        if prob.layout is Layout.ZIGZAG or cp == 1:
+            self.vec = _zigzag_work(prob.n, prob.p, cp)  # (B, cp): additive and exact
+            self.heavy = np.zeros(prob.n.size, dtype=np.int64)
+            self.contiguous = False
+        else:
+            self.vec = prob.w[:, None]
+            self.heavy = _two_piece(prob.n, np.full(prob.n.shape, prob.capacity // cp))
+            self.contiguous = True
+        self.acc = np.zeros((k, self.vec.shape[1]), dtype=np.int64)
+        self.rows = np.zeros(k, dtype=np.int64)
+        self.size = np.zeros(k, dtype=np.int64)
+        self.h1 = np.zeros(k, dtype=np.int64)
+        self.h1i = np.full(k, -1, dtype=np.int64)
+        self.h2 = np.zeros(k, dtype=np.int64)
+        self.cost = np.zeros(k, dtype=np.int64)
+
+    def _cost_of(self, acc: np.ndarray, heavy: np.ndarray) -> np.ndarray:
+        if not self.contiguous:
+            return acc.max(-1)
+        return np.maximum(-(-acc[..., 0] // self.prob.cp), heavy)
+
+    def _put(self, i: int, b: int) -> None:
+        old = int(self.where[i])
+        self.where[i] = b
+        for m in {old, b} - {-1}:
+            self._refresh(m)
+
+    def _refresh(self, b: int) -> None:
+        ids = np.flatnonzero(self.where == b)
+        self.size[b] = ids.size
+        self.acc[b] = self.vec[ids].sum(0)
+        self.rows[b] = int(self.prob.p[ids].sum())
+        hv = self.heavy[ids]
+        if ids.size:
+            top = np.argsort(-hv, kind="stable")
+            self.h1[b], self.h1i[b] = hv[top[0]], ids[top[0]]
+            self.h2[b] = hv[top[1]] if ids.size > 1 else 0
+        else:
+            self.h1[b], self.h1i[b], self.h2[b] = 0, -1, 0
+        self.cost[b] = int(self._cost_of(self.acc[b][None], self.h1[b:b + 1])[0])
+
+    def times(self) -> np.ndarray:
+        return np.bincount(self.owner, weights=self.cost, minlength=self.dp).astype(np.int64)
+
+    def fill(self) -> bool:
+        """Longest first into the micro-batch that raises the step least; False if one did not fit."""
+        prob = self.prob
+        key = self.heavy if self.contiguous else self.vec.max(1)
+        times = np.zeros(self.dp, dtype=np.int64)
+        big = np.iinfo(np.int64).max
+        for i in np.lexsort((np.arange(prob.n.size), -prob.p, -key)).tolist():
+            room = self.rows + prob.p[i] <= prob.capacity
+            if not room.any():
+                return False
+            h = np.maximum(self.h1, self.heavy[i])
+            delta = self._cost_of(self.acc + self.vec[i], h) - self.cost
+            score = np.where(room, times[self.owner] + delta, big)
+            b = int(np.lexsort((self.rows, times[self.owner], delta, score))[0])
+            times[self.owner[b]] += delta[b]
+            self.where[i] = b
+            self.acc[b] += self.vec[i]
+            self.rows[b] += prob.p[i]
+            self.size[b] += 1
+            if self.heavy[i] > self.h1[b]:
+                self.h2[b], self.h1[b], self.h1i[b] = self.h1[b], self.heavy[i], i
+            elif self.heavy[i] > self.h2[b]:
+                self.h2[b] = self.heavy[i]
+            self.cost[b] += delta[b]
+        return True
+
+    def first_fit(self) -> None:
+        """First-fit decreasing into the laid-out micro-batches (always fits: at least FFD's count)."""
+        prob = self.prob
+        self.where[:] = -1
+        rows = np.zeros_like(self.rows)
+        for i in np.lexsort((np.arange(prob.n.size), -prob.p)).tolist():
+            b = int(np.flatnonzero(rows + prob.p[i] <= prob.capacity)[0])
+            self.where[i] = b
+            rows[b] += prob.p[i]
+        for b in range(self.owner.size):
+            self._refresh(b)
+
+    def fill_empty(self) -> None:
+        """Every micro-batch holds a sequence: the lightest one of the most populated micro-batch moves."""
+        for b in np.flatnonzero(self.size == 0).tolist():
+            a = int(np.argmax(self.size))
+            ids = np.flatnonzero(self.where == a)
+            self._put(int(ids[np.argmin(self.prob.w[ids])]), b)
+
+    def improve(self, steps: int = _SEARCH_STEPS) -> None:
+        """Moves and swaps out of the slowest DP rank's micro-batches while (step, sum of squares) falls."""
+        prob, cp_cap = self.prob, self.prob.capacity
+        for _ in range(steps):
+            times = self.times()
+            cur = (int(times.max()), int((times ** 2).sum()))
+            slow = int(times.argmax())
+            seqs = np.flatnonzero(self.owner[self.where] == slow)
+            a = self.where[seqs]
+            # the micro-batch each loses a sequence from
+            h_a = np.where(self.h1i[a] == seqs, self.h2[a], self.h1[a])
+            base_a = self.acc[a] - self.vec[seqs]
+            best: tuple[tuple[int, int], int, int, int] | None = None
+            # moves i -> b
+            h_b = np.maximum(self.h1[None, :], self.heavy[seqs][:, None])
+            cost_b = self._cost_of(self.acc[None, :, :] + self.vec[seqs][:, None, :], h_b)
+            cost_a = self._cost_of(base_a, h_a)
+            ok = (self.rows[None, :] + prob.p[seqs][:, None] <= cp_cap) & (self.size[a] > 1)[:, None]
+            ok[np.arange(seqs.size), a] = False
+            best = self._best(seqs, a, cost_a, np.broadcast_to(np.arange(self.owner.size), ok.shape), cost_b,
+                              None, ok, times, cur, best)
+            # swaps i <-> j for the heaviest sequences of the slow rank
+            top = seqs[np.argsort(-np.maximum(self.heavy[seqs], self.vec[seqs].max(1)), kind="stable")[:16]]
+            if top.size:
+                ta = self.where[top]
+                j = np.arange(prob.n.size)
+                bj = self.where[j]
+                ok = ((self.rows[ta][:, None] - prob.p[top][:, None] + prob.p[j][None, :] <= cp_cap)
+                      & (self.rows[bj][None, :] - prob.p[j][None, :] + prob.p[top][:, None] <= cp_cap)
+                      & (bj[None, :] != ta[:, None]))
+                if ok.any():
+                    hta = np.where(self.h1i[ta] == top, self.h2[ta], self.h1[ta])
+                    hbj = np.where(self.h1i[bj] == j, self.h2[bj], self.h1[bj])
+                    acc_a = self.acc[ta][:, None, :] - self.vec[top][:, None, :] + self.vec[j][None, :, :]
+                    acc_b = self.acc[bj][None, :, :] - self.vec[j][None, :, :] + self.vec[top][:, None, :]
+                    cost_a2 = self._cost_of(acc_a, np.maximum(hta[:, None], self.heavy[j][None, :]))
+                    cost_b2 = self._cost_of(acc_b, np.maximum(hbj[None, :], self.heavy[top][:, None]))
+                    best = self._best(top, ta, cost_a2, np.broadcast_to(bj, ok.shape), cost_b2,
+                                      np.broadcast_to(j, ok.shape), ok, times, cur, best)
+            if best is None:
+                return
+            _, i, b, j_ = best
+            a_i = int(self.where[i])
+            self._put(i, b)
+            if j_ >= 0:
+                self._put(j_, a_i)
+
+    def _best(self, seqs: np.ndarray, a: np.ndarray, cost_a: np.ndarray, b: np.ndarray, cost_b: np.ndarray,
+              j: np.ndarray | None, ok: np.ndarray, times: np.ndarray, cur: tuple[int, int],
+              best: tuple[tuple[int, int], int, int, int] | None) -> tuple[tuple[int, int], int, int, int] | None:
+        """The best candidate (i from ``a`` to ``b``, j back) that lowers ``(step, sum of squares)``."""
+        if not ok.any():
+            return best
+        da = cost_a - (self.cost[a] if cost_a.ndim == 1 else self.cost[a][:, None])
+        da = np.broadcast_to(da[:, None] if da.ndim == 1 else da, ok.shape)
+        db = cost_b - self.cost[b]
+        t = np.broadcast_to(times, ok.shape + (self.dp,)).copy()
+        oa = np.broadcast_to(self.owner[a][:, None], ok.shape)
+        ob = self.owner[b]
+        ii, kk = np.indices(ok.shape)
+        t[ii, kk, oa] += da
+        t[ii, kk, ob] += db
+        mx = t.max(-1)
+        sq = (t.astype(np.float64) ** 2).sum(-1)
+        mx = np.where(ok, mx, np.iinfo(np.int64).max)
+        flat = np.lexsort((sq.ravel(), mx.ravel()))[0]
+        r, c = np.unravel_index(flat, ok.shape)
+        key = (int(mx[r, c]), int(sq[r, c]))
+        if not ok[r, c] or key >= cur or (best is not None and key >= best[0]):
+            return best
+        return key, int(seqs[r]), int(b[r, c]), -1 if j is None else int(j[r, c])
+
+
+def _buffer_order(prob: _Problem, ids: list[int]) -> list[int]:
+    """Contiguous, no reorder: longest first onto the least loaded rank with room (the balancer's start,
+    ``_balance._lpt``), then a short best-improvement descent over insertions and swaps (``_descend``)."""
+    import torch
+
+    from cpshard._balance import _descend, _lpt, _table
+
+    ids = sorted(ids)
+    if prob.cp == 1 or len(ids) == 1:
+        return ids
+    plan = ShardPlan.build([int(prob.n[i]) for i in ids], cp_size=prob.cp, tp_size=prob.tp, layout=prob.layout,
+                           padding=prob.padding)
+    if plan.local_len == 0:
+        return ids
+    n, p = list(plan.seqlens_py), list(plan.padded_seqlens_py)
+    start = torch.tensor(_lpt(n, p, plan.local_len, prob.cp), dtype=torch.int64)
+    table = _table(torch.tensor(n, dtype=torch.int64), torch.tensor(p, dtype=torch.int64))
+    order, _, _ = _descend(table, plan.local_len, prob.cp, start, _ORDER_BUDGET)
+    return [ids[j] for j in order.tolist()]
+
+
+def plan_work(plan: ShardPlan) -> list[int]:
+    """Per CP rank, ``sum(position + 1)`` over its token rows: :func:`cpshard.causal.attention_work`, the
+    one work model (the search's additive per-sequence vectors, ``_zigzag_work`` and the contiguous
+    balancer's tables, are its closed forms; ``tests/test_pack.py`` checks they agree)."""
+    from cpshard.causal import attention_work
+    return attention_work(plan)
+
+
+def pack(
+    seqlens: Sequence[int],
+    *,
+    max_tokens: int,
+    cp_size: int,
+    tp_size: int = 1,
+    layout: Layout | str = "zigzag",
+    dp_size: int = 1,
+    padding: Padding | str = "aligned",
+    reorder: str | None = None,
+    min_micro_batches: int | None = None,
+    divisible_by: int | None = None,
+    same_count_across_dp: bool = True,
+    seed: int = 0,
+) -> Packing:
+    """Split a global batch into micro-batches per DP rank whose padded rows fit ``max_tokens`` and whose
+    step time (Note [Micro-batch packing]) is low.
+
+    ``seqlens`` ``(B,)`` the global batch's token counts (every rank holding them gets the same
+    result: no collective). ``max_tokens``: the most padded rows of one micro-batch, all CP ranks
+    together (``plan.total_len``; a rank holds ``total_len / cp_size``). ``cp_size``, ``tp_size``,
+    ``layout``, ``padding``, ``reorder`` are :meth:`ShardPlan.build`'s, for every micro-batch.
+    ``dp_size`` DP ranks; ``min_micro_batches`` and ``divisible_by`` (the virtual pipeline size)
+    apply to every DP rank's count; ``same_count_across_dp`` gives every DP rank the same count
+    (verl's ``same_micro_num_in_dp``), else the counts may differ by ``divisible_by``. ``seed``
+    breaks ties in the search (the result is deterministic for a seed).
+
+    Every sequence is in exactly one micro-batch; a sequence whose padded length alone exceeds
+    ``max_tokens`` is an error naming it. The count is first-fit decreasing's on the padded
+    lengths, raised by the count rules. See :class:`Packing` for the result and
+    :func:`packing_bound` for ``lower_bound``.
+
+    >>> p = pack([5, 3, 8, 2], max_tokens=16, cp_size=2)
+    >>> p.num_micro_batches, sorted(i for mb in p.micro_batches[0] for i in mb)
+    ((2,), [0, 1, 2, 3])
+    >>> all(plan.total_len <= 16 for plan in p.plans[0])
+    True
+    """
+    lens = _lengths(seqlens)
+    max_tokens = check_int("max_tokens", max_tokens, minimum=1)
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
+    dp_size = check_int("dp_size", dp_size, minimum=1)
+    seed = check_int("seed", seed)
+    least = 1 if min_micro_batches is None else check_int("min_micro_batches", min_micro_batches, minimum=1)
+    by = 1 if divisible_by is None else check_int("divisible_by", divisible_by, minimum=1)
+    if not isinstance(same_count_across_dp, bool):
+        fail("same_count_across_dp", repr(same_count_across_dp), "must be a bool", "pass True or False",
+             kind=TypeError)
+    layout = Layout.parse(layout)
+    padding = Padding.parse(padding)
+    if reorder is not None:
+        if reorder != "balanced":
+            fail("reorder", repr(reorder), "must be None or 'balanced'", "pass reorder='balanced' or leave it None")
+        if layout is not Layout.CONTIGUOUS:
+            fail("reorder", repr(reorder), f"balances the contiguous layout (layout={layout.value!r})",
+                 "pass layout='contiguous', or drop reorder")
+    prob = _problem(lens, max_tokens, cp_size, tp_size, layout, padding)
+    counts = _counts(_ffd_count(prob.p, prob.capacity), dp_size, least, by, same_count_across_dp, len(lens))
+    search = _Search(prob, counts, seed)
+    if not search.fill():
+        search.first_fit()
+    search.fill_empty()
+    search.improve()
+    contiguous = layout is Layout.CONTIGUOUS and cp_size > 1
+    micro: list[list[tuple[int, ...]]] = [[] for _ in counts]
+    plans: list[list[ShardPlan]] = [[] for _ in counts]
+    work: list[list[tuple[int, ...]]] = [[] for _ in counts]
+    for b in range(search.owner.size):
+        d, ids = int(search.owner[b]), np.flatnonzero(search.where == b).tolist()
+        if contiguous and reorder is None:
+            ids = _buffer_order(prob, ids)
+        else:
+            ids = sorted(ids)
+        plan = ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
+                               padding=padding, reorder=reorder)
+        micro[d].append(tuple(ids))
+        plans[d].append(plan)
+        work[d].append(tuple(plan_work(plan)))
+    total = int(prob.w.sum())
+    return Packing(
+        micro_batches=tuple(tuple(m) for m in micro),
+        plans=tuple(tuple(p) for p in plans),
+        work=tuple(tuple(w) for w in work),
+        step_ratio=step_ratio(work, cp_size),
+        lower_bound=_as_ratio(_bound_work(prob, dp_size), total, dp_size, cp_size),
+        num_micro_batches=tuple(counts),
+        max_tokens=max_tokens,
+        total_work=total,
+    )

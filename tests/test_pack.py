@@ -1,0 +1,162 @@
+"""cpshard.pack: coverage, budget, the reported works against a naive per-rank recount, and the bound
+against exhaustive search (Note [Why no packing beats the bound])."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpshard import ShardPlan
+from cpshard.pack import Packing, pack, packing_bound
+
+
+def naive_work(plan: ShardPlan) -> list[int]:
+    """Per rank, sum(position + 1) over its token rows, row by row from the plan's own views."""
+    out = []
+    for r in range(plan.cp_size):
+        pos, tok = plan.position_ids(r).tolist(), plan.token_mask(r).tolist()
+        out.append(sum(p + 1 for p, t in zip(pos, tok) if t))
+    return out
+
+
+def naive_ratio(packing: Packing, lens: list[int], cp: int) -> float:
+    total = sum(n * (n + 1) // 2 for n in lens)
+    step = max(sum(max(naive_work(p)) for p in rank) for rank in packing.plans)
+    return 1.0 if total == 0 else step * len(packing.plans) * cp / total
+
+
+def check(packing: Packing, lens: list[int], cp: int, max_tokens: int) -> None:
+    seen = sorted(i for rank in packing.micro_batches for mb in rank for i in mb)
+    assert seen == list(range(len(lens)))
+    for rank_mbs, rank_plans, rank_work in zip(packing.micro_batches, packing.plans, packing.work):
+        assert len(rank_mbs) == len(rank_plans) == len(rank_work)
+        for mb, plan, work in zip(rank_mbs, rank_plans, rank_work):
+            assert mb, "a micro-batch holds at least one sequence"
+            assert plan.input_seqlens_py == tuple(lens[i] for i in mb)
+            assert plan.total_len <= max_tokens
+            assert list(work) == naive_work(plan)
+    assert packing.step_ratio == pytest.approx(naive_ratio(packing, lens, cp), rel=1e-12)
+    assert packing.lower_bound <= packing.step_ratio + 1e-12
+    assert packing.num_micro_batches == tuple(len(r) for r in packing.micro_batches)
+
+
+configs = st.fixed_dictionaries({
+    "cp": st.sampled_from([1, 2, 3, 4]), "tp": st.sampled_from([1, 2]), "dp": st.sampled_from([1, 2]),
+    "layout": st.sampled_from(["zigzag", "contiguous"]), "padding": st.sampled_from(["aligned", "minimal"]),
+    "reorder": st.booleans(), "slack": st.integers(0, 300),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 200), min_size=2, max_size=24), configs)
+def test_coverage_budget_and_works(lens, c):
+    first = ShardPlan.build([max(lens)], cp_size=c["cp"], tp_size=c["tp"], layout=c["layout"], padding=c["padding"])
+    max_tokens = max(1, first.total_len) + c["slack"]
+    reorder = "balanced" if c["reorder"] and c["layout"] == "contiguous" else None
+    if len(lens) < c["dp"]:
+        return
+    try:
+        p = pack(lens, max_tokens=max_tokens, cp_size=c["cp"], tp_size=c["tp"], layout=c["layout"], dp_size=c["dp"],
+                 padding=c["padding"], reorder=reorder)
+    except ValueError as exc:  # the same count on every DP rank needs more micro-batches than sequences
+        assert c["dp"] > 1 and "cannot fill" in str(exc), exc
+        return
+    check(p, lens, c["cp"], max_tokens)
+    assert p == pack(lens, max_tokens=max_tokens, cp_size=c["cp"], tp_size=c["tp"], layout=c["layout"],
+                     dp_size=c["dp"], padding=c["padding"], reorder=reorder)  # deterministic
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+        yield [[first]] + part
+
+
+def _best_cost(lens, mb, cp, layout, padding):
+    """The cheapest slowest rank of one micro-batch over every order of its sequences."""
+    orders = itertools.permutations(mb) if layout == "contiguous" and cp > 1 else [tuple(mb)]
+    best = None
+    for order in orders:
+        plan = ShardPlan.build([lens[i] for i in order], cp_size=cp, layout=layout, padding=padding)
+        best = (max(naive_work(plan)), plan.total_len) if best is None else min(best, (max(naive_work(plan)),
+                                                                                    plan.total_len))
+    return best
+
+
+def exhaustive(lens, cp, dp, layout, padding, max_tokens, counts=None):
+    """The least step time over every partition, DP split and order (``counts``: micro-batches per DP rank)."""
+    best = None
+    cache = {}
+    for part in _set_partitions(list(range(len(lens)))):
+        costs = []
+        for mb in part:
+            key = tuple(sorted(mb))
+            if key not in cache:
+                cache[key] = _best_cost(lens, key, cp, layout, padding)
+            costs.append(cache[key])
+        if any(rows > max_tokens for _, rows in costs):
+            continue
+        for owner in itertools.product(range(dp), repeat=len(part)):
+            per = [[c for c, d in zip(costs, owner) if d == r] for r in range(dp)]
+            if counts is not None and tuple(len(x) for x in per) != counts:
+                continue
+            t = max(sum(c for c, _ in x) for x in per)
+            best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp,dp", [(2, 1), (2, 2), (3, 1), (4, 1)])
+def test_bound_below_exhaustive_optimum_and_pack_near_it(layout, cp, dp):
+    import random
+
+    gaps = []
+    for seed in range(6):
+        rng = random.Random(seed * 31 + cp)
+        lens = [rng.choice([rng.randint(1, 12), rng.randint(20, 60)]) for _ in range(5)]
+        first = ShardPlan.build([max(lens)], cp_size=cp, layout=layout)
+        max_tokens = max(first.total_len, sum(lens) // 2)
+        total = sum(n * (n + 1) // 2 for n in lens)
+        opt = exhaustive(lens, cp, dp, layout, "aligned", max_tokens)
+        bound = packing_bound(lens, max_tokens=max_tokens, cp_size=cp, layout=layout, dp_size=dp)
+        assert bound <= opt * dp * cp / total + 1e-12, (lens, max_tokens)
+        p = pack(lens, max_tokens=max_tokens, cp_size=cp, layout=layout, dp_size=dp)
+        check(p, lens, cp, max_tokens)
+        same_count = exhaustive(lens, cp, dp, layout, "aligned", max_tokens, counts=p.num_micro_batches)
+        gaps.append(p.step_ratio / (same_count * dp * cp / total))
+        assert p.step_ratio >= same_count * dp * cp / total - 1e-12
+    assert sum(gaps) / len(gaps) <= 1.10, gaps
+
+
+def test_count_rules():
+    lens = [100] * 12
+    p = pack(lens, max_tokens=400, cp_size=2, dp_size=2, divisible_by=2, min_micro_batches=3)
+    assert p.num_micro_batches == (4, 4)
+    p = pack([100] * 10, max_tokens=400, cp_size=2, dp_size=2, same_count_across_dp=False)
+    assert sum(p.num_micro_batches) == 3 or p.num_micro_batches == (2, 2) or sum(p.num_micro_batches) >= 3
+    check(p, [100] * 10, 2, 400)
+
+
+def test_a_too_long_sequence_is_named():
+    with pytest.raises(ValueError, match=r"seqlens\[2\]=30.*pads to 32 rows.*max_tokens=24"):
+        pack([4, 5, 30], max_tokens=24, cp_size=2)
+    with pytest.raises(ValueError, match="reorder"):
+        pack([4, 5], max_tokens=64, cp_size=2, reorder="balanced")
+    with pytest.raises(TypeError, match="max_tokens"):
+        pack([4, 5], max_tokens=6.5, cp_size=2)
+    with pytest.raises(ValueError, match="cannot fill 4 micro-batches"):
+        pack([4, 5, 6], max_tokens=64, cp_size=2, min_micro_batches=4)
+
+
+def test_the_package_exports_the_function():
+    import cpshard
+
+    assert cpshard.pack is pack and cpshard.Packing is Packing

@@ -1,0 +1,77 @@
+"""cpshard.compat.verl.rearrange_micro_batches against verl 0.9.1's own (structure, restore order, budget)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+try:
+    import tensordict
+    from verl.utils import seqlen_balancing as sb
+except Exception as exc:  # noqa: BLE001  (verl's import chain pulls many packages)
+    pytest.skip(f"verl 0.9.1 cannot be imported ({exc}); run scripts/setup.sh", allow_module_level=True)
+
+from cpshard import ShardPlan
+from cpshard.compat import verl as cv
+
+
+def _batch(lens, width=None):
+    width = width or max(lens)
+    mask = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, n in enumerate(lens):
+        mask[i, :n] = 1
+    ids = torch.arange(len(lens) * width).view(len(lens), width)
+    return tensordict.TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lens)])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("cp,tp", [(2, 1), (4, 2)])
+def test_structure_restore_and_budget(layout, cp, tp):
+    lens = [37, 5, 64, 12, 90, 3, 41, 77, 18, 60]
+    batch = _batch(lens)
+    want_mbs, want_idx = sb.rearrange_micro_batches(batch, max_token_len=128)
+    mbs, idx = cv.rearrange_micro_batches(batch, 128, cp_size=cp, tp_size=tp, layout=layout)
+    assert type(mbs) is type(want_mbs) and type(idx) is type(want_idx)
+    assert all(type(m) is type(want_mbs[0]) for m in mbs)
+    assert all(type(i) is list and all(type(j) is int for j in i) for i in idx)
+    flat = list(itertools.chain(*idx))
+    assert sorted(flat) == list(range(len(lens)))
+    restore = torch.tensor(sb.get_reverse_idx(flat))
+    stacked = torch.cat([m["input_ids"] for m in mbs])
+    assert torch.equal(stacked[restore], batch["input_ids"])  # verl's restore_dynamic_batch convention
+    assert torch.equal(sb.restore_dynamic_batch(stacked, idx), batch["input_ids"])
+    for m, i in zip(mbs, idx):
+        assert torch.equal(m["attention_mask"], batch["attention_mask"][i])
+        plan = ShardPlan.build([lens[j] for j in i], cp_size=cp, tp_size=tp, layout=layout)
+        assert plan.total_len <= 128
+    assert len(mbs) <= len(want_mbs) + 1
+
+
+def test_verl_overshoots_after_padding_and_the_drop_in_does_not():
+    lens = [33] * 8  # 4 per 140-token micro-batch unpadded; 64 rows each after padding at cp=2, tp=8 (a=32)
+    batch = _batch(lens)
+    _, want = sb.rearrange_micro_batches(batch, max_token_len=140)
+    assert max(ShardPlan.build([lens[j] for j in i], cp_size=2, tp_size=8).total_len for i in want) > 140
+    _, idx = cv.rearrange_micro_batches(batch, 140, cp_size=2, tp_size=8)
+    assert max(ShardPlan.build([lens[j] for j in i], cp_size=2, tp_size=8).total_len for i in idx) <= 140
+
+
+def test_counts_and_errors():
+    batch = _batch([10] * 12)
+    mbs, idx = cv.rearrange_micro_batches(batch, 64, num_batches_divided_by=4, min_num_micro_batch=3, cp_size=2,
+                                          tp_size=1)
+    assert len(mbs) == 4
+    with pytest.raises(ValueError, match="force_group_size"):
+        cv.rearrange_micro_batches(batch, 64, force_group_size=2, cp_size=2, tp_size=1)
+
+
+def test_patch_covers_it():
+    import verl.utils.seqlen_balancing as mod
+
+    original = mod.rearrange_micro_batches
+    with cv.patch() as p:
+        assert mod.rearrange_micro_batches is cv.rearrange_micro_batches
+        assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.replaced
+    assert mod.rearrange_micro_batches is original
