@@ -367,3 +367,24 @@ def test_a_dropped_plan_is_freed_at_once():
     finally:
         if enabled:
             gc.enable()
+
+
+def test_layer_layouts_of_hybrid_configs():
+    """Megatron-LM main's attention_cp_layout / linear_cp_layout decide each kind of layer; absent names
+    take layout_for's choice; linear layers under zigzag are refused."""
+    from types import SimpleNamespace
+
+    from cpshard.layout import LayerLayouts, layer_layouts
+
+    plain = layer_layouts(SimpleNamespace())
+    assert plain == LayerLayouts(Layout.ZIGZAG, Layout.ZIGZAG) and not plain.hybrid
+    dsv4 = layer_layouts(SimpleNamespace(experimental_attention_variant="dsv4_hybrid"))
+    assert dsv4 == LayerLayouts(Layout.CONTIGUOUS, Layout.CONTIGUOUS)
+    qwen = layer_layouts(SimpleNamespace(attention_cp_layout="zigzag", linear_cp_layout="contiguous"))
+    assert qwen == LayerLayouts(Layout.ZIGZAG, Layout.CONTIGUOUS) and qwen.hybrid
+    plan = ShardPlan.build([5, 3], cp_size=2, layout=qwen.attention)
+    assert plan.twin(qwen.linear).layout is Layout.CONTIGUOUS
+    with pytest.raises(ValueError, match="config.linear_cp_layout='zigzag'.*Fix: set linear_cp_layout='contiguous'"):
+        layer_layouts(SimpleNamespace(linear_cp_layout="zigzag"))
+    with pytest.raises(ValueError, match="config.attention_cp_layout='ring'"):
+        layer_layouts(SimpleNamespace(attention_cp_layout="ring"))

@@ -246,3 +246,33 @@ def test_megatron_cp_partition_route_converts_both_ways(lens, cp, tp, padding):
     assert reordered.order is not None
     with pytest.raises(ValueError, match="without reorder='balanced'"):
         cp_partition_route(reordered, 0, route_type=_ThdCpRoute)
+
+
+def test_packed_seq_params_prebuilds_dev_s_route(monkeypatch):
+    """Where PackedSeqParams has dev's cp_partition_route, packed_seq_params(cp_rank=) fills it with the
+    plan's route (here: a stand-in class and Megatron's route type stood in too)."""
+    import dataclasses as dc
+
+    import cpshard.megatron.packed as packed
+    import cpshard.megatron.route as route
+
+    @dc.dataclass
+    class DevParams:
+        qkv_format: str = "thd"
+        cu_seqlens_q: object = None
+        cu_seqlens_kv: object = None
+        cu_seqlens_q_padded: object = None
+        cu_seqlens_kv_padded: object = None
+        max_seqlen_q: object = None
+        max_seqlen_kv: object = None
+        cp_partition_mode: object = None
+        cp_partition_route: object = None
+
+    monkeypatch.setattr(packed, "packed_seq_params_class", lambda: DevParams)
+    monkeypatch.setattr(route, "_route_class", lambda: _ThdCpRoute)
+    plan = ShardPlan.build([5, 3, 9], cp_size=2)
+    psp = packed.packed_seq_params(plan, cp_rank=1)
+    want = route.cp_partition_route(plan, 1, route_type=_ThdCpRoute)
+    got = psp.cp_partition_route
+    assert isinstance(got, _ThdCpRoute) and got.zigzag_split_sizes == want.zigzag_split_sizes
+    assert packed.packed_seq_params(plan).cp_partition_route is None  # no rank given: nothing prebuilt

@@ -8,11 +8,10 @@ compared with ``cp = 1`` as in ``cpshard.verify`` (Note [How verify's ranks add 
 every ``cp``, ``tp``, padding and twin order; the **layout-naive** variant, the linear block run on
 the zigzag rows as if they were the contiguous twin's (no relayout), must be caught.
 
-The convolution's look-back (the ``CONV - 1`` rows before a rank's first row, which live on the
-ranks before it under the contiguous layout) comes from an all-gather of every rank's last rows
-(:func:`cpshard.distributed.gather_states`): simple and exact, for a reference.
-TODO(issue 18, item 3): switch to the look-back halo of ``shift_sharded(..., shift=-k)`` once
-negative shifts exist (one all-to-all of only the rows each segment needs).
+The convolution's look-back (the ``CONV - 1`` rows before each segment's first row, which live on
+the ranks before it under the contiguous layout) is ``shift_sharded(x, shift=-j)`` for ``j = 1 ..
+CONV - 1``: SPEC's look-back shift, one all-to-all each of only the rows that cross a rank boundary,
+differentiable; the layout-naive variant runs the same shifts believing the zigzag rows contiguous.
 """
 
 from __future__ import annotations
@@ -30,11 +29,11 @@ from torch import nn
 
 from cpshard._relayout import twin
 from cpshard.attention import attention
-from cpshard.distributed import gather, gather_states, max_over, relayout, sum_over_group
+from cpshard.distributed import gather, max_over, relayout, shift_sharded, sum_over_group
 from cpshard.layout import Layout
 from cpshard.ops import shard, unshard
 from cpshard.plan import ShardPlan
-from cpshard.scan import _DependOn, linear_scan, naive_linear_scan
+from cpshard.scan import linear_scan, naive_linear_scan
 from cpshard.spawn import run_ranks, world_group
 from cpshard.verify import (
     DTYPES,
@@ -75,21 +74,12 @@ class HybridConfig(Config):
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: ShardPlan, rank: int, group: Any) -> torch.Tensor:
     """Per document, ``y_t = sum_j weight[j] * x_{t - j}`` for ``j < CONV`` (rows before the document's
-    start count as 0), on ``x`` ``(L, C)`` laid out by the contiguous ``plan``; 0 on pad rows."""
-    rows, channels = x.shape
-    back = CONV - 1
-    prev = x.new_zeros((back, channels))
-    if plan.cp_size > 1 and rows:
-        tails = gather_states(x[rows - min(rows, back):], plan, group)  # (cp, min(L, back), C)
-        before = tails[:rank].reshape(-1, channels)[-back:]
-        prev = torch.cat([x.new_zeros((back - before.shape[0], channels)), before])
-        x = _DependOn.apply(x, tails)  # rank 0 reads no look-back row; its backward must still take part
-    ext = torch.cat([prev, x])
-    pos, tok = plan.position_ids(rank).to(x.device), plan.token_mask(rank).to(x.device)
-    out = torch.zeros_like(x)
-    for j in range(CONV):
-        seen = ((pos >= j) & tok).to(x.dtype)[:, None]
-        out = out + weight[j] * ext[back - j:back - j + rows] * seen
+    start count as 0), on ``x`` ``(L, C)`` laid out by ``plan``; 0 on pad rows. Each look-back is
+    ``shift_sharded(x, shift=-j)`` (``fill`` 0 before the start, 0 on pad rows)."""
+    tok = plan.token_mask(rank).to(x.device)
+    out = weight[0] * x * tok.to(x.dtype)[:, None]
+    for j in range(1, CONV):
+        out = out + weight[j] * shift_sharded(x, plan, group, shift=-j, fill=0, pad_value=0)
     return out
 
 

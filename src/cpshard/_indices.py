@@ -29,7 +29,11 @@ shift_exchange  :class:`~cpshard._exchange.ShiftExchange`        rank, shift, de
 halo            :class:`~cpshard._halo.HaloExchange`             rank, shifts, device
 relayout        where every row goes under a twin plan           the twin
 route           :class:`~cpshard._relayout.Route`                the twin, rank, device
+blocks          the reference attention's query blocks           rank, device, block size
+scan            the reference scan's segments                    (one)
 ==============  ===============================================  ==========================
+
+The last two are built by the modules that use them (``causal``, ``scan``), through :meth:`kept_for`.
 
 Not part of the plan's value: equality, hashing and pickling ignore it. Safe to share between
 threads: a value is computed outside the lock (it may use the service itself) and the first one
@@ -60,6 +64,7 @@ __all__ = ["PlanIndices", "ROWS_PER_RUN"]
 
 _T = TypeVar("_T")
 _I32 = torch.int32
+_ABOVE = frozenset({"blocks", "scan"})  # kinds built by modules above the index math (kept_for)
 _BOUND = 64  # entries kept per kind (shifts, row strides and devices a program uses; a step needs a few)
 
 ROWS_PER_RUN = 512
@@ -100,6 +105,13 @@ class PlanIndices:
             while len(entries) > _BOUND:
                 entries.popitem(last=False)
             return value
+
+    def kept_for(self, kind: str, key: Hashable, make: Callable[[], _T]) -> _T:
+        """An index a module above builds itself and the plan keeps: one of the kinds :data:`_ABOVE`
+        lists (the table in the module docstring), so that what a plan keeps stays listed in one place."""
+        if kind not in _ABOVE:
+            raise AssertionError(f"{kind!r} is not a kind a plan keeps for other modules ({sorted(_ABOVE)})")
+        return self._kept(kind, key, make)
 
     def hash_of(self, key: Callable[[], Any]) -> int:
         """The plan's hash, computed once from its value ``key()``."""

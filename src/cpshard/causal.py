@@ -45,7 +45,6 @@ attention gives when the ranks' losses add up to the batch's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -197,10 +196,11 @@ def _blocks(plan: Plan, cp_rank: int, max_scores: int) -> list[_Block]:
     return blocks
 
 
-@functools.lru_cache(maxsize=16)  # a few plans x ranks; each holds index vectors only (O(rows + keys seen))
 def _device_blocks(plan: Plan, rank: int, device: torch.device, max_scores: int) -> list[_Block]:
-    """:func:`_blocks` on ``device``, built once per plan value, rank and device (shared: read only)."""
-    return [b.to(device) for b in _blocks(plan, rank, max_scores)]
+    """:func:`_blocks` on ``device``, built once per plan, rank and device and kept by the plan (shared:
+    read only; index vectors only, O(rows + keys seen))."""
+    return plan.indices().kept_for("blocks", (rank, device, max_scores),
+                                   lambda: [b.to(device) for b in _blocks(plan, rank, max_scores)])
 
 
 def _attend_block(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, block: _Block,

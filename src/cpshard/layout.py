@@ -11,14 +11,15 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
 from cpshard._errors import check_int, fail, parse_choice
 
-__all__ = ["GradReduction", "Layout", "Padding", "Reorder", "alignment", "layout_for", "padded_lengths",
-           "register_layout_rule", "total_problem"]
+__all__ = ["GradReduction", "LayerLayouts", "Layout", "Padding", "Reorder", "alignment", "layer_layouts", "layout_for",
+           "padded_lengths", "register_layout_rule", "total_problem"]
 
 
 _C = TypeVar("_C", bound="_Choice")
@@ -275,3 +276,39 @@ def layout_for(config: Any) -> Layout:
         if choice is not None:
             return Layout.parse(choice)
     return Layout.ZIGZAG
+
+
+@dataclass(frozen=True)
+class LayerLayouts:
+    """The layout each kind of layer of a hybrid model runs on: softmax attention, and linear
+    attention or state-space layers (GatedDeltaNet, Mamba). Where they differ, the step builds one
+    plan for each, twins (``plan.twin(layouts.linear)``), and converts between them with
+    ``cpshard.distributed.relayout``."""
+
+    attention: Layout
+    linear: Layout
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the two kinds of layer need different layouts (a relayout between them)."""
+        return self.attention is not self.linear
+
+
+def layer_layouts(config: Any) -> LayerLayouts:
+    """Which layout a model's attention layers and its linear (recurrent) layers need.
+
+    Megatron-LM main names them on the config (``attention_cp_layout``, ``linear_cp_layout``); where
+    a name is absent that kind of layer takes :func:`layout_for`'s choice, so a model that is not
+    hybrid gets the same layout twice. Linear layers need each document's rows in order on
+    consecutive ranks (their state passes from rank to rank), so a config naming
+    ``linear_cp_layout="zigzag"`` is refused.
+    """
+    base = layout_for(config)
+    declared = {kind: getattr(config, f"{kind}_cp_layout", None) for kind in ("attention", "linear")}
+    attention, linear = (base if declared[kind] is None else Layout.parse(declared[kind], f"config.{kind}_cp_layout")
+                         for kind in ("attention", "linear"))
+    if declared["linear"] is not None and linear is Layout.ZIGZAG:
+        fail("config.linear_cp_layout", repr(declared["linear"]), "linear-attention and state-space layers pass "
+             "their state from rank to rank and need each document's rows in order (contiguous)",
+             "set linear_cp_layout='contiguous'")
+    return LayerLayouts(attention, linear)

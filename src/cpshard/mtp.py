@@ -47,11 +47,12 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import torch
 
 from cpshard._errors import check_int, fail, parse_choice
+from cpshard._types import TokenRows
 from cpshard.distributed import group_rank, shift_sharded_multi, sum_over_group
 from cpshard.layout import GradReduction
 from cpshard.loss import masked_rows
@@ -60,7 +61,7 @@ from cpshard.plan import Plan
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
 
-Rows = Union[torch.Tensor, Sequence[torch.Tensor]]
+Rows = TokenRows  # a tensor of a rank's rows, or every sequence's (cpshard._types)
 AutoScaler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LogFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 

@@ -35,7 +35,6 @@ per-token loop, so floating results agree to rounding (exactly where every value
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,10 +75,13 @@ def _segments_of(plan: ShardPlan, rank: int) -> tuple[np.ndarray, np.ndarray, np
     return seq, pos, start
 
 
-@functools.lru_cache(maxsize=16)
 def scan_layout(plan: ShardPlan) -> ScanLayout:
     """The :class:`ScanLayout` of ``plan``'s rows read as contiguous segments (Note [CP linear scan]).
-    Pure; the same on every rank."""
+    Pure; the same on every rank; kept by the plan."""
+    return plan.indices().kept_for("scan", None, lambda: _scan_layout(plan))
+
+
+def _scan_layout(plan: ShardPlan) -> ScanLayout:
     starts, first_rows, chained, single = [], [], [], []
     prev: tuple[int, int] | None = None  # (sequence, position) of the previous rank's last row
     for r in range(plan.cp_size):

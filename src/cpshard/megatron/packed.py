@@ -77,6 +77,7 @@ def packed_seq_params(
     cp_group: Any = None,
     local_cp_size: int | None = None,
     real_lengths: bool = False,
+    cp_rank: int | None = None,
 ) -> Any:
     """Megatron-core's own ``PackedSeqParams`` for a THD plan.
 
@@ -92,6 +93,11 @@ def packed_seq_params(
             where the class has that field: the form in which TransformerEngine skips each
             sequence's pad rows and MoE routers do not count them. Default False: every field the
             padded offsets, as verl 0.9.1 fills them (the pad rows are attended inside their sequence).
+        cp_rank: this rank's CP rank. Where the installed ``PackedSeqParams`` has Megatron-LM dev's
+            ``cp_partition_route`` field, the route between the plan's layout and its twin's is
+            prebuilt from the plan (:func:`cpshard.megatron.route.cp_partition_route`): dev then
+            neither copies ``cu_seqlens_q_padded`` to the host nor loops over rows to build it when a
+            hybrid model converts layout. Ignored where the class has no such field.
 
     Returns:
         ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -129,6 +135,9 @@ def packed_seq_params(
         extra["local_cp_size"] = local_cp_size
     if cp_group is not None:
         extra["cp_group"] = cp_group
+    if cp_rank is not None and _has_field(cls, "cp_partition_route"):
+        from cpshard.megatron.route import cp_partition_route
+        extra["cp_partition_route"] = cp_partition_route(plan, cp_rank, device)
     # a copy: the plan's own offsets are built once and must not be edited by whoever holds the params
     on = None if device is None else plan.device_tensors(device)
     cu = (plan.cu_seqlens_padded if on is None else on.cu_seqlens_padded).clone()
