@@ -19,7 +19,8 @@ Columns, per configuration, the mean over the batches:
   ``rearrange_micro_batches`` rule: ``ceil(tokens / max_tokens)`` micro-batches (the max over DP ranks),
   Karmarkar-Karp on the same workload, raised by one until every part's **unpadded** tokens fit.
   With verl installed its own ``get_seqlen_balanced_partitions`` runs; without it, a re-statement
-  (longest-processing-time greedy; see ``_greedy``) and the header says so.
+  (longest-processing-time greedy; ``cpshard.compat._verl_pack.verl_partition``, which the
+  CLI's ``cpshard pack`` shares) and the header says so.
 * ``verl+bal``: the same partition, every contiguous micro-batch built with ``reorder="balanced"``.
 * ``pack``: ``cpshard.pack`` (its own buffer order); ``pack+bal``: the same with ``reorder="balanced"``.
 * ``bound``: ``Packing.lower_bound``, a ratio no packing reaches below.
@@ -33,69 +34,21 @@ The step ratio is ``max_d sum_m max_r work / (total work / (dp cp))`` (Note [Mic
 from __future__ import annotations
 
 import argparse
-import heapq
-import os
 import random
 import statistics
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from cpshard import ShardPlan
+from cpshard.compat._verl_pack import verl_partition, verl_partitioner
 from cpshard.pack import pack, plan_work, step_ratio
 
 MAX_TOKENS = 32768
 MEAN_LEN = 2048
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_PATH = sys.path[:]
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/verl.py is not verl
-try:  # verl's own partitioner when installed
-    from verl.utils.seqlen_balancing import get_seqlen_balanced_partitions as _verl_partitions
-
-    VERL = True
-except Exception:  # noqa: BLE001  (verl's import pulls many packages; any failure means "not usable")
-    VERL = False
-finally:
-    sys.path[:] = _PATH
-
-
-def _greedy(weights: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
-    """Without verl: the heaviest item to the lightest part (a part with room, under ``equal_size``)."""
-    cap = len(weights) // k if equal_size else len(weights)
-    heap = [(0, b) for b in range(k)]
-    parts: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
-        skipped = []
-        while len(parts[heap[0][1]]) >= cap:
-            skipped.append(heapq.heappop(heap))
-        w, b = heapq.heappop(heap)
-        parts[b].append(i)
-        heapq.heappush(heap, (w + weights[i], b))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return [sorted(p) for p in parts]
-
-
-def _partitions(weights: Sequence[int], k: int, equal_size: bool) -> list[list[int]]:
-    return _verl_partitions(list(weights), k, equal_size) if VERL else _greedy(weights, k, equal_size)
-
-
-def verl_partition(lens: list[int], dp: int, max_tokens: int) -> list[list[list[int]]]:
-    """verl's DP split, then its micro-batches per DP rank (the same count on every rank), as indices."""
-    work = [24576 * n + n * n for n in lens]
-    ranks = _partitions(work, dp, True) if dp > 1 else [list(range(len(lens)))]
-    count = max(-(-sum(lens[i] for i in r) // max_tokens) for r in ranks)
-    while True:
-        out = []
-        for r in ranks:
-            parts = _partitions([work[i] for i in r], min(count, len(r)), False)
-            out.append([[r[j] for j in p] for p in parts])
-        if all(sum(lens[i] for i in mb) <= max_tokens for rank in out for mb in rank):
-            return out
-        count += 1
+VERL = verl_partitioner() is not None
 
 
 def _plans(lens: list[int], partition: list[list[list[int]]], **kw: object) -> list[list[ShardPlan]]:

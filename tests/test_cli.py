@@ -238,3 +238,102 @@ def test_plan_summary_costs_nothing_per_token(capsys):
     out = capsys.readouterr().out
     assert "rank 0 : s0:0-124999999 s0:875000000-999999999" in out
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: far below 1 GB
+
+
+# -- cpshard pack ---------------------------------------------------------------------------------------------
+
+
+def test_pack_prints_the_partition_works_and_ratios(capsys):
+    from cpshard.pack import pack
+
+    lens = [9000, 300, 7000, 20000, 1200, 4096, 800, 15000]
+    argv = ["pack", "--lengths", ",".join(map(str, lens)), "--max-tokens", "32768", "--cp", "8", "--dp", "2",
+            "--layout", "contiguous"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    p = pack(lens, max_tokens=32768, cp_size=8, dp_size=2, layout="contiguous")
+    for d, rank in enumerate(p.micro_batches):
+        assert f"DP rank {d}: {len(rank)} micro-batch" in out
+        for mb, work in zip(rank, p.work[d]):
+            assert f"seqs {list(mb)}" in out and str(max(work)) in out
+    assert f"cpshard.pack      {p.step_ratio:.3f}" in out and f"lower bound       {p.lower_bound:.3f}" in out
+    assert "verl's partition" in out and "(plain order)" in out and "(reorder=balanced)" in out
+    assert re.search(r"cpshard.pack: [+-]\d+\.\d% against verl's partition with reorder=balanced; \+\d+\.\d% above "
+                     r"the bound", out)
+
+
+def test_pack_json_matches_the_library(capsys):
+    import json
+
+    from cpshard.compat._verl_pack import verl_partition
+    from cpshard.pack import pack
+
+    lens = [37, 5, 64, 12, 90, 3, 41, 77, 18, 60]
+    assert cli_main(["pack", "--lengths", ",".join(map(str, lens)), "--max-tokens", "128", "--cp", "2", "--tp", "2",
+                     "--dp", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    p = pack(lens, max_tokens=128, cp_size=2, tp_size=2, dp_size=2)
+    assert got["micro_batches"] == [[list(mb) for mb in rank] for rank in p.micro_batches]
+    assert got["work"] == [[list(w) for w in rank] for rank in p.work]
+    assert got["step_ratio"] == p.step_ratio and got["lower_bound"] == p.lower_bound
+    assert max(r for rank in got["rows"] for r in rank) <= 128
+    assert got["verl"]["micro_batches"] == verl_partition(lens, 2, 128)
+    assert got["verl"]["step_ratio_balanced"] is None  # zigzag: no balanced order
+
+
+def test_pack_summarises_long_batches(capsys, tmp_path):
+    import random
+
+    rng = random.Random(3)
+    path = tmp_path / "batch.txt"
+    path.write_text("\n".join(str(min(8000, max(1, round(rng.expovariate(1 / 2048))))) for _ in range(1200)))
+    assert cli_main(["pack", "--lengths-file", str(path), "--max-tokens", "8192", "--cp", "4", "--dp", "12",
+                     "--no-verl"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) < 12000, len(out)
+    assert "DP ranks, 4 .. " in out and "micro-batches, 8 .. " in out and "(values)" not in out
+    assert "verl's partition" not in out
+
+
+def test_pack_when_verl_cannot_split_the_batch(capsys):
+    assert cli_main(["pack", "--lengths", "5,3,8", "--max-tokens", "16", "--dp", "2", "--no-same-count"]) == 0
+    assert "verl's partition: not shown (3 sequences do not divide by --dp 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lengths", "4,5,30", "--max-tokens", "24"], "--lengths[2]=30: pads to 32 rows"),
+    (["--lengths", "4,5,30", "--max-tokens", "24"],
+     "more than --max-tokens=24. Fix: raise --max-tokens to at least 32"),
+    (["--lengths", "4,5,6", "--max-tokens", "64", "--min-micro-batches", "4"], "a smaller --min-micro-batches or "
+     "--divisible-by"),
+])
+def test_pack_library_errors_name_flags(capsys, argv, message):
+    assert cli_main(["pack", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpshard pack: ") and message in err, err
+    assert not any(term in err for term in ("max_tokens", "seqlens", "min_micro_batches")), err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lengths", "5,3"], "the following arguments are required: --max-tokens"),
+    (["--max-tokens", "0"], "argument --max-tokens: 0 is too small; --max-tokens must be >= 1"),
+    (["--max-tokens", "64", "--dp", "-1"], "argument --dp: -1 is too small"),
+    (["--max-tokens", "64", "--divisible-by", "x"], "argument --divisible-by: 'x': expected an integer"),
+    (["--max-tokens", "64", "--reorder"], "--reorder balances the contiguous layout; add --layout contiguous"),
+    (["--max-tokens", "64", "--lengths", "5,-3"], "length 2 is -3"),
+])
+def test_pack_flag_errors(capsys, argv, message):
+    assert message in _refused(capsys, ["pack", *argv])
+
+
+@pytest.mark.parametrize("argv", [["pack", "--lengths", "5,3,9,2", "--max-tokens", "16", "--dp", "2", "--layout",
+                                   "contiguous"], ["plan", "--lengths", "5,3"]])
+def test_pack_and_plan_do_not_load_the_communication_layer(argv):
+    """Running them, not only importing the CLI (verify's parser, which imports cpshard.verify, is not built)."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; from cpshard.cli import main; main({argv!r}); print(sorted(m for m in sys.modules if m in "
+            "('cpshard.distributed', 'cpshard.attention', 'cpshard.spawn', 'cpshard.verify')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

@@ -83,3 +83,31 @@ def test_plan_png_from_the_cli_at_scale(capsys, tmp_path):
     assert f"wrote {path}" in out and len(out) < 8000  # the text stays small too
     image = mpl_image.imread(str(path))
     assert image.shape[1] >= 1300 and 450 <= image.shape[0] <= 700, image.shape
+
+
+def test_pack_png_draws_every_micro_batch_on_one_scale(tmp_path):
+    from matplotlib.collections import PolyCollection
+
+    from cpshard import pack
+    from cpshard.plot import draw_packing
+
+    lens = _lengths(200, seed=4)
+    p = pack(lens, max_tokens=8192, cp_size=4, dp_size=2, layout="contiguous")
+    other = [[[sum(w)] * 4 for w in rank] for rank in p.work]  # any works of the same shape
+    fig = draw_packing(p, str(tmp_path / "pack.png"), others=[("other", other)])
+    lanes = [a for a in fig.axes if a.get_label() == "timeline"]
+    assert len(lanes) == 2 and lanes[0].get_xlim() == lanes[1].get_xlim()
+    boxes = [c for c in lanes[0].collections if isinstance(c, PolyCollection)]
+    assert len(boxes) == 2 * sum(p.num_micro_batches)  # each micro-batch: its time and its mean share
+    assert f"step ratio {p.step_ratio:.3f}" in lanes[0].get_title()
+    assert mpl_image.imread(str(tmp_path / "pack.png")).shape[1] >= 700
+
+
+def test_pack_png_from_the_cli(capsys, tmp_path):
+    path = tmp_path / "pack.png"
+    lengths = ",".join(map(str, _lengths(300, seed=5)))
+    assert cli_main(["pack", "--lengths", lengths, "--max-tokens", "16384", "--cp", "8", "--dp", "2", "--layout",
+                     "contiguous", "--png", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out and path.stat().st_size > 10_000
+    assert cli_main(["pack", "--lengths", "5,3", "--max-tokens", "16", "--png", str(tmp_path / "no" / "x.png")]) == 2
+    assert "cannot be written" in capsys.readouterr().err

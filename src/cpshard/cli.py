@@ -2,7 +2,9 @@
 
 ``cpshard plan --lengths 5,3 --cp 2`` prints which rows each rank holds (SPEC.md's picture), the
 padding overhead and how evenly causal-attention work is spread over the ranks (``--png`` draws
-it). ``cpshard verify`` proves a configuration end to end against ``cp = 1`` (``cpshard.verify``).
+it). ``cpshard pack --lengths-file batch.txt --max-tokens 32768 --cp 8 --dp 2`` splits a global batch
+into micro-batches (``cpshard.pack``) and compares the step time with verl's partition and the
+bound. ``cpshard verify`` proves a configuration end to end against ``cp = 1`` (``cpshard.verify``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from cpshard.causal import attention_work
 from cpshard.layout import Layout, Padding
 from cpshard.plan import ShardPlan
 
-__all__ = ["describe_bshd", "describe_plan", "main", "read_lengths_file"]
+__all__ = ["describe_bshd", "describe_packing", "describe_plan", "main", "read_lengths_file"]
 
 _PICTURE_MAX_ROWS = 96
 _MAX_RANK_LINES = 16  # past this many ranks the summary and the balance show the first, the last and the busiest
@@ -306,13 +308,22 @@ _FLAGS = {"seqlens": "--lengths", "lengths": "--lengths", "cp_size": "--cp", "tp
           "min_local_rows": "--min-local-rows", "length_bucket": "--length-bucket", "max_seqlen": "--max-seqlen"}
 
 
-def _in_flags(message: str) -> str:
-    """A library error (``name=value: rule. Fix: pass name ...``) with its argument names as CLI flags."""
+#: ``cpshard pack``'s too (``cpshard.pack``'s parameter names)
+_PACK_FLAGS = {**_FLAGS, "max_tokens": "--max-tokens", "dp_size": "--dp", "min_micro_batches": "--min-micro-batches",
+               "divisible_by": "--divisible-by", "seed": "--seed"}
+_PACK_AFTER = "=[ ,.;)"  # pack's messages name its parameters in lists too ("min_micro_batches or divisible_by,")
+
+
+def _in_flags(message: str, flags: dict[str, str] = _FLAGS, after: str = "=[ ") -> str:
+    """A library error (``name=value: rule. Fix: pass name ...``) with its argument names as CLI flags
+    (a name followed by one of ``after``, or at the end)."""
     message = message.replace(" or leave it None", " or drop the flag")
-    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b(?=[=\[ ]|$)", lambda m: _FLAGS[m.group(1)], message)
+    return re.sub(r"\b(" + "|".join(flags) + r")\b(?=[" + re.escape(after) + r"]|$)", lambda m: flags[m.group(1)],
+                  message)
 
 
-_VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to"}
+_VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to",
+                "--max-tokens", "--dp", "--min-micro-batches", "--divisible-by", "--seed"}
 
 
 def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
@@ -326,6 +337,215 @@ def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+_MAX_MB_LINES = 16  # past this many micro-batches on a DP rank: the first eight, the slowest and the last two
+_MAX_DP_RANKS = 8  # past this many DP ranks: the first four, the slowest and the last two
+
+
+def _picked(count: int, head: int, tail: int, also: int) -> list[int]:
+    if count <= head + tail + 1:
+        return list(range(count))
+    return sorted({*range(head), also, *range(count - tail, count)})
+
+
+def verl_comparison(lens: Sequence[int], *, max_tokens: int, cp_size: int, tp_size: int = 1,
+                    layout: Layout | str = "zigzag", dp_size: int = 1,
+                    padding: Padding | str = "aligned") -> dict[str, Any]:
+    """verl's partition of the same batch (``cpshard.compat._verl_pack.verl_partition``: verl's own
+    ``get_seqlen_balanced_partitions`` when importable, else its re-statement), each micro-batch built
+    as a plan with these options: its micro-batches, per-rank works and step ratio (also with
+    ``reorder="balanced"`` under the contiguous layout), its count and largest padded micro-batch."""
+    from cpshard.compat._verl_pack import verl_partition, verl_partitioner
+    from cpshard.pack import plan_work, step_ratio
+
+    part = verl_partition(lens, dp_size, max_tokens)
+    part = [[mb for mb in rank if mb] for rank in part]
+    kw: dict[str, Any] = {"cp_size": cp_size, "tp_size": tp_size, "layout": layout, "padding": padding}
+    plans = [[ShardPlan.build([lens[i] for i in mb], **kw) for mb in rank] for rank in part]
+    work = [[plan_work(p) for p in rank] for rank in plans]
+    out: dict[str, Any] = {
+        "source": "verl's get_seqlen_balanced_partitions" if verl_partitioner() is not None
+        else "a re-statement of verl's partition (verl not importable)",
+        "micro_batches": part, "work": work, "step_ratio": step_ratio(work, cp_size),
+        "num_micro_batches": [len(rank) for rank in part],
+        "max_rows": max(p.total_len for rank in plans for p in rank),
+        "balanced_work": None, "step_ratio_balanced": None,
+    }
+    if Layout.parse(layout) is Layout.CONTIGUOUS and cp_size > 1:
+        bal = [[plan_work(ShardPlan.build([lens[i] for i in mb], reorder="balanced", **kw)) for mb in rank]
+               for rank in part]
+        out["balanced_work"], out["step_ratio_balanced"] = bal, step_ratio(bal, cp_size)
+    return out
+
+
+def _count(k: int) -> str:
+    return f"{k} micro-batch" + ("" if k == 1 else "es")
+
+
+def _mb_line(m: int, ids: Sequence[int], plan: ShardPlan, work: Sequence[int], max_tokens: int) -> str:
+    mean = sum(work) / len(work)
+    balance = max(work) / mean if mean else 1.0
+    return (f"  {m:>4} {len(ids):>5} {plan.total_len:>8} {plan.total_len / max_tokens:>6.3f} {max(work):>14} "
+            f"{balance:>8.3f}  seqs {_cap(list(ids), 6, 2)}  work {_cap(list(work), 8, 2)}")
+
+
+def describe_packing(packing: Any, verl: dict[str, Any] | None = None) -> str:
+    """The text ``cpshard pack`` prints for a :class:`cpshard.Packing`: per DP rank its micro-batches (the
+    sequence indices in buffer order, padded rows against ``max_tokens``, the slowest CP rank's work,
+    max / mean over the CP ranks and every CP rank's work), each DP rank's time, then the step ratio
+    against ``verl`` (:func:`verl_comparison`'s dict, when given) and against the bound. Long lists
+    are cut to their ends and a count, and past 16 micro-batches (8 DP ranks) only the first, the
+    slowest and the last get a line, so the text stays small at any scale."""
+    plan0 = packing.plans[0][0]
+    times = [sum(max(w) for w in rank) for rank in packing.work]
+    ideal = packing.total_work / (len(packing.work) * plan0.cp_size)
+    seqs = sum(len(mb) for rank in packing.micro_batches for mb in rank)
+    options = [f"cp={plan0.cp_size}", f"tp={plan0.tp_size}", f"dp={len(packing.work)}", f"layout={plan0.layout.value}",
+               f"padding={plan0.padding.value}", "reorder=balanced" if plan0.order is not None else "no reorder"]
+    out = [f"{seqs} sequences, max_tokens={packing.max_tokens} (padded rows of one micro-batch, all CP ranks "
+           f"together); {', '.join(options)}",
+           f"micro-batches per DP rank: {_cap(list(packing.num_micro_batches))}; time = the slowest CP rank's "
+           "causal work (q, k pairs), summed over a DP rank's micro-batches", ""]
+    dp_shown = (list(range(len(times))) if len(times) <= _MAX_DP_RANKS
+                else _picked(len(times), 4, 2, max(range(len(times)), key=times.__getitem__)))
+    last = -1
+    for d in dp_shown:
+        if d > last + 1:
+            out += [f"... ({d - last - 1} DP ranks, {last + 1} .. {d - 1}, left out)", ""]
+        last = d
+        rank = packing.work[d]
+        out.append(f"DP rank {d}: {_count(len(rank))}, time {times[d]} ({times[d] / ideal if ideal else 1:.3f} "
+                   "x the ideal)")
+        out.append(f"  {'mb':>4} {'seqs':>5} {'rows':>8} {'/max':>6} {'slowest rank':>14} {'max/mean':>8}")
+        slow = max(range(len(rank)), key=lambda m: max(rank[m]))
+        prev = -1
+        for m in _picked(len(rank), 8, 2, slow) if len(rank) > _MAX_MB_LINES else range(len(rank)):
+            if m > prev + 1:
+                out.append(f"  ... ({m - prev - 1} micro-batches, {prev + 1} .. {m - 1}, left out)")
+            prev = m
+            out.append(_mb_line(m, packing.micro_batches[d][m], packing.plans[d][m], rank[m], packing.max_tokens))
+        out.append("")
+    rows = max(p.total_len for rank in packing.plans for p in rank)
+    out += ["step ratio = the slowest DP rank's time / (total work / (dp cp)); 1.000 is ideal:",
+            f"  cpshard.pack      {packing.step_ratio:.3f}  ({_cap(list(packing.num_micro_batches))} micro-batches, "
+            f"largest {rows} rows = {rows / packing.max_tokens:.3f} x max_tokens)"]
+    if verl is not None:
+        bal = verl["step_ratio_balanced"]
+        over = "; OVER the budget" if verl["max_rows"] > packing.max_tokens else ""
+        out.append(f"  verl's partition  {verl['step_ratio']:.3f}"
+                   + (f" (plain order), {bal:.3f} (reorder=balanced)" if bal is not None else "")
+                   + f"  ({_cap(verl['num_micro_batches'])} micro-batches, largest {verl['max_rows']} rows = "
+                   f"{verl['max_rows'] / packing.max_tokens:.3f} x max_tokens{over}; {verl['source']})")
+    out.append(f"  lower bound       {packing.lower_bound:.3f}  (no packing of these lengths under this budget goes "
+               "below it)")
+    cmp = []
+    if verl is not None:
+        balanced = verl["step_ratio_balanced"] is not None
+        ref = verl["step_ratio_balanced"] if balanced else verl["step_ratio"]
+        which = "verl's partition with reorder=balanced" if balanced else "verl's partition"
+        cmp.append(f"{packing.step_ratio / ref - 1:+.1%} against {which}")
+    cmp.append(f"{packing.step_ratio / packing.lower_bound - 1:+.1%} above the bound")
+    out.append("cpshard.pack: " + "; ".join(cmp))
+    return "\n".join(out)
+
+
+def _unwritable(command: str, path: str, exc: OSError) -> int:
+    print(f"cpshard {command}: --png={path!r}: cannot be written ({exc.strerror or exc}). Fix: pass a file path in an "
+          "existing, writable directory.", file=sys.stderr)
+    return 2
+
+
+def _emit(text: str) -> int:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `cpshard plan ... | head`: stop quietly, like other CLI tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _pack_parser(sub: Any) -> argparse.ArgumentParser:
+    k = sub.add_parser("pack", help="split a global batch into micro-batches under a padded token budget",
+                       description="Split a global batch into micro-batches per DP rank (cpshard.pack): every "
+                       "micro-batch's padded rows fit --max-tokens, and the step time (per DP rank, the sum over its "
+                       "micro-batches of the slowest CP rank's causal work) is low. Prints the partition, each "
+                       "micro-batch's per-rank work, and the step ratio against verl's partition and the bound.")
+    _add_lengths(k, [9000, 300, 7000, 20000, 1200, 4096], "9000,300,7000")
+    k.add_argument("--max-tokens", type=_at_least("--max-tokens", 1, "32768"), required=True, metavar="ROWS",
+                   help="the most padded rows of one micro-batch, all CP ranks together (plan.total_len)")
+    k.add_argument("--cp", type=_at_least("--cp", 1, "8"), default=2, help="context-parallel size (default 2)")
+    k.add_argument("--tp", type=_at_least("--tp", 1, "2"), default=1, help="tensor-parallel size (default 1)")
+    k.add_argument("--dp", type=_at_least("--dp", 1, "2"), default=1, help="data-parallel size (default 1)")
+    k.add_argument("--layout", default="zigzag", choices=[m.value for m in Layout], help="default zigzag")
+    k.add_argument("--padding", default=Padding.ALIGNED.value, choices=[m.value for m in Padding],
+                   help="every micro-batch's plan padding (default aligned)")
+    k.add_argument("--reorder", action="store_true", help="contiguous layout: every micro-batch's plan balances "
+                   "its own order (reorder='balanced'); else cpshard.pack chooses the buffer order")
+    k.add_argument("--min-micro-batches", type=_at_least("--min-micro-batches", 1, "4"), default=None, metavar="N",
+                   help="every DP rank gets at least N micro-batches")
+    k.add_argument("--divisible-by", type=_at_least("--divisible-by", 1, "2"), default=None, metavar="N",
+                   help="every DP rank's count is a multiple of N (the virtual pipeline size)")
+    k.add_argument("--same-count", action=argparse.BooleanOptionalAction, default=True,
+                   help="the same count on every DP rank (verl's same_micro_num_in_dp; default on)")
+    k.add_argument("--seed", type=_at_least("--seed", 0, "0"), default=0, help="the search's tie-break seed")
+    k.add_argument("--verl", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare with verl's partition (its own when verl imports; default on)")
+    k.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    k.add_argument("--png", default=None, metavar="PATH", help="also draw every DP rank's micro-batches as a "
+                   "timeline beside verl's (needs matplotlib: pip install 'cpshard[plot]')")
+    return k
+
+
+def _pack_json(packing: Any, verl: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "micro_batches": [[list(mb) for mb in rank] for rank in packing.micro_batches],
+        "rows": [[p.total_len for p in rank] for rank in packing.plans],
+        "work": [[list(w) for w in rank] for rank in packing.work],
+        "num_micro_batches": list(packing.num_micro_batches), "max_tokens": packing.max_tokens,
+        "step_ratio": packing.step_ratio, "lower_bound": packing.lower_bound, "total_work": packing.total_work,
+        "verl": None if verl is None else {key: verl[key] for key in (
+            "source", "micro_batches", "num_micro_batches", "max_rows", "step_ratio", "step_ratio_balanced")},
+    }
+
+
+def _run_pack(args: argparse.Namespace, k: argparse.ArgumentParser) -> int:
+    from cpshard.pack import pack
+
+    lengths = list(args.lengths_file if args.lengths_file is not None else args.lengths)
+    if args.reorder and args.layout != Layout.CONTIGUOUS.value:
+        k.error("--reorder balances the contiguous layout; add --layout contiguous")
+    kw: dict[str, Any] = {"max_tokens": args.max_tokens, "cp_size": args.cp, "tp_size": args.tp, "layout": args.layout,
+                          "dp_size": args.dp, "padding": args.padding}
+    try:
+        packing = pack(lengths, reorder="balanced" if args.reorder else None, min_micro_batches=args.min_micro_batches,
+                       divisible_by=args.divisible_by, same_count_across_dp=args.same_count, seed=args.seed, **kw)
+        verl = None
+        note = ""
+        if args.verl:
+            if len(lengths) % args.dp:
+                note = (f"verl's partition: not shown ({len(lengths)} sequences do not divide by --dp {args.dp}; "
+                        "verl's DP split takes equal counts)")
+            else:
+                verl = verl_comparison(lengths, **kw)
+        text = json.dumps(_pack_json(packing, verl)) if args.json else describe_packing(packing, verl)
+        if note and not args.json:
+            text += "\n" + note
+        if args.png is not None:
+            from cpshard.plot import draw_packing
+
+            others = [] if verl is None else [("verl's partition", verl["work"])]
+            if verl is not None and verl["balanced_work"] is not None:
+                others.append(("verl's partition, reorder=balanced", verl["balanced_work"]))
+            try:
+                draw_packing(packing, args.png, others=others)
+            except OSError as exc:
+                return _unwritable("pack", args.png, exc)
+            if not args.json:
+                text += f"\n\nwrote {args.png}"
+    except (ValueError, TypeError, ImportError) as exc:
+        print(f"cpshard pack: {_in_flags(str(exc), _PACK_FLAGS, _PACK_AFTER)}", file=sys.stderr)
+        return 2
+    return _emit(text)
 
 
 def _verify_parser(sub: Any) -> argparse.ArgumentParser:
@@ -464,8 +684,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"draw the rows (default: when at most {_PICTURE_MAX_ROWS} rows; else a summary)")
     p.add_argument("--png", default=None, metavar="PATH", help="also draw the token-to-rank map and the per-rank "
                    "causal work as a PNG (needs matplotlib: pip install 'cpshard[plot]')")
-    v = _verify_parser(sub)
-    args = parser.parse_args(_values_may_be_negative(sys.argv[1:] if argv is None else list(argv)))
+    argv = _values_may_be_negative(sys.argv[1:] if argv is None else list(argv))
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in ("plan", "pack"):  # verify's parser imports cpshard.verify, which communicates: not for these
+        v = sub.add_parser("verify", help="prove CP configurations end to end against cp=1 (a tiny transformer)")
+    else:
+        v = _verify_parser(sub)
+    k = _pack_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "pack":
+        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+        torch.set_num_threads(1)
+        return _run_pack(args, k)
     if args.command == "verify":
         logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
@@ -508,18 +738,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 draw_plans(plans, args.png, notes=notes)
             except OSError as exc:
-                print(f"cpshard plan: --png={args.png!r}: cannot be written ({exc.strerror or exc}). Fix: pass a "
-                      "file path in an existing, writable directory.", file=sys.stderr)
-                return 2
+                return _unwritable("plan", args.png, exc)
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
         print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
         return 2
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # `cpshard plan ... | head`: stop quietly, like other CLI tools
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return _emit(text)
 
 
 if __name__ == "__main__":  # pragma: no cover

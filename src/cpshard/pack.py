@@ -37,10 +37,12 @@ longest first, each sequence into the micro-batch, among those with room, that r
   micro-batches, where their heavy tails run at once on different ranks.
 
 Then moves and swaps of sequences out of the slowest DP rank's micro-batches, while the step (and
-then the sum of squares of the DP ranks' times) falls. Under the contiguous layout each
-micro-batch's buffer order is then chosen (longest first onto the least loaded rank with room, as
-the balancer's start does) unless ``reorder="balanced"``, where the plan balances it itself; the
-result is scored exactly on the plans built.
+then the sum of squares of the DP ranks' times) falls, stopping after ``_PATIENCE`` steps in a row
+that lowered only the sum of squares (each step's candidates are scored in closed form: only the
+two DP ranks involved change). Under the contiguous layout each micro-batch's buffer order is then
+chosen (longest first onto the least loaded rank with room, as the balancer's start does, then a
+short descent unless that start is within ``_ORDER_GOOD`` of the mean) unless ``reorder="balanced"``,
+where the plan balances it itself; the result is scored exactly on the plans built.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ __all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
 
 _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
 _ORDER_BUDGET = 1 << 14  # candidate rows (orders scored times B) of each micro-batch's order descent
+_ORDER_GOOD = 1e-3  # no descent when the start's heaviest rank is this close to the mean
+_PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,8 +431,14 @@ class _Search:
     def improve(self, steps: int = _SEARCH_STEPS) -> None:
         """Moves and swaps out of the slowest DP rank's micro-batches while (step, sum of squares) falls."""
         prob, cp_cap = self.prob, self.prob.capacity
+        stale, low = 0, int(self.times().max())
         for _ in range(steps):
             times = self.times()
+            if int(times.max()) < low:
+                stale, low = 0, int(times.max())
+            elif stale >= _PATIENCE:
+                return
+            stale += 1
             cur = (int(times.max()), int((times ** 2).sum()))
             slow = int(times.argmax())
             seqs = np.flatnonzero(self.owner[self.where] == slow)
@@ -480,16 +490,30 @@ class _Search:
         da = cost_a - (self.cost[a] if cost_a.ndim == 1 else self.cost[a][:, None])
         da = np.broadcast_to(da[:, None] if da.ndim == 1 else da, ok.shape)
         db = cost_b - self.cost[b]
-        t = np.broadcast_to(times, ok.shape + (self.dp,)).copy()
         oa = np.broadcast_to(self.owner[a][:, None], ok.shape)
         ob = self.owner[b]
-        ii, kk = np.indices(ok.shape)
-        t[ii, kk, oa] += da
-        t[ii, kk, ob] += db
-        mx = t.max(-1)
-        sq = (t.astype(np.float64) ** 2).sum(-1)
-        mx = np.where(ok, mx, np.iinfo(np.int64).max)
-        flat = np.lexsort((sq.ravel(), mx.ravel()))[0]
+        same = oa == ob
+        # only the two owners' times change: the new max is theirs or the largest of the others (the top
+        # three times cover every pair left out), the sum of squares changes by their two terms
+        top = np.argsort(-times, kind="stable")[:3]
+        vals = np.full(3, -1, dtype=np.int64)
+        vals[:top.size] = times[top]
+        ranks = np.full(3, -1, dtype=np.int64)
+        ranks[:top.size] = top
+        other = np.full(ok.shape, -1, dtype=np.int64)
+        for k in range(2, -1, -1):  # the first of the top three that is neither owner
+            free = (ranks[k] != oa) & (ranks[k] != ob) & (ranks[k] >= 0)
+            other = np.where(free, vals[k], other)
+        ta = times[oa] + da + np.where(same, db, 0)
+        tb = np.where(same, -1, times[ob] + db)
+        mx = np.maximum(np.maximum(ta, tb), other)
+        t64 = times.astype(np.float64)
+        sq = (float((t64 ** 2).sum()) - t64[oa] ** 2 + ta.astype(np.float64) ** 2
+              + np.where(same, 0.0, tb.astype(np.float64) ** 2 - t64[ob] ** 2))
+        big = np.iinfo(np.int64).max
+        mx = np.where(ok, mx, big)
+        low = mx.min()
+        flat = int(np.argmin(np.where(mx == low, sq, np.inf).ravel()))
         r, c = np.unravel_index(flat, ok.shape)
         key = (int(mx[r, c]), int(sq[r, c]))
         if not ok[r, c] or key >= cur or (best is not None and key >= best[0]):
@@ -502,7 +526,7 @@ def _buffer_order(prob: _Problem, ids: list[int]) -> list[int]:
     ``_balance._lpt``), then a short best-improvement descent over insertions and swaps (``_descend``)."""
     import torch
 
-    from cpshard._balance import _descend, _lpt, _table
+    from cpshard._balance import _descend, _lpt, _table, _works
 
     ids = sorted(ids)
     if prob.cp == 1 or len(ids) == 1:
@@ -513,7 +537,11 @@ def _buffer_order(prob: _Problem, ids: list[int]) -> list[int]:
         return ids
     n, p = list(plan.seqlens_py), list(plan.padded_seqlens_py)
     start = torch.tensor(_lpt(n, p, plan.local_len, prob.cp), dtype=torch.int64)
-    table = _table(torch.tensor(n, dtype=torch.int64), torch.tensor(p, dtype=torch.int64))
+    nt = torch.tensor(n, dtype=torch.int64)
+    table = _table(nt, torch.tensor(p, dtype=torch.int64))
+    works = _works(table, plan.local_len, prob.cp, start[None])
+    if int(works.max()) <= int(works.sum()) / prob.cp * (1 + _ORDER_GOOD):  # the start is at the mean already
+        return [ids[j] for j in start.tolist()]
     order, _, _ = _descend(table, plan.local_len, prob.cp, start, _ORDER_BUDGET)
     return [ids[j] for j in order.tolist()]
 

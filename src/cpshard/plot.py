@@ -1,9 +1,14 @@
-"""``cpshard plan --png``: the plan's picture as a figure (matplotlib, the optional ``[plot]`` extra).
+"""``cpshard plan --png`` and ``cpshard pack --png``: the plan's picture and the packing's step as figures
+(matplotlib, the optional ``[plot]`` extra).
 
 One column per plan (zigzag and contiguous side by side with ``--layout both``): on top, which rank
 holds each row of the global padded buffer (one band per rank; token rows in the rank's colour, pad
 rows faded); below, each rank's causal-attention work (the (query, key) pairs it scores,
 :func:`cpshard.attention.attention_work`) against the mean, on one scale for every column.
+
+``cpshard pack --png`` (:func:`draw_packing`): every DP rank's step as a timeline, one lane per DP
+rank, one box per micro-batch as wide as its slowest CP rank's work, the mean CP rank's share dark
+and the rest (CP ranks waiting for the slowest) light; beside it verl's partition on the same scale.
 
 Readable from 2 to thousands of sequences: past ``_MAX_ROW_BINS`` rows a pixel column stands for a
 bin of consecutive rows (its colour the mix of token and pad rows the rank holds there); sequence
@@ -24,7 +29,7 @@ from cpshard._errors import fail
 from cpshard.causal import attention_work
 from cpshard.plan import ShardPlan
 
-__all__ = ["draw_plans", "plan_title", "rank_map"]
+__all__ = ["draw_packing", "draw_plans", "plan_title", "rank_map"]
 
 _MAX_ROW_BINS = 1200      # pixel columns of the rank map at most (the figure is ~700 px wide per plan)
 _MAX_BOUNDARY_LINES = 32  # sequences whose boundaries are drawn as lines; past it, the sequence strip
@@ -160,5 +165,54 @@ def draw_plans(plans: Sequence[ShardPlan], path: str, *, notes: str = "") -> Any
         bottom.set_ylabel("causal work (q, k pairs)")
         ratio = max(work) / mean if mean else 1.0
         bottom.set_title(f"max/mean = {ratio:.3f} (1.000 is balanced)", fontsize=9)
+    fig.savefig(path, format="png")
+    return fig
+
+
+def draw_packing(packing: Any, path: str, *,
+                 others: Sequence[tuple[str, Sequence[Sequence[Sequence[int]]]]] = ()) -> Any:
+    """Write a PNG to ``path``: the step of a :class:`cpshard.Packing` as a timeline per DP rank, and of
+    each ``(label, work)`` in ``others`` (``work[d][m]``: micro-batch ``m`` of DP rank ``d``, its per-CP-rank
+    works; ``cpshard pack`` passes verl's partition), one panel each on one time scale.
+
+    A micro-batch is a box as wide as its slowest CP rank's work (the time it takes), dark for the
+    mean CP rank's share and light for the rest (idle CP ranks waiting for the slowest); the dashed
+    line is the ideal step (total work over ``dp * cp``), the dotted one the packing's lower bound.
+    Returns the matplotlib ``Figure``; the timelines are ``[a for a in fig.axes if a.get_label() ==
+    "timeline"]``. Needs matplotlib (``pip install 'cpshard[plot]'``)."""
+    figure_cls = _import_matplotlib()
+    from matplotlib import colormaps
+
+    colors = colormaps["tab10"]
+    panels = [("cpshard.pack", packing.work), *others]
+    cp = len(packing.work[0][0])
+    ideal = packing.total_work / (len(packing.work) * cp)
+    longest = max(sum(max(w) for w in rank) for _, work in panels for rank in work)
+    lanes = max(len(work) for _, work in panels)
+    fig = figure_cls(figsize=(7.5, 1.2 + (0.35 * min(lanes, 16) + 1.0) * len(panels)), dpi=110, layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (label, work) in zip(axes, panels):
+        ax.set_label("timeline")
+        for d, rank in enumerate(work):
+            start = 0.0
+            for m, w in enumerate(rank):
+                slow, mean = max(w), sum(w) / len(w)
+                colour = colors(m % 10)
+                ax.broken_barh([(start, slow)], (d - 0.4, 0.8), facecolors=[(*colour[:3], 0.3)], edgecolor="white",
+                               linewidth=0.4)
+                ax.broken_barh([(start, mean)], (d - 0.4, 0.8), facecolors=[colour], linewidth=0)
+                start += slow
+        ax.axvline(ideal, color="black", linestyle="--", linewidth=0.9)
+        ax.axvline(ideal * packing.lower_bound, color="black", linestyle=":", linewidth=0.9)
+        ticks = list(range(0, len(work), max(1, -(-len(work) // 16))))
+        ax.set_yticks(ticks, [f"DP {d}" for d in ticks])
+        ax.set_ylim(len(work) - 0.5, -0.5)
+        ax.set_xlim(0, 1.02 * longest if longest else 1)  # one scale for every panel
+        step = max(sum(max(w) for w in rank) for rank in work)
+        counts = sorted({len(rank) for rank in work})
+        ax.set_title(f"{label}: step ratio {step / ideal if ideal else 1.0:.3f}, "
+                     f"{'/'.join(map(str, counts))} micro-batches per DP rank", fontsize=9)
+    axes[-1].set_xlabel("time: the slowest CP rank's causal work (q, k pairs); dark = the mean CP rank's share\n"
+                        "dashed: the ideal step (total work / (dp cp)); dotted: the packing's lower bound")
     fig.savefig(path, format="png")
     return fig
