@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cpshard import BshdPlan, Layout, ShardPlan, shard, unshard
 from cpshard.attention import (
@@ -26,6 +28,7 @@ from cpshard.attention import (
     naive_attention_mask,
 )
 from cpshard.spawn import CollectiveCounter, run_ranks
+from strategies import props
 
 F64 = torch.float64
 H, D = 2, 3
@@ -193,3 +196,22 @@ def test_across_two_gloo_ranks():
     for checked in run_ranks(_across_ranks, 2):
         assert checked == ["zigzag/attention", "zigzag/naive_attention", "contiguous/attention",
                            "contiguous/naive_attention"]
+
+
+@props(150)
+@given(lens=st.lists(st.integers(0, 60), min_size=1, max_size=10), cp=st.integers(1, 6), tp=st.integers(1, 3),
+       layout=st.sampled_from(["zigzag", "contiguous"]), padding=st.sampled_from(["aligned", "minimal"]),
+       reorder=st.booleans(), bshd=st.booleans())
+def test_attention_work_counts_every_rank_s_pairs(lens, cp, tp, layout, padding, reorder, bshd):
+    """The one work model, in closed form for THD plans, equals a naive count over every rank's rows:
+    ``sum(position + 1)`` over its token rows (from the plan's own per-rank views)."""
+    if bshd:
+        plan = BshdPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+    else:
+        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=padding,
+                               reorder="balanced" if reorder and layout == "contiguous" else None)
+    naive = []
+    for r in range(cp):
+        pos, tok = plan.position_ids(r).reshape(-1).tolist(), plan.token_mask(r).reshape(-1).tolist()
+        naive.append(sum(p + 1 for p, t in zip(pos, tok) if t))
+    assert attention_work(plan) == naive

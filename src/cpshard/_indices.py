@@ -158,15 +158,40 @@ class PlanIndices:
 
     def work(self) -> list[int]:
         """Per rank, the (query, key) pairs its causal attention scores: ``sum(pos + 1)`` over its token
-        rows, per segment in closed form (a segment's ``t`` token rows from position ``p`` hold
-        ``t p + t (t + 1) / 2`` pairs; below 2**63, as a plan has fewer than 2**31 rows)."""
-        out = []
-        for r in range(self.plan.cp_size):
-            seg = self.segments(r)
-            t, p = seg.tokens, seg.pos
-            out.append(int((t * p + t * (t + 1) // 2).sum()))
-        return out
+        rows (``causal.attention_work``). With ``tri(x) = x (x + 1) / 2``, the positions ``[s, e)`` of
+        a sequence of ``n`` tokens hold ``tri(min(e, n)) - tri(min(s, n))`` pairs, below 2**63 as a
+        plan has fewer than 2**31 rows. THD plans in closed form over the sequences (no segments):
+        zigzag rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of every sequence; a contiguous
+        rank the buffer rows ``[r L, (r + 1) L)``, whose work is ``G((r + 1) L) - G(r L)`` with ``G``
+        the work of the buffer's first rows (Note [Causal work under the contiguous layout] in
+        ``_balance.py``). BSHD plans per segment."""
+        return self._kept("host", "work", self._work)
 
+    def _work(self) -> list[int]:
+        plan, cp = self.plan, self.plan.cp_size
+        if plan._padded_input:
+            out = []
+            for r in range(cp):
+                seg = self.segments(r)
+                t, p = seg.tokens, seg.pos
+                out.append(int((t * p + t * (t + 1) // 2).sum()))
+            return out
+        n = self.lengths()
+        padded = _index.int64_array(plan.padded_seqlens_py)  # type: ignore[attr-defined]
+
+        def tri(x: np.ndarray) -> np.ndarray:
+            return x * (x + 1) // 2
+        if plan.layout is Layout.ZIGZAG and cp > 1:
+            c = (padded // (2 * cp))[:, None]
+            done = tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c))
+            chunk = np.diff(done, axis=1)  # (B, 2 cp): each chunk's work
+            return (chunk[:, :cp] + chunk[:, ::-1][:, :cp]).sum(0).tolist()
+        end = np.cumsum(padded)
+        cuts = np.arange(cp + 1, dtype=np.int64) * plan.local_len
+        j = np.minimum(np.searchsorted(end, cuts, side="right"), n.size - 1)  # the sequence each cut falls in
+        before = np.concatenate([[0], np.cumsum(tri(n))])[j]  # the sequences wholly before it
+        head = np.clip(cuts - (end[j] - padded[j]), 0, n[j])
+        return np.diff(before + tri(head)).tolist()
     # -- offsets ----------------------------------------------------------------------------
 
     def host(self, name: str) -> torch.Tensor:
