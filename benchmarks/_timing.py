@@ -27,6 +27,21 @@ def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None =
     return 1e3 * statistics.median(times)
 
 
+def slowest_rank_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Median over ``repeats`` of one call's time on the slowest rank of the default group, in ms: per
+    call every rank does ``barrier(); t0; fn(); t1``, then the times are reduced by their maximum."""
+    import torch.distributed as dist
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        spent = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+        times.append(float(spent))
+    return 1e3 * statistics.median(times)
+
+
 def interleaved_ms(fns: list[Callable[[], Any]], repeats: int, device: torch.device | None = None) -> list[float]:
     """Median ms of each of ``fns``, timed in turn within every repeat.
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from _timing import slowest_rank_ms  # noqa: E402
 
 WORLD, TOKENS, DOCS, WIDTH = 4, 1 << 20, 256, 4
 
@@ -39,18 +39,6 @@ def _lengths(tokens: int, docs: int) -> list[int]:
     lens = (w / w.sum() * tokens).floor().long()
     lens[0] += tokens - int(lens.sum())
     return lens.tolist()
-
-
-def _timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        spent = torch.tensor([time.perf_counter() - t])
-        dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-        times.append(float(spent))
-    return 1e3 * statistics.median(times)
 
 
 def _body(rank: int, world: int, repeats: int) -> list[tuple[str, float, float, float, int]] | None:
@@ -94,7 +82,7 @@ def _body(rank: int, world: int, repeats: int) -> list[tuple[str, float, float, 
                 fn()
             sent = torch.tensor([comm.bytes])
             dist.all_reduce(sent)
-            ms = _timed(fn, repeats)
+            ms = slowest_rank_ms(fn, repeats)
             rows.append((f"{name}: {label}", ms, float(cold) * 1e3 if label == "relayout" else float("nan"),
                          int(sent) / 1e6, moved * row_bytes / 1e6, len(comm.calls), comm.calls))
     return rows if rank == 0 else None

@@ -36,6 +36,7 @@ from _timing import add_batch_args, batch_lengths, interleaved_ms, median_ms  # 
 
 import verl_fakes as vf  # noqa: E402
 from cpshard import ShardPlan, shard
+from cpshard._header import HEADER_BYTES
 from cpshard.compat import verl as cv
 
 vutil = vf.vutil
@@ -45,9 +46,20 @@ vutil = vf.vutil
 def _megatron(tp: int, cp: int, rank: int, others: list[torch.Tensor] | None = None) -> Iterator[None]:
     """Megatron's getters answer (tp, cp, rank); a one-process torch.distributed whose all-gathers
     copy ``others`` (every rank's output) into place, for verl's and cpshard's restore alike."""
+    def sent(r: int, inp: torch.Tensor) -> torch.Tensor:
+        """What rank ``r`` hands the all-gather: cpshard leads its rows with the call's header (this
+        rank's, with ``r``'s rank word: Note [Call headers] in ``_header.py``)."""
+        assert others is not None
+        body = others[r].contiguous().reshape(-1)
+        if inp.dtype != torch.uint8 or inp.numel() != body.numel() * body.element_size() + HEADER_BYTES:
+            return others[r]
+        head = inp[:HEADER_BYTES].clone()
+        head.view(torch.int64)[2] = r
+        return torch.cat([head, body.view(torch.uint8)])
+
     def all_gather(out: list[torch.Tensor], inp: torch.Tensor, group: Any = None) -> None:
         for r, t in enumerate(out):
-            src = (inp if r == rank or others is None else others[r]).contiguous().reshape(-1)
+            src = (inp if r == rank or others is None else sent(r, inp)).contiguous().reshape(-1)
             if src.dtype != t.dtype:  # cpshard moves rows as bytes
                 src = src.view(torch.uint8).view(t.dtype)
             t.copy_(src.view(t.shape))

@@ -17,7 +17,7 @@ LAYERS = {
     1: {"layout", "_parse", "plan", "bshd", "_index", "_exchange", "_halo", "_indices", "_balance", "causal",
         "_relayout", "pack"},
     2: {"ops", "padded"},
-    3: {"_agree", "distributed", "spawn"},
+    3: {"_agree", "_header", "distributed", "spawn"},
     4: {"attention", "loss", "mtp", "verify", "scan", "_hybrid"},
     5: {"cli", "plot", "__main__", "__init__", "megatron", "compat"},
 }

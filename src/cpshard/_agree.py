@@ -3,7 +3,9 @@ small all-gather, and what every rank concludes from everyone's contributions. P
 itself is ``cpshard.distributed``'s (the only module that communicates); the process-wide switch
 (``set_checks``, ``CPSHARD_CHECK``) lives here.
 
-Each rank contributes ten int64 words: its plan's fingerprint (eight, ``PlanIndices.fingerprint``),
+Each rank contributes ten int64 words, after a ``CHECK`` call header (``_header.py``: a peer that
+runs a data collective here instead, its checks off, is named rather than read as these words): its
+plan's fingerprint (eight, ``PlanIndices.fingerprint``),
 a digest of the call's arguments that every rank must pass alike, and whether its own input checks
 failed. Every rank then sees the same rows and raises the same error (or none), so nothing hangs:
 different plans first (the root cause of most other errors), then a rank's own error, then the ranks

@@ -12,10 +12,16 @@ the others wait in their collective; ``check=True`` costs one small extra collec
 every rank's verdict and plan fingerprint first, so that bad input on any rank, or ranks that built
 different plans, raise on every rank and nothing hangs. ``check=None`` (the default) follows the
 process-wide switch: :func:`set_checks`, or the environment variable ``CPSHARD_CHECK=1``.
+
+Checks on or off, every all-gather and all-to-all carries a 64-byte header that identifies the call
+(plan, dtype, row shape, shifts and fills, check setting), compared on arrival: ranks that disagree
+raise instead of returning a wrong result (Note [Call headers] in ``_header.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard import _agree as _protocol
+from cpshard import _header
 from cpshard._agree import checks_enabled, set_checks
 from cpshard._dtypes import movable, wire
 from cpshard._errors import check_tensor, fail
@@ -127,7 +134,7 @@ def check_plan(plan: Plan, group: Any) -> None:
 
 
 def _checked(plan: Any, group: Any, check: bool | None,
-             validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int]:
+             validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int, dict[str, Any], bool]:
     """Run ``validate()`` (local checks) and return its result with this rank's group rank.
 
     ``validate`` returns ``(result, call)`` where ``call`` names the arguments every rank must
@@ -135,31 +142,38 @@ def _checked(plan: Any, group: Any, check: bool | None,
     once, before any collective. ``check=True``: the verdict, the plan's fingerprint and a digest of
     ``call`` are shared with the other ranks first, so that a failure on any rank, different plans
     or different arguments raise on every rank instead of one rank raising while the others wait
-    (or the collective mixing data of different dtypes).
+    (or the collective mixing data of different dtypes). Also returns ``call`` and whether the
+    agreement ran: the data collective's header carries both (Note [Call headers] in ``_header.py``).
     """
     if not _protocol.resolve_check(check) or (isinstance(plan, Plan) and _solo(plan, group)):
-        result, _ = validate()
-        return result, _group_rank(plan, group)
+        result, call = validate()
+        return result, _group_rank(plan, group), call, False
     try:
         result, call = validate()
     except (ValueError, TypeError) as exc:
         _agree(plan, group, exc, {})
         raise  # _agree re-raises it; kept for the type checker
     _agree(plan, group, None, call)
-    return result, _group_rank(plan, group)
+    return result, _group_rank(plan, group), call, True
 
 
 def _agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
     """The small collective behind ``check_plan`` and ``check=True`` (``_agree.py``); raises on every
     rank or none."""
     _require_group(group)
-    mine, error = _protocol.contribution(plan, error, call)
-    size = dist.get_world_size(group)
+    words, error = _protocol.contribution(plan, error, call)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     device = _collective_device(group)
-    mine = mine.to(device)
-    every = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
-    _all_gather_flat(every, mine, group)
-    _protocol.judge([tuple(r) for r in every.view(size, -1).tolist()], dist.get_rank(group), error, call)
+    # led by a CHECK header: a peer that runs a data collective here instead (checks off there) is
+    # named, not read as fingerprint words (Note [Call headers])
+    stamp = _header.make(_header.CHECK, "check", rank, True, (), {})
+    mine = torch.cat([torch.tensor(stamp, dtype=torch.int64), words]).to(device)
+    every = torch.empty((size, mine.numel()), dtype=mine.dtype, device=device)
+    every[:, :_header.HEADER_WORDS].zero_()
+    _all_gather_flat(every.view(-1), mine, group)
+    rows = every.tolist()
+    _raise_on_mismatch("check=True agreement", rank, [r[:_header.HEADER_WORDS] for r in rows], stamp, range(size))
+    _protocol.judge([tuple(r[_header.HEADER_WORDS:]) for r in rows], rank, error, call)
     _group_rank(plan, group)  # the same plan everywhere: a size mismatch now raises on every rank
 
 
@@ -177,34 +191,114 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
+# -- call headers (Note [Call headers] in _header.py) ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stamp:
+    """One call's identity, carried by its data collectives: the operation, this rank, whether an
+    agreement preceded, the plan(s) and the arguments every rank must pass alike."""
+
+    op: str
+    rank: int
+    checked: bool
+    plans: tuple[Plan, ...]
+    call: dict[str, Any]
+
+    @functools.cached_property
+    def words(self) -> list[int]:
+        """This rank's header (built only when a collective runs)."""
+        plan_words = [w for p in self.plans for w in p.indices().fingerprint().tolist()]
+        return _header.make(_header.DATA, self.op, self.rank, self.checked, plan_words, self.call)
+
+    def backward(self, op: str) -> _Stamp:
+        """The stamp of the reverse exchange in backward (another operation, the same call)."""
+        return dataclasses.replace(self, op=op)
+
+    def bytes_on(self, device: torch.device) -> torch.Tensor:
+        """The header as ``HEADER_BYTES`` uint8 on ``device`` (a non-blocking copy: no host sync)."""
+        host = torch.tensor(self.words, dtype=torch.int64).view(torch.uint8)
+        return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+def _raise_on_mismatch(op: str, rank: int, got: Sequence[Sequence[int]], mine: Sequence[int],
+                       senders: Sequence[int]) -> None:
+    bad = {}
+    for sender, words in zip(senders, got):
+        fields = _header.mismatch(words, mine, sender)
+        if fields:
+            bad[sender] = (fields, words)
+    if bad:
+        raise ValueError(_header.describe_mismatch(op, rank, bad, mine))
+
+
+def _verify(stamp: _Stamp, headers: torch.Tensor, senders: Sequence[int]) -> None:
+    """Compare the ``(n, HEADER_BYTES)`` uint8 headers received from ``senders`` with this rank's.
+
+    On the host (gloo, CPU tensors) a mismatch raises ValueError naming the ranks and fields; on a
+    device the comparison stays there (``torch._assert_async``: no host sync; a mismatch is a
+    device-side assertion, fatal to the process, as NCCL mismatches are)."""
+    words = headers.reshape(-1).view(torch.int64).view(-1, _header.HEADER_WORDS)  # a copy unless one row
+    if words.device.type == "cpu":
+        _raise_on_mismatch(stamp.op, stamp.rank, words.tolist(), stamp.words, senders)
+        return
+    expected = torch.tensor([[w if i != 2 else s for i, w in enumerate(stamp.words)] for s in senders],
+                            dtype=torch.int64).to(words.device, non_blocking=True)
+    message = (f"cpshard {stamp.op}: the ranks of the context-parallel group disagree about this call "
+               f"(rank {stamp.rank} received another header); rerun with check=True to name them")
+    try:
+        torch._assert_async((words == expected).all(), message)
+    except TypeError:  # torch without the message overload
+        torch._assert_async((words == expected).all())
+
+
+def _all_gather_stamped(local: torch.Tensor, group: Any, size: int, stamp: _Stamp) -> torch.Tensor:
+    """``(size, *local.shape)``: every rank's ``local`` (contiguous), each sent after this call's header
+    and checked against it (a strided view of the received buffer, no copy)."""
+    data = wire(local).reshape(-1)
+    h = _header.HEADER_BYTES
+    send = torch.empty(h + data.numel(), dtype=torch.uint8, device=local.device)
+    send[:h].copy_(stamp.bytes_on(local.device), non_blocking=True)
+    send[h:].copy_(data)
+    out = torch.empty((size, send.numel()), dtype=torch.uint8, device=local.device)
+    out[:, :h].zero_()  # a shorter message from a peer leaves "no header", not a stale one
+    _all_gather_flat(out.view(-1), send, group)
+    _verify(stamp, out[:, :h], range(size))
+    body = out[:, h:]
+    if local.dtype != torch.uint8:
+        body = body.view(local.dtype)
+    return body.view(size, *local.shape)
+
+
 class _AllGatherOwnGrad(torch.autograd.Function):
-    """All-gather along dim 0; the gradient is the slice of the caller's own rows, not reduced."""
+    """All-gather along dim 0 into ``(size, rows, ...)``; the gradient is the caller's own slice, not
+    reduced (the header is no data: only the rows' view takes part)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
-        local = local.contiguous()
-        ctx.rows, ctx.rank = local.shape[0], rank
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        _all_gather_flat(wire(out), wire(local), group)
-        return out
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: _Stamp) -> torch.Tensor:
+        ctx.rank = rank
+        return _all_gather_stamped(local.contiguous(), group, size, stamp)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        own = grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-        return own, None, None, None
+        return grad[ctx.rank], None, None, None, None
 
 
-def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any, check: bool | None) -> torch.Tensor:
-    """Every rank's flattened local rows, concatenated in rank order (what ``token_rows`` reads)."""
+def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any,
+                     check: bool | None) -> torch.Tensor | list[torch.Tensor]:
+    """Every rank's flattened local rows ``(R, ...)`` in rank order, views of the received buffer
+    (whose headers lie between the ranks' rows), or the rows themselves at ``cp = 1`` with no group:
+    what ``token_rows`` reads."""
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
         checked = _check_local(local, plan)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
-    local, rank = _checked(plan, group, check, validate)
+    local, rank, call, checked = _checked(plan, group, check, validate)
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[len(plan.local_shape):])
     if _solo(plan, group):
         return flat
-    return _AllGatherOwnGrad.apply(flat, group, rank, plan.cp_size)
+    stamp = _Stamp("gather", rank, checked, (plan,), call)
+    return list(_AllGatherOwnGrad.apply(flat, group, rank, plan.cp_size, stamp).unbind(0))
 
 
 def gather(local: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
@@ -244,12 +338,34 @@ def gather_tokens(local: torch.Tensor, plan: Plan, group: Any, *, check: bool | 
     return token_rows(_gathered_buffer(local, plan, group, check), plan)
 
 
+
 # -- sharded shift ---------------------------------------------------------------------------
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                group: Any) -> None:
-    dist.all_to_all_single(wire(out), wire(inp.contiguous()), list(out_splits), list(in_splits), group=group)
+def _all_to_all(rows: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int], group: Any,
+                stamp: _Stamp) -> torch.Tensor:
+    """One ``all_to_all_single`` of ``rows`` (grouped by destination, ``send_splits[d]`` for rank ``d``):
+    the rows received, ``(sum(recv_splits), ...)`` in source order. Each destination's chunk is led by
+    this call's header, even an empty one, and every source's header is checked (Note [Call headers]);
+    the bytes travel as uint8, split in bytes."""
+    rows = rows.contiguous()
+    trailing = rows.shape[1:]
+    row_bytes = rows.element_size() * math.prod(trailing)
+    h = _header.HEADER_BYTES
+    header = stamp.bytes_on(rows.device)
+    pieces = wire(rows).reshape(-1).split([n * row_bytes for n in send_splits])
+    send = torch.cat([part for piece in pieces for part in (header, piece)])
+    recv = torch.empty(sum(recv_splits) * row_bytes + h * len(recv_splits), dtype=torch.uint8, device=rows.device)
+    parts = recv.split([part for n in recv_splits for part in (h, n * row_bytes)])
+    headers, bodies = parts[0::2], parts[1::2]
+    torch._foreach_zero_(list(headers))  # a shorter message leaves "no header", not a stale one
+    dist.all_to_all_single(recv, send, [h + n * row_bytes for n in recv_splits],
+                           [h + n * row_bytes for n in send_splits], group=group)
+    _verify(stamp, torch.stack(list(headers)), range(len(recv_splits)))
+    body = torch.cat(list(bodies))
+    if rows.dtype != torch.uint8:
+        body = body.view(rows.dtype)
+    return body.view(sum(recv_splits), *trailing)
 
 
 class _ShiftSharded(torch.autograd.Function):
@@ -257,12 +373,11 @@ class _ShiftSharded(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, ex: ShiftExchange, group: Any, pad_value: Scalar,
-                fill: Scalar) -> torch.Tensor:
-        ctx.ex, ctx.group = ex, group
+                fill: Scalar, stamp: _Stamp) -> torch.Tensor:
+        ctx.ex, ctx.group, ctx.stamp = ex, group, stamp
         recv = None
         if ex.total_remote:
-            recv = local.new_empty((sum(ex.recv_splits), *local.shape[1:]))
-            _all_to_all(recv, local.index_select(0, ex.send_rows), ex.recv_splits, ex.send_splits, group)
+            recv = _all_to_all(local.index_select(0, ex.send_rows), ex.recv_splits, ex.send_splits, group, stamp)
         return ex.apply(local, recv, pad_value, fill)
 
     @staticmethod
@@ -274,10 +389,10 @@ class _ShiftSharded(torch.autograd.Function):
                 kept.index_fill_(0, rows, 0)
         grad_local = torch.zeros_like(grad).index_add_(0, ex.source, kept)
         if ex.total_remote:
-            back = grad.new_empty((sum(ex.send_splits), *grad.shape[1:]))
-            _all_to_all(back, grad.index_select(0, ex.recv_rows), ex.send_splits, ex.recv_splits, ctx.group)
+            back = _all_to_all(grad.index_select(0, ex.recv_rows), ex.send_splits, ex.recv_splits, ctx.group,
+                               ctx.stamp.backward("shift_sharded backward"))
             grad_local.index_add_(0, ex.send_rows, back)
-        return grad_local, None, None, None, None
+        return grad_local, None, None, None, None, None
 
 
 def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1, pad_value: Scalar | None = None,
@@ -311,16 +426,17 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
                 "pad_value": pad, "fill": fil}
         return (checked, k, pad, fil), call
 
-    (local, k, pad, fil), rank = _checked(plan, group, check, validate)
+    (local, k, pad, fil), rank, call, checked = _checked(plan, group, check, validate)
     ex = plan.indices().shift_exchange(rank, k, local.device)
+    stamp = _Stamp("shift_sharded", rank, checked, (plan,), call)
     lead = len(plan.local_shape)
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[lead:])
     moved = movable(flat, pad, fil)
     if moved is not None:  # fp8 / uintN rows move as their carrier; nothing to differentiate
         carried, pad_bits, fill_bits = moved
-        out = _ShiftSharded.apply(carried, ex, group, pad_bits, fill_bits).view(local.dtype)
+        out = _ShiftSharded.apply(carried, ex, group, pad_bits, fill_bits, stamp).view(local.dtype)
     else:
-        out = _ShiftSharded.apply(flat, ex, group, pad, fil)
+        out = _ShiftSharded.apply(flat, ex, group, pad, fil, stamp)
     return out.view(local.shape)
 
 
@@ -376,15 +492,15 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
                 "shifts": ks, "pad_values": pads, "fills": fils}
         return (checked, ks, pads, fils), call
 
-    (checked, ks, pads, fils), rank = _checked(plan, group, check, validate)
+    (checked, ks, pads, fils), rank, call, ran_check = _checked(plan, group, check, validate)
     lead = len(plan.local_shape)
     rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
     ms = plan.indices().halo(rank, ks, rows[0].device)
     received: list[torch.Tensor | None] = [None] * len(rows)
     if ms.total_remote:
         packed = _halo.pack_rows(rows)
-        recv = packed.new_empty((sum(ms.recv_splits), packed.shape[1]))
-        _all_to_all(recv, packed.index_select(0, ms.send_rows), ms.recv_splits, ms.send_splits, group)
+        stamp = _Stamp("shift_sharded_multi", rank, ran_check, (plan,), call)
+        recv = _all_to_all(packed.index_select(0, ms.send_rows), ms.recv_splits, ms.send_splits, group, stamp)
         received = list(_halo.unpack_rows(recv, rows))
     return [ms.apply(r, got, pad, fil).view(len(ks), *t.shape)
             for r, got, pad, fil, t in zip(rows, received, pads, fils, checked)]
@@ -445,12 +561,11 @@ class _GatherRowsSumGrad(torch.autograd.Function):
     no reduce-scatter."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: _Stamp) -> torch.Tensor:
         local = local.contiguous()
         ctx.rows, ctx.rank, ctx.group = local.shape[0], rank, group
-        out = local.new_empty((size * local.shape[0], *local.shape[1:]))
-        _all_gather_flat(out, local, group)
-        return out
+        # the ranks' rows out of the headed buffer: one copy, as the result is (size * rows, ...)
+        return _all_gather_stamped(local, group, size, stamp).reshape(size * local.shape[0], *local.shape[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -458,7 +573,7 @@ class _GatherRowsSumGrad(torch.autograd.Function):
         wide = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous()
         dist.all_reduce(wide, group=ctx.group)
         own = wide[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-        return own.to(grad.dtype), None, None, None
+        return own.to(grad.dtype), None, None, None, None
 
 
 def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
@@ -467,10 +582,16 @@ def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group) -> torch.Tenso
     values). Backward: the gathered gradient is summed over the group and each rank keeps its own
     rows, so that when the ranks' losses add up to the batch's, every gradient equals ``cp = 1``'s.
     ``rows`` as they are at ``cp = 1`` with no group."""
+    return _gather_rows(rows, plan, group, "all_gather_rows")
+
+
+def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str) -> torch.Tensor:
+    rows = check_tensor("rows", rows)
     rank = _group_rank(plan, group)
     if _solo(plan, group):
         return rows
-    return _GatherRowsSumGrad.apply(rows, group, rank, plan.cp_size)
+    stamp = _Stamp(op, rank, False, (plan,), {"dtype": rows.dtype, "row shape": tuple(rows.shape[1:])})
+    return _GatherRowsSumGrad.apply(rows, group, rank, plan.cp_size, stamp)
 
 
 def read_group(group: Any, what: str) -> int | None:
@@ -505,13 +626,13 @@ def group_rank(plan: Plan, group: Any) -> int:
 __all__ += ["gather_states", "relayout"]
 
 
-def _run_relayout(flat: torch.Tensor, route: Any, group: Any) -> torch.Tensor:
+def _run_relayout(flat: torch.Tensor, route: Any, group: Any, stamp: _Stamp) -> torch.Tensor:
     """``flat``'s rows moved by ``route`` (``cpshard._relayout.Route``): one all-to-all, or none when no
     row of the group changes rank."""
     received = None
     if route.total_remote:
-        received = flat.new_empty((sum(route.recv_splits), *flat.shape[1:]))
-        _all_to_all(received, flat.index_select(0, route.send_rows), route.recv_splits, route.send_splits, group)
+        received = _all_to_all(flat.index_select(0, route.send_rows), route.recv_splits, route.send_splits, group,
+                               stamp)
     return route.apply(flat, received)
 
 
@@ -519,13 +640,15 @@ class _Relayout(torch.autograd.Function):
     """Forward: the route from src to dst. Backward: the reverse route (dst to src), one all-to-all."""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, forward_route: Any, backward_route: Any, group: Any) -> torch.Tensor:
-        ctx.route, ctx.group = backward_route, group
-        return _run_relayout(flat.contiguous(), forward_route, group)
+    def forward(ctx: Any, flat: torch.Tensor, forward_route: Any, backward_route: Any, group: Any,
+                stamp: _Stamp) -> torch.Tensor:
+        ctx.route, ctx.group, ctx.stamp = backward_route, group, stamp
+        return _run_relayout(flat.contiguous(), forward_route, group, stamp)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _run_relayout(grad.contiguous(), ctx.route, ctx.group), None, None, None
+        stamp = ctx.stamp.backward("relayout backward")
+        return _run_relayout(grad.contiguous(), ctx.route, ctx.group, stamp), None, None, None, None
 
 
 def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
@@ -564,7 +687,7 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
         return (checked, dst), {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(src_plan.local_shape):]),
                                 "dst_plan": plan_fingerprint(dst).tolist()}
 
-    (checked, dst), rank = _checked(src_plan, group, check, validate)
+    (checked, dst), rank, call, ran_check = _checked(src_plan, group, check, validate)
     lead = len(src_plan.local_shape)
     trailing = checked.shape[lead:]
     flat = checked.reshape(math.prod(src_plan.local_shape), *trailing)
@@ -574,7 +697,8 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
     device = flat.device
     forward_route = relayout_route(src_plan, dst, rank, device)
     backward_route = relayout_route(dst, src_plan, rank, device)
-    out = _Relayout.apply(flat, forward_route, backward_route, group)
+    stamp = _Stamp("relayout", rank, ran_check, (src_plan, dst), call)
+    out = _Relayout.apply(flat, forward_route, backward_route, group, stamp)
     if over is not None:  # only then: view(dtype), even to the same dtype, leaves the autograd graph
         out = out.view(checked.dtype)
     return out.view(*dst.local_shape, *trailing)
@@ -595,4 +719,4 @@ def gather_states(states: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
     others waiting.
     """
     states = check_tensor("states", states)
-    return all_gather_rows(states.unsqueeze(0), plan, group).reshape(plan.cp_size, *states.shape)
+    return _gather_rows(states.unsqueeze(0), plan, group, "gather_states").reshape(plan.cp_size, *states.shape)

@@ -1,0 +1,102 @@
+"""Benchmark: what the call headers (Note [Call headers] in ``src/cpshard/_header.py``) and ``check=True`` cost.
+
+Run (CPU, gloo, on 127.0.0.1; small, for a shared 2-core machine)::
+
+    .venv/bin/python benchmarks/checks.py              # 2 and 4 ranks, 16k and 256k tokens, rows of 8 float32
+    .venv/bin/python benchmarks/checks.py --quick      # fewer repeats, 2 ranks
+
+Per world size and batch, for the all-gather of ``gather`` and the all-to-all of ``shift_sharded``
+(shift 1) and ``relayout`` (zigzag to its contiguous twin):
+
+- "bare": the collective alone on the same bytes, as before the headers (``all_gather_single`` /
+  ``all_to_all_single`` of the rows, no header);
+- "headed": the same collective with each contribution (all-gather) or chunk (all-to-all) led by the
+  64-byte header, checked on arrival (``distributed._all_gather_stamped`` / ``_all_to_all``);
+- "call": the public call, checks off (the default), and "checked": with ``check=True`` (the
+  agreement all-gather of 144 bytes per rank first).
+
+Per call, every rank does ``barrier(); t0; call; t1``; a call's time is the max over ranks, the table
+the median over repeats. "+bytes" is what the header adds to the bytes one rank sends per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from _timing import slowest_rank_ms as timed
+
+
+def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, int, float, float, float, float]]:
+    from cpshard import ShardPlan, shard, twin_plan
+    from cpshard._dtypes import wire
+    from cpshard._header import HEADER_BYTES
+    from cpshard._relayout import relayout_route
+    from cpshard.distributed import _all_gather_stamped, _all_to_all, _Stamp, gather, relayout, shift_sharded
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    lens = (torch.rand(max(1, tokens // 512), generator=g) * 1024 + 1).long().tolist()
+    plan = ShardPlan.build(lens, cp_size=world)
+    local = shard(torch.randn(plan.num_tokens, 8, generator=g), plan, rank)
+    rows = local.contiguous()
+    call = {"dtype": rows.dtype, "row shape": (8,)}
+    out = []
+
+    # all-gather (gather)
+    stamp = _Stamp("gather", rank, False, (plan,), call)
+    buf = torch.empty((world * rows.shape[0], 8))
+
+    def bare_gather() -> None:
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(wire(buf), wire(rows), group=group)
+    out.append(("gather", HEADER_BYTES,
+                timed(bare_gather, repeats), timed(lambda: _all_gather_stamped(rows, group, world, stamp), repeats),
+                timed(lambda: gather(local, plan, group), repeats),
+                timed(lambda: gather(local, plan, group, check=True), repeats)))
+
+    # all-to-all: shift_sharded's exchange and relayout's route
+    ex = plan.indices().shift_exchange(rank, 1, rows.device)
+    dst = twin_plan(plan, "contiguous")
+    route = relayout_route(plan, dst, rank, rows.device)
+    for name, x, stamp, public in (
+            ("shift_sharded", ex, _Stamp("shift_sharded", rank, False, (plan,), call),
+             lambda c: shift_sharded(local, plan, group, shift=1, check=c)),
+            ("relayout", route, _Stamp("relayout", rank, False, (plan, dst), call),
+             lambda c: relayout(local, plan, dst, group, check=c))):
+        send = rows.index_select(0, x.send_rows)
+
+        def bare(x=x, send=send) -> None:
+            recv = torch.empty((sum(x.recv_splits), 8))
+            dist.all_to_all_single(recv, send, list(x.recv_splits), list(x.send_splits), group=group)
+
+        out.append((name, HEADER_BYTES * world, timed(bare, repeats),
+                    timed(lambda x=x, send=send, stamp=stamp: _all_to_all(send, x.recv_splits, x.send_splits,
+                                                                          group, stamp), repeats),
+                    timed(lambda public=public: public(False), repeats),
+                    timed(lambda public=public: public(True), repeats)))
+    return out if rank == 0 else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 ranks, 16k tokens")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    from cpshard.spawn import run_ranks
+
+    repeats = args.repeats or (5 if args.quick else 21)
+    worlds = (2,) if args.quick else (2, 4)
+    sizes = (1 << 14,) if args.quick else (1 << 14, 1 << 18)
+    print(f"{'ranks':>5} {'tokens':>7} {'collective':<14} {'+bytes':>6} {'bare ms':>8} {'headed ms':>9} {'ratio':>6} "
+          f"{'call ms':>8} {'checked ms':>10} {'ratio':>6}")
+    for world in worlds:
+        for tokens in sizes:
+            rows = run_ranks(_body, world, tokens, repeats, timeout=600)[0]
+            for name, added, bare, headed, call, checked in rows:
+                print(f"{world:>5} {tokens:>7} {name:<14} {added:>6} {bare:>8.3f} {headed:>9.3f} {headed / bare:>6.2f} "
+                      f"{call:>8.3f} {checked:>10.3f} {checked / call:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The call header that every data collective of ``cpshard.distributed`` carries (pure: no communication).
+
+Note [Call headers]
+~~~~~~~~~~~~~~~~~~~
+Ranks that disagree about a call (different plans of the same local length, different dtypes of one
+width, shifts, fill values, or check settings) would otherwise exchange bytes of the right size and
+return a wrong result without a word. So every all-gather and all-to-all of cpshard prepends
+``HEADER_BYTES`` (64) bytes to each rank's contribution (all-gather) or to each destination's chunk
+(all-to-all), eight int64 words:
+
+    0 magic + kind (``DATA`` or ``CHECK``: the agreement all-gather of ``check=True``)
+    1 the operation (``OPS``: gather, shift, halo, relayout, their backward exchanges ...)
+    2 the sender's rank in the group
+    3 whether a ``check=True`` agreement preceded the call on the sender
+    4 the plan's digest (the fingerprint folded to 63 bits; a relayout folds both plans)
+    5 the dtype (``dtype_code``, a digest of its name)
+    6 the row shape (a digest)
+    7 the call's other arguments (shift(s), pad and fill values: a digest)
+
+There is no extra collective: the header travels inside the collective the call makes anyway, and
+is compared where the result already is (gloo: on the host, right after the collective; NCCL: on the
+device, by ``torch._assert_async``, so no host synchronisation). Every receiver compares every
+sender's header with the one it would have sent itself (the sender's rank aside), so every rank that
+received mismatching bytes raises and names the rank and the fields that differ.
+
+The receive buffer's header slots are zeroed first: a peer whose message was shorter (gloo accepts a
+short message) leaves zeros there, read as "no header" rather than as a stale header of an earlier
+call. A peer whose message is *longer* than expected cannot be caught here: gloo aborts the
+receiving process (``EnforceNotMet``), README "Known limitations".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["CHECK", "DATA", "HEADER_BYTES", "HEADER_WORDS", "OPS", "describe_mismatch", "digest", "make",
+           "mismatch"]
+
+HEADER_WORDS = 8
+HEADER_BYTES = 8 * HEADER_WORDS  # a multiple of 16: the data after it stays aligned for every dtype
+_MAGIC = 0x6370_7368_6400 << 8  # "cpshd", then a kind byte
+DATA, CHECK = 1, 2
+_KINDS = {DATA: "a data collective", CHECK: "the agreement check of check=True (or CPSHARD_CHECK=1)"}
+OPS = {"gather": 1, "all_gather_rows": 2, "gather_states": 3, "shift_sharded": 4,
+       "shift_sharded backward": 5, "shift_sharded_multi": 6, "relayout": 7, "relayout backward": 8,
+       "check": 9}
+_OP_NAMES = {v: k for k, v in OPS.items()}
+_FIELDS = ("kind", "operation", "rank", "check setting", "plan", "dtype", "row shape",
+           "shift, pad and fill values")
+
+
+def digest(value: Any) -> int:
+    """63 bits of a BLAKE2b digest of ``repr(value)`` (non-negative, fits an int64 word)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+
+
+_DTYPE_NAMES = {digest(str(d)): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+_SHAPE_KEYS = ("dtype", "dtypes", "row shape", "row shapes")
+
+
+def make(kind: int, op: str, rank: int, checked: bool, plan_words: Sequence[int], call: dict[str, Any]) -> list[int]:
+    """This rank's header words for one call: ``plan_words`` are the plan fingerprint(s) (folded here),
+    ``call`` the arguments every rank must pass alike (``dtype``/``dtypes``, ``row shape``/``row shapes``,
+    the rest: shifts, pad and fill values), as the functions' checks name them."""
+    dtype = call.get("dtype", call.get("dtypes"))
+    shape = call.get("row shape", call.get("row shapes"))
+    rest = sorted((k, v) for k, v in call.items() if k not in _SHAPE_KEYS)
+    return [_MAGIC | kind, OPS[op], rank, int(checked), digest(tuple(plan_words)), digest(str(dtype)),
+            digest(shape), digest(rest)]
+
+
+def mismatch(got: Sequence[int], mine: Sequence[int], sender: int) -> list[str]:
+    """The fields in which ``got`` (the header received from ``sender``) differs from the one this rank
+    expected from it (``mine``, with ``sender`` as its rank), most telling first; empty if none."""
+    expected = list(mine)
+    expected[2] = sender
+    if got[0] & ~0xFF != _MAGIC or (got[0] & 0xFF) not in _KINDS:
+        return ["no header"]
+    if got[0] != expected[0]:  # another kind of collective: the rest of its words mean other things
+        return [name for name, a, b in zip(_FIELDS[:4], got, expected) if a != b and name != "rank"]
+    return [name for name, a, b in zip(_FIELDS, got, expected) if a != b]
+
+
+def _value(field: str, word: int) -> str:
+    if field == "kind":
+        return _KINDS.get(word & 0xFF, "?")
+    if field == "operation":
+        return _OP_NAMES.get(word, "?")
+    if field == "dtype":
+        return _DTYPE_NAMES.get(word, "dtypes")
+    if field in ("check setting",):
+        return "checked" if word else "unchecked"
+    if field == "rank":
+        return str(word)
+    return f"digest {word:x}"
+
+
+def describe_mismatch(op: str, rank: int, bad: dict[int, tuple[list[str], Sequence[int]]],
+                      mine: Sequence[int]) -> str:
+    """The error message for the senders in ``bad`` (``{sender: (fields, received header)}``)."""
+    parts = []
+    for sender, (fields, got) in sorted(bad.items()):
+        if fields == ["no header"]:
+            parts.append(f"rank {sender} sent no cpshard header (a different collective, or fewer bytes: "
+                         "its plan, dtype or row shape differs, or it skipped this call)")
+            continue
+        shown = [f"{f} ({_value(f, got[_FIELDS.index(f)])} there, {_value(f, mine[_FIELDS.index(f)])} here)"
+                 if f in ("kind", "operation", "check setting") or (f == "dtype" and got[5] in _DTYPE_NAMES)
+                 else f for f in fields]
+        parts.append(f"rank {sender} differs in {', '.join(shown)}")
+    return (f"{op}: the ranks of the context-parallel group disagree about this call (this is rank {rank}): "
+            f"{'; '.join(parts)}. Its result would be wrong, so no rank returns it. Fix: call it on every rank "
+            "with the same plan (built from the same lengths), dtype, row shape, shifts and fill values, and "
+            "set checks alike on every rank (check=, set_checks, CPSHARD_CHECK in every process or none); "
+            "check=True on every rank names both plans.")
