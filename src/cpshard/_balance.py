@@ -30,11 +30,12 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from cpshard._errors import fail
 
-__all__ = ["balanced_order", "rank_work", "work_lower_bound"]
+__all__ = ["balanced_order", "rank_work", "work_lower_bound", "zigzag_works"]
 
 _I64 = torch.int64
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
@@ -108,6 +109,24 @@ def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int
     if sorted(order) != list(range(len(n))):
         fail("order", list(order), f"must be a permutation of range({len(n)})", "pass each sequence index once")
     return _works(_table(n, p), local, cp_size, torch.tensor([list(order)], dtype=_I64))[0].tolist()
+
+
+def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
+    """``(B, cp)`` int64: each sequence's causal work on every rank under zigzag, for ``n`` tokens padded
+    to ``p`` (NumPy int64 arrays): rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``p / (2 cp)``
+    rows, and the first ``k`` chunks hold ``tri(min(n, k c))`` pairs; with ``cp = 1``, all of it.
+    Additive over sequences: the zigzag counterpart of Note [Causal work under the contiguous layout].
+
+    >>> zigzag_works(np.array([5, 3]), np.array([8, 4]), 2).tolist()  # SPEC's worked example
+    [[3, 12], [1, 5]]
+    """
+    def tri(x: np.ndarray) -> np.ndarray:
+        return x * (x + 1) // 2
+    if cp == 1:
+        return tri(n)[:, None]
+    c = (p // (2 * cp))[:, None]
+    chunk = np.diff(tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
+    return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
 
 
 def _move_maps(b: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:

@@ -160,11 +160,9 @@ class PlanIndices:
         """Per rank, the (query, key) pairs its causal attention scores: ``sum(pos + 1)`` over its token
         rows (``causal.attention_work``). With ``tri(x) = x (x + 1) / 2``, the positions ``[s, e)`` of
         a sequence of ``n`` tokens hold ``tri(min(e, n)) - tri(min(s, n))`` pairs, below 2**63 as a
-        plan has fewer than 2**31 rows. THD plans in closed form over the sequences (no segments):
-        zigzag rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of every sequence; a contiguous
-        rank the buffer rows ``[r L, (r + 1) L)``, whose work is ``G((r + 1) L) - G(r L)`` with ``G``
-        the work of the buffer's first rows (Note [Causal work under the contiguous layout] in
-        ``_balance.py``). BSHD plans per segment."""
+        plan has fewer than 2**31 rows. THD plans in the balancer's closed forms over the sequences
+        (no segments): ``_balance.zigzag_works``, and ``_balance.rank_work`` for the contiguous layout
+        (Note [Causal work under the contiguous layout]). BSHD plans per segment."""
         return self._kept("host", "work", self._work)
 
     def _work(self) -> list[int]:
@@ -176,22 +174,13 @@ class PlanIndices:
                 t, p = seg.tokens, seg.pos
                 out.append(int((t * p + t * (t + 1) // 2).sum()))
             return out
-        n = self.lengths()
-        padded = _index.int64_array(plan.padded_seqlens_py)  # type: ignore[attr-defined]
+        from cpshard._balance import rank_work, zigzag_works
+        if plan.layout is Layout.ZIGZAG:
+            padded = _index.int64_array(plan.padded_seqlens_py)  # type: ignore[attr-defined]
+            return zigzag_works(self.lengths(), padded, cp).sum(0).tolist()
+        padded_py = plan.padded_seqlens_py  # type: ignore[attr-defined]
+        return rank_work(plan.seqlens_py, padded_py, range(plan.num_seqs), cp)
 
-        def tri(x: np.ndarray) -> np.ndarray:
-            return x * (x + 1) // 2
-        if plan.layout is Layout.ZIGZAG and cp > 1:
-            c = (padded // (2 * cp))[:, None]
-            done = tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c))
-            chunk = np.diff(done, axis=1)  # (B, 2 cp): each chunk's work
-            return (chunk[:, :cp] + chunk[:, ::-1][:, :cp]).sum(0).tolist()
-        end = np.cumsum(padded)
-        cuts = np.arange(cp + 1, dtype=np.int64) * plan.local_len
-        j = np.minimum(np.searchsorted(end, cuts, side="right"), n.size - 1)  # the sequence each cut falls in
-        before = np.concatenate([[0], np.cumsum(tri(n))])[j]  # the sequences wholly before it
-        head = np.clip(cuts - (end[j] - padded[j]), 0, n[j])
-        return np.diff(before + tri(head)).tolist()
     # -- offsets ----------------------------------------------------------------------------
 
     def host(self, name: str) -> torch.Tensor:

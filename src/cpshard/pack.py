@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from cpshard._balance import zigzag_works
 from cpshard._errors import check_int, fail
 from cpshard.layout import Layout, Padding, sequence_unit
 from cpshard.plan import ShardPlan
@@ -99,18 +100,6 @@ class Packing:
 
 def _tri(x: np.ndarray) -> np.ndarray:
     return x * (x + 1) // 2
-
-
-def _zigzag_work(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
-    """``(B, cp)``: each sequence's work on every rank under zigzag (chunks ``r`` and ``2 cp - 1 - r``
-    of ``P / (2 cp)`` rows; with ``cp = 1``, all of it)."""
-    if cp == 1:
-        return _tri(n)[:, None]
-    c = (p // (2 * cp))[:, None]
-    k = np.arange(2 * cp + 1, dtype=np.int64)[None, :]
-    g = _tri(np.minimum(n[:, None], k * c))  # work of the first k chunks
-    chunk = np.diff(g, axis=1)
-    return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
 
 
 def _two_piece(n: np.ndarray, local: np.ndarray) -> np.ndarray:
@@ -217,7 +206,7 @@ def _heaviest(prob: _Problem, local: np.ndarray) -> np.ndarray:
         return prob.w.astype(np.float64)
     if prob.layout is Layout.ZIGZAG:
         if prob.padding is Padding.ALIGNED:
-            return _zigzag_work(prob.n, prob.p, prob.cp).max(1).astype(np.float64)
+            return zigzag_works(prob.n, prob.p, prob.cp).max(1).astype(np.float64)
         return -(-prob.w // prob.cp).astype(np.float64)
     return _two_piece(prob.n, local).astype(np.float64)
 
@@ -340,7 +329,7 @@ class _Search:
         self.rng = np.random.default_rng(seed)
         cp = prob.cp
         if prob.layout is Layout.ZIGZAG or cp == 1:
-            self.vec = _zigzag_work(prob.n, prob.p, cp)  # (B, cp): additive and exact
+            self.vec = zigzag_works(prob.n, prob.p, cp)  # (B, cp): additive and exact
             self.heavy = np.zeros(prob.n.size, dtype=np.int64)
             self.contiguous = False
         else:
