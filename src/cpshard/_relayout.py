@@ -78,16 +78,6 @@ def _check_plan(plan: Any, name: str) -> Plan:
     return plan
 
 
-def caller_padded(plan: ShardPlan) -> tuple[int, ...]:
-    """The padded lengths in the caller's order (``padded_seqlens_py`` follows the buffer's order)."""
-    if plan.order is None:
-        return plan.padded_seqlens_py
-    out = [0] * plan.num_seqs
-    for j, i in enumerate(plan.order):
-        out[i] = plan.padded_seqlens_py[j]
-    return tuple(out)
-
-
 def twin(plan: Plan, layout: Layout | str | None = None, order: str = "same") -> Plan:
     """``plan``'s twin: the same sequences and padded lengths under ``layout`` and ``order``.
 
@@ -124,7 +114,7 @@ def twin(plan: Plan, layout: Layout | str | None = None, order: str = "same") ->
 
 def _thd_twin(plan: ShardPlan, target: Layout, order: str) -> ShardPlan:
     cp, tp = plan.cp_size, plan.tp_size
-    lens, padded = plan.input_seqlens_py, caller_padded(plan)
+    lens, padded = plan.input_seqlens_py, plan.input_padded_seqlens_py
     if order == "same":
         new_order = plan.order
     elif order == "caller":
@@ -196,7 +186,7 @@ def check_twins(src: Any, dst: Any) -> tuple[Plan, Plan]:
              f"src_plan's sequences ({src.num_seqs} sequences, {src.num_tokens} tokens) in the caller's order",
              "take dst_plan from cpshard.twin_plan(src_plan, layout)")
     same = (src.max_seqlen == dst.max_seqlen if isinstance(src, BshdPlan)
-            else caller_padded(src) == caller_padded(dst))
+            else src.input_padded_seqlens_py == dst.input_padded_seqlens_py)
     if not same:
         fail("dst_plan", repr(dst), "must pad every sequence as src_plan does (twins share one padded buffer)",
              "build one plan with zigzag's padding and take the other from cpshard.twin_plan(plan, layout)")
@@ -258,7 +248,7 @@ def canonical_rows(plan: Plan, cp_rank: int) -> np.ndarray:
     if plan.order is None:
         return rows
     # buffer sequence j (caller's order[j]) moves from cu_padded[j] to the caller's cu_padded[order[j]]
-    caller_cu = np.concatenate([[0], np.cumsum(np.array(caller_padded(plan), dtype=np.int64))])
+    caller_cu = np.concatenate([[0], np.cumsum(np.array(plan.input_padded_seqlens_py, dtype=np.int64))])
     buffer_cu = np.array(plan.cu_seqlens_padded_py[:-1], dtype=np.int64)
     delta = caller_cu[np.array(plan.order, dtype=np.int64)] - buffer_cu
     return rows + delta[plan.indices().view("seq", cp_rank)]

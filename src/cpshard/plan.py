@@ -125,11 +125,15 @@ class Plan:
         Equal to ``seqlens_py`` unless the plan reordered the sequences (``order``), in which case
         ``seqlens_py``, ``cu_seqlens*`` and every per-rank view follow the buffer's order.
         """
+        return self._in_caller_order(self.seqlens_py)
+
+    def _in_caller_order(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-sequence ``values`` given in buffer order, in the caller's order (``order`` undone)."""
         if self.order is None:
-            return self.seqlens_py
-        out = [0] * len(self.seqlens_py)
+            return values
+        out = [0] * len(values)
         for j, i in enumerate(self.order):
-            out[i] = self.seqlens_py[j]
+            out[i] = values[j]
         return tuple(out)
 
     @cached_property
@@ -452,6 +456,11 @@ class ShardPlan(Plan):
     def max_seqlen(self) -> int:  # type: ignore[override]
         """Longest padded sequence (what attention kernels take as ``max_seqlen``)."""
         return max(self.padded_seqlens_py)
+
+    @cached_property
+    def input_padded_seqlens_py(self) -> tuple[int, ...]:
+        """The padded lengths in the caller's order (``padded_seqlens_py`` follows the buffer's)."""
+        return self._in_caller_order(self.padded_seqlens_py)
 
     @cached_property
     def cu_seqlens_padded_py(self) -> tuple[int, ...]:
