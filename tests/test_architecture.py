@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "cpshard"
 LAYERS = {
     0: {"_errors", "_types", "_deps", "_dtypes"},
     1: {"layout", "_parse", "plan", "bshd", "_index", "_exchange", "_halo", "_indices", "_balance", "causal",
-        "_relayout", "pack"},
+        "_relayout", "pack", "_refine"},
     2: {"ops", "padded"},
     3: {"_agree", "_header", "distributed", "spawn"},
     4: {"attention", "loss", "mtp", "verify", "scan", "_hybrid"},

@@ -160,3 +160,97 @@ def test_the_package_exports_the_function():
     import cpshard
 
     assert cpshard.pack is pack and cpshard.Packing is Packing
+
+
+# -- the refinement's closed forms (Note [Refining a packing]) against a rescan of the moved buffer ---
+
+def _rescan(n, p, order, keep, cp):
+    """Per-rank work of the padded sequences in ``order``, the total rounded up to ``keep`` rows: the
+    extra rows pad the buffer's end, as the plan's extension of its last sequence does."""
+    from cpshard._balance import rank_work
+
+    rows = sum(p[i] for i in order)
+    extra = -rows % keep
+    lens = [n[i] for i in order] + [0]
+    pads = [p[i] for i in order] + [extra]
+    return rank_work(lens, pads, list(range(len(lens))), cp)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=7), min_size=2, max_size=4),
+       st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 4]), st.data())
+def test_refinement_moves_score_exactly(groups_lens, cp, unit, data):
+    import numpy as np
+
+    from cpshard._refine import Buffers
+
+    keep = np.lcm(unit, cp)
+    n, groups = [], []
+    for lens in groups_lens:
+        groups.append(list(range(len(n), len(n) + len(lens))))
+        n += lens
+    p = [-(-x // unit) * unit for x in n]
+    capacity = max(sum(p[i] for i in g) for g in groups) + data.draw(st.integers(0, 12)) * keep
+    capacity = -(-capacity // keep) * keep
+    buf = Buffers(np.array(n, dtype=np.int64), np.array(p, dtype=np.int64), int(keep), cp, capacity, groups)
+    for b, g in enumerate(groups):
+        assert buf.works[b].tolist() == _rescan(n, p, g, keep, cp)
+    # every swap and every move of one micro-batch
+    b = data.draw(st.integers(0, len(groups) - 1))
+    size = len(groups[b])
+    for i in range(size):
+        for j in range(size):
+            if i == j:
+                continue
+            for swap in (True, False):
+                order = list(groups[b])
+                if swap:
+                    order[i], order[j] = order[j], order[i]
+                else:
+                    order.insert(j, order.pop(i))
+                got = buf._moved(np.array([b]), np.array([i]), np.array([j]), np.array([swap]))[0]
+                assert got.tolist() == _rescan(n, p, order, keep, cp), (order, i, j, swap)
+    # replacing a sequence by one of another micro-batch, the rows (and so the boundaries) changing
+    other = data.draw(st.integers(0, len(groups) - 1).filter(lambda o: o != b))
+    t = data.draw(st.integers(0, size - 1))
+    for y in groups[other]:
+        order = list(groups[b])
+        order[t] = y
+        rows = sum(p[i] for i in order)
+        got = buf._replaced(np.array([b]), np.array([t]), np.array([y]), np.array([rows]))[0]
+        assert got.tolist() == _rescan(n, p, order, keep, cp), (order, t, y)
+
+
+def test_refinement_descends_and_exchanges_to_exact_works():
+    """After the refinement every micro-batch's stored works equal a rescan of its final order, no
+    micro-batch went over the budget, and the sum of the slowest ranks did not rise."""
+    import random
+
+    import numpy as np
+
+    from cpshard._refine import Buffers
+
+    rng = random.Random(7)
+    n = [min(4000, int(rng.expovariate(1 / 600)) + 1) for _ in range(120)]
+    p = [-(-x // 2) * 2 for x in n]
+    cp, keep, capacity = 4, 4, 8192
+    groups, rows, cur = [], 0, []
+    for i in sorted(range(len(n)), key=lambda i: -n[i]):
+        if rows + p[i] > capacity:
+            groups.append(cur)
+            cur, rows = [], 0
+        cur.append(i)
+        rows += p[i]
+    groups.append(cur)
+    buf = Buffers(np.array(n), np.array(p), keep, cp, capacity, groups)
+    buf.start()
+    first = int(buf.costs().sum())
+    buf.descend(np.arange(len(groups)), 1 << 20)
+    descended = int(buf.costs().sum())
+    buf.exchange(20, 1 << 20)
+    assert int(buf.costs().sum()) <= descended <= first
+    orders = buf.orders()
+    assert sorted(i for o in orders for i in o) == list(range(len(n)))
+    for b, order in enumerate(orders):
+        assert sum(p[i] for i in order) <= capacity
+        assert buf.works[b].tolist() == _rescan(n, p, order, keep, cp)

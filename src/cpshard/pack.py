@@ -39,10 +39,14 @@ longest first, each sequence into the micro-batch, among those with room, that r
 Then moves and swaps of sequences out of the slowest DP rank's micro-batches, while the step (and
 then the sum of squares of the DP ranks' times) falls, stopping after ``_PATIENCE`` steps in a row
 that lowered only the sum of squares (each step's candidates are scored in closed form: only the
-two DP ranks involved change). Under the contiguous layout each micro-batch's buffer order is then
-chosen (longest first onto the least loaded rank with room, as the balancer's start does, then a
-short descent unless that start is within ``_ORDER_GOOD`` of the mean) unless ``reorder="balanced"``,
-where the plan balances it itself; the result is scored exactly on the plans built.
+two DP ranks involved change).
+
+The model ends there: every later step scores exactly (Note [Refining a packing], ``_refine``).
+Under the contiguous layout (unless ``reorder="balanced"``, where each plan balances its own order)
+every micro-batch's buffer order is chosen by a batched descent from a longest-first start, and
+swaps of sequences between micro-batches that lower the sum of the micro-batches' slowest ranks
+follow, each scored on both buffers in closed form. Last, the micro-batches go to the DP ranks by
+their exact costs (:func:`cpshard._refine.assign`), the counts unchanged.
 """
 
 from __future__ import annotations
@@ -56,14 +60,16 @@ import numpy as np
 
 from cpshard._balance import zigzag_works
 from cpshard._errors import check_int, fail
+from cpshard._refine import Buffers, assign
 from cpshard.layout import Layout, Padding, sequence_unit
 from cpshard.plan import ShardPlan
 
 __all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
 
 _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
-_ORDER_BUDGET = 1 << 14  # candidate rows (orders scored times B) of each micro-batch's order descent
-_ORDER_GOOD = 1e-3  # no descent when the start's heaviest rank is this close to the mean
+_ORDER_BUDGET = 1 << 14  # candidate rows (orders scored times B) of the order descent, per micro-batch
+_EXCHANGE_ROUNDS = 10  # exchange rounds at most (Note [Refining a packing]) ...
+_EXCHANGE_BUDGET = 1 << 16  # ... and candidate rows they score, per micro-batch
 _PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
 
 
@@ -510,29 +516,24 @@ class _Search:
         return key, int(seqs[r]), int(b[r, c]), -1 if j is None else int(j[r, c])
 
 
-def _buffer_order(prob: _Problem, ids: list[int]) -> list[int]:
-    """Contiguous, no reorder: longest first onto the least loaded rank with room (the balancer's start,
-    ``_balance._lpt``), then a short best-improvement descent over insertions and swaps (``_descend``)."""
-    import torch
+def _refined(prob: _Problem, groups: list[list[int]], reorder: str | None) -> tuple[list[list[int]], np.ndarray]:
+    """Each micro-batch's buffer order and exact per-rank work ``(K, cp)`` (Note [Refining a packing]).
 
-    from cpshard._balance import _descend, _lpt, _table, _works
-
-    ids = sorted(ids)
-    if prob.cp == 1 or len(ids) == 1:
-        return ids
-    plan = ShardPlan.build([int(prob.n[i]) for i in ids], cp_size=prob.cp, tp_size=prob.tp, layout=prob.layout,
-                           padding=prob.padding)
-    if plan.local_len == 0:
-        return ids
-    n, p = list(plan.seqlens_py), list(plan.padded_seqlens_py)
-    start = torch.tensor(_lpt(n, p, plan.local_len, prob.cp), dtype=torch.int64)
-    nt = torch.tensor(n, dtype=torch.int64)
-    table = _table(nt, torch.tensor(p, dtype=torch.int64))
-    works = _works(table, plan.local_len, prob.cp, start[None])
-    if int(works.max()) <= int(works.sum()) / prob.cp * (1 + _ORDER_GOOD):  # the start is at the mean already
-        return [ids[j] for j in start.tolist()]
-    order, _, _ = _descend(table, plan.local_len, prob.cp, start, _ORDER_BUDGET)
-    return [ids[j] for j in order.tolist()]
+    Contiguous without ``reorder``: the orders, exchanges and works of :class:`cpshard._refine.Buffers`.
+    Otherwise the orders are sorted (the plan orders them itself under ``reorder``, and :func:`pack`
+    reads the works from its plans) and the works are zigzag's closed form, additive over sequences.
+    """
+    if prob.layout is Layout.CONTIGUOUS and prob.cp > 1 and reorder is None:
+        buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
+        buffers.start()
+        buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
+        buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
+        return buffers.orders(), buffers.works
+    orders = [sorted(g) for g in groups]
+    if reorder is not None:
+        return orders, np.zeros((len(groups), prob.cp), dtype=np.int64)  # read from the plans
+    vec = zigzag_works(prob.n, prob.p, prob.cp) if prob.layout is Layout.ZIGZAG else prob.w[:, None]  # cp = 1
+    return orders, np.stack([vec[g].sum(0) for g in groups])
 
 
 def plan_work(plan: ShardPlan) -> list[int]:
@@ -607,21 +608,19 @@ def pack(
         search.first_fit()
     search.fill_empty()
     search.improve()
-    contiguous = layout is Layout.CONTIGUOUS and cp_size > 1
+    groups = [np.flatnonzero(search.where == b).tolist() for b in range(search.owner.size)]
+    orders, works = _refined(prob, groups, reorder)
+    owner = assign(works.max(1), counts)
     micro: list[list[tuple[int, ...]]] = [[] for _ in counts]
     plans: list[list[ShardPlan]] = [[] for _ in counts]
     work: list[list[tuple[int, ...]]] = [[] for _ in counts]
-    for b in range(search.owner.size):
-        d, ids = int(search.owner[b]), np.flatnonzero(search.where == b).tolist()
-        if contiguous and reorder is None:
-            ids = _buffer_order(prob, ids)
-        else:
-            ids = sorted(ids)
+    for b, ids in enumerate(orders):
+        d = int(owner[b])
         plan = ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
                                padding=padding, reorder=reorder)
         micro[d].append(tuple(ids))
         plans[d].append(plan)
-        work[d].append(tuple(plan_work(plan)))
+        work[d].append(tuple(plan_work(plan)) if reorder is not None else tuple(works[b].tolist()))
     total = int(prob.w.sum())
     return Packing(
         micro_batches=tuple(tuple(m) for m in micro),

@@ -1,0 +1,376 @@
+"""Exact refinement of a packing: contiguous buffer orders, exchanges between micro-batches, DP ranks.
+
+Pure index math on NumPy int64 arrays (no plan is built, no communication). :func:`cpshard.pack` calls
+it after its fill; every score here is the exact per-rank causal work of the contiguous layout
+(Note [Causal work under the contiguous layout] in ``_balance``, the closed form of
+:func:`cpshard.causal.attention_work`), never a model.
+
+Note [Refining a packing]
+-------------------------
+The fill (Note [Micro-batch packing]) scores micro-batches with a model; under the contiguous layout
+the model cannot see how a micro-batch's sequences split over its ranks (seven documents of 0.6
+``L`` each balance worse than a long one among short filler), so three exact steps follow.
+
+**The closed form, per move.** :class:`Buffers` keeps every micro-batch's buffer order and, per buffer
+position, the rows and the work before it (``G`` at its start). ``G_b(x)``, the work of micro-batch
+``b``'s first ``x`` rows, is one ``searchsorted`` over all micro-batches' keys ``b * span + end`` and
+a ``tri``. A move changes one stretch of the buffer, so the moved buffer's ``G'`` at a rank
+boundary ``c`` is the old ``G`` before the stretch, a moved sequence's prefix inside its new place,
+the old ``G`` at ``c`` shifted by the stretch's change of rows (plus its change of work) in between,
+and the old ``G`` after it. Swapping positions ``i < j`` (``s`` a start, ``e`` an end, ``D = P_j - P_i``)::
+
+    c <  s_i                G(c)
+    c <  s_i + P_j          G(s_i) + tri(min(c - s_i, n_j))
+    c <  s_j + D            G(c - D) + tri(n_j) - tri(n_i)
+    c <  e_j                G(s_j) + tri(n_j) - tri(n_i) + tri(min(c - s_j - D, n_i))
+    else                    G(c)
+
+and moving ``i`` to just after ``j > i``, or to just before ``j < i``, are the same with one moved
+sequence; replacing the sequence at ``t`` with another (an exchange) shifts everything after it and
+moves the boundaries (``L`` follows the new rows). A candidate then costs ``O(cp log K)``, not a
+rescan of its buffer: thousands are scored in one call of a few NumPy operations.
+
+1. **Orders.** From longest-first starts (``_balance._lpt``), :meth:`Buffers.descend` runs a
+   best-improvement descent of every micro-batch at once over the swaps and insertions between up to
+   ``_GRID`` evenly spread positions, scored by the largest rank, then the sum of squares
+   (``_balance._score``'s key), until none improves or ``budget`` candidates are spent.
+2. **Exchanges.** DP ranks share out ``sum_m c_m`` (``c_m`` a micro-batch's slowest rank), so
+   :meth:`Buffers.exchange` lowers it: for the ``_EXCHANGE_TOP`` micro-batches whose slowest rank is
+   furthest above their mean, every swap of one of their sequences ``x`` with a sequence ``y`` of
+   another micro-batch that keeps both within the budget (``y`` at ``x``'s buffer position, ``x`` at
+   ``y``'s) is scored exactly on both; improving swaps are applied best first, one per micro-batch a
+   round, and the micro-batches they touched descend again. A swap is kept only when ``c_a + c_b``
+   falls, so the sum never rises.
+3. **DP ranks.** :func:`assign` gives the micro-batches, with exact costs, to the DP ranks with their
+   counts fixed: longest first to the least loaded rank with a place left, then swaps of a
+   micro-batch of the slowest rank with one of another while the slowest rank's time falls.
+
+Every step is deterministic (no random choice; ties go to the lowest index).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from cpshard._balance import _lpt
+
+__all__ = ["Buffers", "assign"]
+
+_GRID = 16  # positions a descent step moves from and to, evenly spread over the buffer
+_GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
+_EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
+_DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
+
+
+def _tri(x: np.ndarray) -> np.ndarray:
+    return x * (x + 1) // 2
+
+
+def _score(works: np.ndarray) -> np.ndarray:
+    """``(..., )`` float64 keys ordered as (max, sum of squares) of ``works`` ``(..., cp)``: ``_balance._score``."""
+    x = works.astype(np.float64)
+    mx = x.max(-1)
+    return mx + (x * x).sum(-1) / (2 * works.shape[-1] * np.maximum(mx, 1) ** 2)
+
+
+class Buffers:
+    """Every contiguous micro-batch's buffer order and exact per-rank work (Note [Refining a packing]).
+
+    ``n``, ``p`` ``(N,)``: the batch's lengths and per-sequence padded lengths; ``keep``: a micro-batch's
+    total rows are rounded up to a multiple of it (the plan's extension of its last sequence: pad rows,
+    which do no work, at the buffer's end); ``capacity``: the most rows a micro-batch may hold;
+    ``groups``: the micro-batches' sequence indices (``Buffers.orders()`` returns their buffer orders).
+    """
+
+    def __init__(self, n: np.ndarray, p: np.ndarray, keep: int, cp: int, capacity: int,
+                 groups: Sequence[Sequence[int]]) -> None:
+        self.n, self.p, self.keep, self.cp, self.capacity = n, p, keep, cp, capacity
+        self.null = n.size  # an empty sequence fills each order's row past its size
+        self._n = np.concatenate([n, [0]]).astype(np.int64)
+        self._p = np.concatenate([p, [0]]).astype(np.int64)
+        self.size = np.array([len(g) for g in groups], dtype=np.int64)
+        k = len(groups)
+        self.order = np.full((k, max(1, int(self.size.max()))), self.null, dtype=np.int64)
+        self.where = np.full(n.size, -1, dtype=np.int64)
+        self.pos = np.zeros(n.size, dtype=np.int64)
+        for b, g in enumerate(groups):
+            self._set(b, [int(i) for i in g])
+        self.rows = self._p[self.order].sum(1)
+        self._span = 2 * capacity + 2
+        self._index()
+        self.works = self._rank_works(np.arange(k), self.rows)
+
+    # -- the closed form -------------------------------------------------------------------------
+
+    def _set(self, b: int, ids: list[int]) -> None:
+        self.order[b, :] = self.null
+        self.order[b, :len(ids)] = ids
+        self.where[ids] = b
+        self.pos[ids] = np.arange(len(ids))
+
+    def _index(self) -> None:
+        """Per buffer position of every micro-batch: its start row, the work before it, its length, and
+        the search keys ``b * span + end row`` (one sorted array over all micro-batches)."""
+        p_o, n_o = self._p[self.order], self._n[self.order]
+        w_o = _tri(n_o)
+        ends, cum = np.cumsum(p_o, 1), np.cumsum(w_o, 1)
+        k, self._cols = self.order.shape
+        self._keys = (np.arange(k, dtype=np.int64)[:, None] * self._span + ends).reshape(-1)
+        self._start = (ends - p_o).reshape(-1)
+        self._before = (cum - w_o).reshape(-1)
+        self._len = n_o.reshape(-1)
+        self._work = cum[:, -1].copy()
+
+    def _g(self, b: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """``G_b(x)``: the work of micro-batch ``b``'s first ``x`` buffer rows (``b`` broadcast over ``x``)."""
+        j = np.searchsorted(self._keys, b * self._span + x, side="right")
+        inside = j < (b + 1) * self._cols  # a position of b holds row x; else x is past b's last token
+        jj = np.where(inside, j, 0)
+        head = np.clip(x - self._start[jj], 0, self._len[jj])
+        return np.where(inside, self._before[jj] + _tri(head), self._work[b])
+
+    def _cuts(self, rows: np.ndarray) -> np.ndarray:
+        """``(Q, cp + 1)`` the rank boundaries of micro-batches of ``rows`` padded rows."""
+        local = -(-rows // self.keep) * self.keep // self.cp
+        return local[:, None] * np.arange(self.cp + 1, dtype=np.int64)[None, :]
+
+    def _rank_works(self, b: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return np.diff(self._g(b[:, None], self._cuts(rows)), axis=1)
+
+    def _at(self, b: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Start row, work before, padded rows and length of the sequence at position ``t`` of ``b``, ``(Q, 1)``."""
+        flat = b * self._cols + t
+        seq = self.order[b, t]
+        return (self._start[flat][:, None], self._before[flat][:, None], self._p[seq][:, None],
+                self._n[seq][:, None])
+
+    def _replaced(self, b: np.ndarray, t: np.ndarray, new: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``(Q, cp)`` works of micro-batch ``b`` with the sequence at ``t`` replaced by ``new``, ``rows`` rows."""
+        c = self._cuts(rows)
+        s, before, p_old, n_old = self._at(b, t)
+        p_new, n_new = self._p[new][:, None], self._n[new][:, None]
+        after = c >= s + p_new  # the old buffer, shifted by the length change
+        g = self._g(b[:, None], np.where(after, c - (p_new - p_old), c))
+        g = np.where(after, g + _tri(n_new) - _tri(n_old), g)
+        inside = (c >= s) & ~after
+        return np.diff(np.where(inside, before + _tri(np.clip(c - s, 0, n_new)), g), axis=1)
+
+    def _moved(self, b: np.ndarray, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
+        """``(Q, cp)`` works of micro-batch ``b`` with positions ``i != j`` swapped (``swap``) or the sequence
+        at ``i`` moved to position ``j`` (the others keep their order); the rows do not change.
+
+        One ``G`` lookup a boundary: outside the moved stretch the old ``G``; over the shifted middle the
+        old ``G`` at the shifted row plus the change of work; inside a moved sequence its own prefix."""
+        c = self._cuts(self.rows[b])
+        lo, hi = np.minimum(i, j), np.maximum(i, j)
+        s_lo, g_lo, p_lo, n_lo = self._at(b, lo)
+        s_hi, g_hi, p_hi, n_hi = self._at(b, hi)
+        w_lo, w_hi = _tri(n_lo), _tri(n_hi)
+        sw, later = swap[:, None], (~swap & (i < j))[:, None]  # later: lo moves to just after hi
+        earlier = ~sw & ~later  # hi moves to just before lo
+        # where the first moved piece ends, the middle's shift of rows and work, the last piece's start
+        first_end = np.where(later, s_lo, s_lo + p_hi)  # a swap or "earlier" puts hi's sequence at s_lo
+        shift = np.where(sw, p_hi - p_lo, np.where(later, -p_lo, p_hi))
+        d_work = np.where(sw, w_hi - w_lo, np.where(later, -w_lo, w_hi))
+        last_start = np.where(earlier, s_hi + p_hi, s_hi + p_hi - p_lo)  # lo's sequence ends the stretch
+        e_hi = s_hi + p_hi
+        outside = (c < s_lo) | (c >= e_hi)
+        first = ~outside & (c < first_end)
+        last = ~outside & ~first & (c >= last_start) & ~earlier
+        middle = ~outside & ~first & ~last
+        g = self._g(b[:, None], np.where(middle, c - shift, c))
+        g = np.where(middle, g + d_work, g)
+        g = np.where(first, g_lo + _tri(np.clip(c - s_lo, 0, n_hi)), g)
+        g = np.where(last, g_hi + w_hi - w_lo + _tri(np.clip(c - last_start, 0, n_lo)), g)
+        return np.diff(g, axis=1)
+
+    def orders(self) -> list[list[int]]:
+        return [self.order[b, :s].tolist() for b, s in enumerate(self.size.tolist())]
+
+    def costs(self) -> np.ndarray:
+        return self.works.max(1)
+
+    # -- 1. orders -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Longest first onto the least loaded rank with room (``_balance._lpt``), every micro-batch."""
+        nl, pl = self.n.tolist(), self.p.tolist()
+        for b, s in enumerate(self.size.tolist()):
+            if s < 2:
+                continue
+            ids = self.order[b, :s].tolist()
+            local = -(-int(self.rows[b]) // self.keep) * self.keep // self.cp
+            start = _lpt([nl[i] for i in ids], [pl[i] for i in ids], local, self.cp)
+            self._set(b, [ids[j] for j in start])
+        self._index()
+        self.works = self._rank_works(np.arange(self.size.size), self.rows)
+
+    def _unbalanced(self, b: np.ndarray) -> np.ndarray:
+        w = self.works[b]
+        return (self.size[b] > 1) & (w.max(1) > w.sum(1) / self.cp * (1 + _GOOD))
+
+    def descend(self, which: np.ndarray, budget: int) -> int:
+        """Best-improvement descent of the micro-batches ``which`` together; the candidates spent."""
+        active = which[self._unbalanced(which)]
+        spent = 0
+        while active.size and spent < budget:
+            group, i, j, swap = _candidates(self.size[active])
+            b = active[group]
+            works = self._moved(b, i, j, swap)
+            spent += int(b.size)
+            score = _score(works)
+            first = np.lexsort((np.arange(b.size), score, group))  # each micro-batch's best candidate first
+            lead = first[np.r_[True, group[first][1:] != group[first][:-1]]]
+            better = score[lead] < _score(self.works[active])
+            for q in lead[better].tolist():
+                k = int(b[q])
+                ids = self.order[k, :self.size[k]].tolist()
+                x, y = int(i[q]), int(j[q])
+                if swap[q]:
+                    ids[x], ids[y] = ids[y], ids[x]
+                else:
+                    ids.insert(y, ids.pop(x))
+                self._set(k, ids)
+                self.works[k] = works[q]
+            self._index()
+            active = active[better]
+            active = active[self._unbalanced(active)]
+        return spent
+
+    # -- 2. exchanges ----------------------------------------------------------------------------
+
+    def exchange(self, rounds: int, budget: int) -> None:
+        """Swaps of sequences between micro-batches that lower ``sum_m c_m`` exactly, best first."""
+        cp, n_seq = self.cp, self.n.size
+        spent = 0
+        moved: set[int] = set()
+        for _ in range(rounds):
+            if spent >= budget:
+                break
+            costs = self.costs()
+            excess = costs - self.works.sum(1) / cp
+            top = np.argsort(-excess, kind="stable")[:_EXCHANGE_TOP]
+            top = top[excess[top] > 0]
+            if top.size == 0:
+                break
+            xs = self.order[top].reshape(-1)
+            xs = xs[xs != self.null]  # sequences of the top micro-batches, (X,)
+            a = self.where[xs]
+            ys = np.arange(n_seq)
+            b = self.where[ys]
+            rows_a = self.rows[a][:, None] - self.p[xs][:, None] + self.p[ys][None, :]
+            rows_b = self.rows[b][None, :] - self.p[ys][None, :] + self.p[xs][:, None]
+            ok = (rows_a <= self.capacity) & (rows_b <= self.capacity) & (a[:, None] != b[None, :])
+            xi, yi = np.nonzero(ok)
+            if xi.size == 0:
+                break
+            x, y, ma, mb = xs[xi], ys[yi], a[xi], b[yi]
+            ra, rb = rows_a[xi, yi], rows_b[xi, yi]
+            wa = self._replaced(ma, self.pos[x], y, ra)
+            wb = self._replaced(mb, self.pos[y], x, rb)
+            spent += xi.size
+            gain = costs[ma] + costs[mb] - wa.max(1) - wb.max(1)
+            touched: set[int] = set()
+            done = []
+            for c in np.lexsort((np.arange(xi.size), -gain)).tolist():
+                if gain[c] <= 0:
+                    break
+                u, v = int(ma[c]), int(mb[c])
+                if u in touched or v in touched:
+                    continue
+                touched.update((u, v))
+                xu, yv = int(x[c]), int(y[c])
+                self.order[u, self.pos[xu]], self.order[v, self.pos[yv]] = yv, xu
+                self.pos[xu], self.pos[yv] = self.pos[yv], self.pos[xu]
+                self.where[xu], self.where[yv] = v, u
+                self.rows[u], self.rows[v] = ra[c], rb[c]
+                self.works[u], self.works[v] = wa[c], wb[c]
+                done += [u, v]
+            if not done:
+                break
+            self._index()
+            spent += self.descend(np.array(done, dtype=np.int64), _DESCENT_AFTER_SWAP * len(done))
+            moved.update(done)
+        if moved:
+            self.descend(np.array(sorted(moved), dtype=np.int64), budget)
+
+
+def _grid(size: int) -> np.ndarray:
+    """Up to ``_GRID`` buffer positions of a micro-batch of ``size`` sequences, evenly spread."""
+    if size <= _GRID:
+        return np.arange(size, dtype=np.int64)
+    return np.unique(np.linspace(0, size - 1, _GRID).round().astype(np.int64))
+
+
+@functools.lru_cache(maxsize=256)
+def _moves(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The descent's moves in a micro-batch of ``size`` sequences, ``(i, j, swap)``: swaps of grid
+    positions ``i < j`` and moves of ``i`` to ``j`` for ``i != j``."""
+    at = _grid(size)
+    i, j = (x.reshape(-1) for x in np.meshgrid(at, at, indexing="ij"))
+    keep = i != j
+    i, j = i[keep], j[keep]
+    up = i < j
+    swap = np.zeros(int(up.sum()) + i.size, dtype=bool)
+    swap[:int(up.sum())] = True
+    return np.concatenate([i[up], i]), np.concatenate([j[up], j]), swap
+
+
+def _candidates(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every descent move of micro-batches of ``sizes``, flat and grouped: ``(which, i, j, swap)``."""
+    parts = [_moves(size) for size in sizes.tolist()]
+    counts = [p[0].size for p in parts]
+    which = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
+    return (which, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]))
+
+
+def assign(costs: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """``(K,)`` the DP rank of each micro-batch: ``counts[d]`` on rank ``d``, the slowest rank's sum low.
+
+    Longest first to the least loaded rank with a place left, then, while it lowers the slowest rank's
+    sum, the best swap of one of its micro-batches with one of another rank (Note [Refining a packing]).
+    """
+    k, dp = costs.size, len(counts)
+    owner = np.zeros(k, dtype=np.int64)
+    if dp == 1:
+        return owner
+    sums = np.zeros(dp, dtype=np.int64)
+    left = np.array(counts, dtype=np.int64)
+    for b in np.lexsort((np.arange(k), -costs)).tolist():
+        d = int(np.argmin(np.where(left > 0, sums, np.iinfo(np.int64).max)))
+        owner[b], left[d] = d, left[d] - 1
+        sums[d] += costs[b]
+    for _ in range(4 * k):
+        slow = int(np.argmax(sums))
+        mine = np.flatnonzero(owner == slow)
+        others = np.flatnonzero(owner != slow)
+        diff = costs[mine][:, None] - costs[others][None, :]  # what the slow rank sheds in each swap
+        new_slow = sums[slow] - diff
+        new_other = sums[owner[others]][None, :] + diff
+        worst = np.maximum(np.maximum(new_slow, new_other), _largest_other(sums, slow)[owner[others]][None, :])
+        best = int(np.argmin(worst))
+        i, j = np.unravel_index(best, worst.shape)
+        if worst[i, j] >= sums[slow]:
+            break
+        u, v = int(mine[i]), int(others[j])
+        du = int(owner[v])
+        owner[u], owner[v] = du, slow
+        sums[slow] -= int(diff[i, j])
+        sums[du] += int(diff[i, j])
+    return owner
+
+
+def _largest_other(sums: np.ndarray, slow: int) -> np.ndarray:
+    """``(dp,)``: for each rank ``d``, the largest sum of the ranks other than ``slow`` and ``d`` (-1 if none)."""
+    out = np.full(sums.size, -1, dtype=np.int64)
+    by = [int(r) for r in np.argsort(-sums, kind="stable") if r != slow]
+    for d in range(sums.size):
+        for r in by[:2]:
+            if r != d:
+                out[d] = sums[r]
+                break
+    return out
