@@ -24,7 +24,8 @@ Columns, per configuration, the mean over the batches:
 * ``verl+bal``: the same partition, every contiguous micro-batch built with ``reorder="balanced"``.
 * ``pack``: ``cpshard.pack`` (its own buffer order); ``pack+bal``: the same with ``reorder="balanced"``.
 * ``bound``: ``Packing.lower_bound``, a ratio no packing reaches below.
-* ``vs bal``: ``pack / verl+bal - 1`` (negative: better); ``mb``: micro-batches per DP rank (verl, pack);
+* ``vs bal``: ``pack / verl+bal - 1`` (negative: better); ``vs bnd``: ``pack / bound - 1``;
+  ``mb``: micro-batches per DP rank (verl, pack);
   ``rows/max``: the largest padded micro-batch over ``max_tokens`` (verl, pack); ``ms``: the median
   time of one ``cpshard.pack`` call (no reorder).
 
@@ -97,7 +98,8 @@ def main() -> None:
     source = "verl's get_seqlen_balanced_partitions" if VERL else "a re-statement (verl not installed)"
     print(f"{batches} global batches a configuration, dp={dp}, max_tokens={MAX_TOKENS}; verl's partition: {source}")
     header = (f"{'batch':>8} {'cp':>3} {'tp':>3} {'layout':>10} {'verl':>6} {'verl+bal':>9} {'pack':>6} "
-              f"{'pack+bal':>9} {'bound':>6} {'vs bal':>7} {'mb verl/pack':>13} {'rows/max verl/pack':>19} {'ms':>7}")
+              f"{'pack+bal':>9} {'bound':>6} {'vs bal':>7} {'vs bnd':>7} {'mb verl/pack':>13} "
+              f"{'rows/max verl/pack':>19} {'ms':>7}")
     print(header)
     print("-" * len(header))
     configs = [("exp2048", 4, 1, "contiguous"), ("exp2048", 8, 1, "contiguous"), ("exp2048", 4, 1, "zigzag"),
@@ -134,6 +136,7 @@ def main() -> None:
         m = {k: statistics.mean(v) for k, v in cols.items()}
         print(f"{kind:>8} {cp:>3} {tp:>3} {layout:>10} {m['verl']:>6.3f} {m['vbal']:>9.3f} {m['pack']:>6.3f} "
               f"{m['pbal']:>9.3f} {m['bound']:>6.3f} {m['pack'] / m['vbal'] - 1:>+7.1%} "
+              f"{m['pack'] / m['bound'] - 1:>+7.1%} "
               f"{statistics.mean(mb_v):>6.1f}/{statistics.mean(mb_p):<6.1f} "
               f"{max(over_v):>9.3f}/{max(over_p):<9.3f} {m['ms']:>7.1f}")
     if args.no_large:

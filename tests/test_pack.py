@@ -141,7 +141,9 @@ def test_count_rules():
     p = pack(lens, max_tokens=400, cp_size=2, dp_size=2, divisible_by=2, min_micro_batches=3)
     assert p.num_micro_batches == (4, 4)
     p = pack([100] * 10, max_tokens=400, cp_size=2, dp_size=2, same_count_across_dp=False)
-    assert sum(p.num_micro_batches) == 3 or p.num_micro_batches == (2, 2) or sum(p.num_micro_batches) >= 3
+    # ten sequences of 100 padded rows fit three micro-batches of 400 (first-fit decreasing: 4, 4, 2);
+    # without the same count on every DP rank the three are split as evenly as divisible_by=1 allows
+    assert sorted(p.num_micro_batches) == [1, 2]
     check(p, [100] * 10, 2, 400)
 
 
@@ -210,15 +212,19 @@ def test_refinement_moves_score_exactly(groups_lens, cp, unit, data):
                     order.insert(j, order.pop(i))
                 got = buf._moved(np.array([b]), np.array([i]), np.array([j]), np.array([swap]))[0]
                 assert got.tolist() == _rescan(n, p, order, keep, cp), (order, i, j, swap)
-    # replacing a sequence by one of another micro-batch, the rows (and so the boundaries) changing
+    # splicing a run of another micro-batch (or nothing) in place of a run of this one: the rows, and so
+    # the boundaries, change
     other = data.draw(st.integers(0, len(groups) - 1).filter(lambda o: o != b))
-    t = data.draw(st.integers(0, size - 1))
-    for y in groups[other]:
-        order = list(groups[b])
-        order[t] = y
-        rows = sum(p[i] for i in order)
-        got = buf._replaced(np.array([b]), np.array([t]), np.array([y]), np.array([rows]))[0]
-        assert got.tolist() == _rescan(n, p, order, keep, cp), (order, t, y)
+    b1 = data.draw(st.integers(0, size))
+    b2 = data.draw(st.integers(b1, size))
+    s1 = data.draw(st.integers(0, len(groups[other])))
+    s2 = data.draw(st.integers(s1, len(groups[other])))
+    order = groups[b][:b1] + groups[other][s1:s2] + groups[b][b2:]
+    rows = sum(p[i] for i in order)
+    if order:
+        got = buf._spliced(np.array([b]), np.array([b1]), np.array([b2]), np.array([other]), np.array([s1]),
+                           np.array([s2]), np.array([rows]))[0]
+        assert got.tolist() == _rescan(n, p, order, keep, cp), (order, b1, b2, s1, s2)
 
 
 def test_refinement_descends_and_exchanges_to_exact_works():

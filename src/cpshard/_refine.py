@@ -59,9 +59,10 @@ from cpshard._balance import _lpt
 
 __all__ = ["Buffers", "assign"]
 
-_GRID = 16  # positions a descent step moves from and to, evenly spread over the buffer
+_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
+_RUN = 3  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 
 
@@ -93,7 +94,7 @@ class Buffers:
         self._p = np.concatenate([p, [0]]).astype(np.int64)
         self.size = np.array([len(g) for g in groups], dtype=np.int64)
         k = len(groups)
-        self.order = np.full((k, max(1, int(self.size.max()))), self.null, dtype=np.int64)
+        self.order = np.full((k, int(self.size.max()) + 1), self.null, dtype=np.int64)
         self.where = np.full(n.size, -1, dtype=np.int64)
         self.pos = np.zeros(n.size, dtype=np.int64)
         for b, g in enumerate(groups):
@@ -147,16 +148,26 @@ class Buffers:
         return (self._start[flat][:, None], self._before[flat][:, None], self._p[seq][:, None],
                 self._n[seq][:, None])
 
-    def _replaced(self, b: np.ndarray, t: np.ndarray, new: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """``(Q, cp)`` works of micro-batch ``b`` with the sequence at ``t`` replaced by ``new``, ``rows`` rows."""
+    def _spliced(self, b: np.ndarray, b1: np.ndarray, b2: np.ndarray, src: np.ndarray, s1: np.ndarray,
+                 s2: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """``(Q, cp)`` works of micro-batch ``b`` with its positions ``[b1, b2)`` replaced by the run
+        ``[s1, s2)`` of micro-batch ``src`` (either may be empty), ``rows`` rows: the old prefix before
+        the splice, the run's own prefix inside it, the old prefix shifted by the change of rows (plus
+        the change of work) after it. One ``G`` lookup a boundary."""
         c = self._cuts(rows)
-        s, before, p_old, n_old = self._at(b, t)
-        p_new, n_new = self._p[new][:, None], self._n[new][:, None]
-        after = c >= s + p_new  # the old buffer, shifted by the length change
-        g = self._g(b[:, None], np.where(after, c - (p_new - p_old), c))
-        g = np.where(after, g + _tri(n_new) - _tri(n_old), g)
-        inside = (c >= s) & ~after
-        return np.diff(np.where(inside, before + _tri(np.clip(c - s, 0, n_new)), g), axis=1)
+        at_b1, at_b2 = (b * self._cols + b1)[:, None], (b * self._cols + b2)[:, None]
+        at_s1, at_s2 = (src * self._cols + s1)[:, None], (src * self._cols + s2)[:, None]
+        start, before = self._start[at_b1], self._before[at_b1]
+        rows_old, work_old = self._start[at_b2] - start, self._before[at_b2] - before
+        src_start, src_before = self._start[at_s1], self._before[at_s1]
+        rows_new, work_new = self._start[at_s2] - src_start, self._before[at_s2] - src_before
+        inside = (c >= start) & (c < start + rows_new)
+        after = c >= start + rows_new
+        which = np.where(inside, src[:, None], b[:, None])
+        x = np.where(inside, src_start + c - start, np.where(after, c - rows_new + rows_old, c))
+        g = self._g(which, x)
+        g = g + np.where(inside, before - src_before, np.where(after, work_new - work_old, 0))
+        return np.diff(g, axis=1)
 
     def _moved(self, b: np.ndarray, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
         """``(Q, cp)`` works of micro-batch ``b`` with positions ``i != j`` swapped (``swap``) or the sequence
@@ -242,60 +253,120 @@ class Buffers:
 
     # -- 2. exchanges ----------------------------------------------------------------------------
 
+    def _room(self, need: int) -> None:
+        """At least ``need`` order columns: an empty one past the longest micro-batch (a move appends there)."""
+        cols = self.order.shape[1]
+        if need > cols:
+            grown = np.full((self.order.shape[0], max(need, 2 * cols)), self.null, dtype=np.int64)
+            grown[:, :cols] = self.order
+            self.order = grown
+            self._index()
+
+    def _runs(self, which: np.ndarray, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every run of ``lengths`` consecutive positions in the micro-batches ``which``: ``(b, first, end)``."""
+        out_b, out_1, out_2 = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        for k in lengths:
+            for b in which.tolist():
+                first = np.arange(int(self.size[b]) - k + 1 if k else int(self.size[b]) + 1, dtype=np.int64)
+                if k == 0:
+                    first = first[-1:]  # the empty run at the end: where a move appends
+                out_b.append(np.full(first.size, b, dtype=np.int64))
+                out_1.append(first)
+                out_2.append(first + k)
+        return np.concatenate(out_b), np.concatenate(out_1), np.concatenate(out_2)
+
+    def _long(self, run: tuple[np.ndarray, np.ndarray, np.ndarray],
+              heavy: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The single-sequence runs among ``run`` whose sequence takes at least half a rank's rows (and,
+        with ``heavy``, holds rows of its micro-batch's slowest rank)."""
+        b, first, end = run
+        rows = self._p[self.order[b, first]]
+        keep = 2 * self.cp * rows >= self.capacity
+        if heavy:
+            local = self._cuts(self.rows[b])[:, 1]
+            h = self.works[b].argmax(1)
+            start = self._start[b * self._cols + first]
+            keep &= (start < (h + 1) * local) & (start + rows > h * local)
+        return b[keep], first[keep], end[keep]
+
+    def _exchanges(self, top: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Candidates ``(u, u1, u2, v, v1, v2)``: micro-batch ``u``'s run ``[u1, u2)`` and ``v``'s run
+        ``[v1, v2)`` change places. ``u`` is one of ``top``; ``u``'s run one sequence and ``v``'s none
+        (a move), one (a swap) or ``2 .. _RUN`` (a run swap), or ``u``'s run ``2 .. _RUN`` and ``v``'s
+        one, or ``v`` one of ``top`` taking a sequence of ``u`` (a move in); both stay within the
+        budget and keep a sequence."""
+        k = np.arange(self.size.size)
+        rest = np.setdiff1d(k, top)
+        singles, runs = self._runs(top, [1]), self._runs(k, range(2, _RUN + 1))
+        cands = [(singles, self._runs(k, [0, 1])), (self._long(singles, heavy=True), runs),
+                 (self._runs(top, range(2, _RUN + 1)), self._long(self._runs(k, [1]))),
+                 (self._runs(rest, [1]), self._runs(top, [0]))]
+        cols = []
+        for (ub, u1, u2), (vb, v1, v2) in cands:
+            ru = self._start[ub * self._cols + u2] - self._start[ub * self._cols + u1]
+            rv = self._start[vb * self._cols + v2] - self._start[vb * self._cols + v1]
+            rows_u = self.rows[ub][:, None] - ru[:, None] + rv[None, :]
+            rows_v = self.rows[vb][None, :] - rv[None, :] + ru[:, None]
+            size_u = self.size[ub][:, None] - (u2 - u1)[:, None] + (v2 - v1)[None, :]
+            size_v = self.size[vb][None, :] - (v2 - v1)[None, :] + (u2 - u1)[:, None]
+            ok = ((ub[:, None] != vb[None, :]) & (rows_u <= self.capacity) & (rows_v <= self.capacity)
+                  & (size_u > 0) & (size_v > 0))
+            i, j = np.nonzero(ok)
+            cols.append((ub[i], u1[i], u2[i], vb[j], v1[j], v2[j], rows_u[i, j], rows_v[i, j]))
+        return tuple(np.concatenate([c[f] for c in cols]) for f in range(8))
+
     def exchange(self, rounds: int, budget: int) -> None:
-        """Swaps of sequences between micro-batches that lower ``sum_m c_m`` exactly, best first."""
-        cp, n_seq = self.cp, self.n.size
+        """Exchanges of sequences between micro-batches that lower ``sum_m c_m`` exactly, best first."""
         spent = 0
-        moved: set[int] = set()
+        touched_all: set[int] = set()
         for _ in range(rounds):
             if spent >= budget:
                 break
+            self._room(int(self.size.max()) + 1)
             costs = self.costs()
-            excess = costs - self.works.sum(1) / cp
+            excess = costs - self.works.sum(1) / self.cp
             top = np.argsort(-excess, kind="stable")[:_EXCHANGE_TOP]
-            top = top[excess[top] > 0]
+            top = np.sort(top[excess[top] > 0])
             if top.size == 0:
                 break
-            xs = self.order[top].reshape(-1)
-            xs = xs[xs != self.null]  # sequences of the top micro-batches, (X,)
-            a = self.where[xs]
-            ys = np.arange(n_seq)
-            b = self.where[ys]
-            rows_a = self.rows[a][:, None] - self.p[xs][:, None] + self.p[ys][None, :]
-            rows_b = self.rows[b][None, :] - self.p[ys][None, :] + self.p[xs][:, None]
-            ok = (rows_a <= self.capacity) & (rows_b <= self.capacity) & (a[:, None] != b[None, :])
-            xi, yi = np.nonzero(ok)
-            if xi.size == 0:
+            u, u1, u2, v, v1, v2, ru, rv = self._exchanges(top)
+            if u.size == 0:
                 break
-            x, y, ma, mb = xs[xi], ys[yi], a[xi], b[yi]
-            ra, rb = rows_a[xi, yi], rows_b[xi, yi]
-            wa = self._replaced(ma, self.pos[x], y, ra)
-            wb = self._replaced(mb, self.pos[y], x, rb)
-            spent += xi.size
-            gain = costs[ma] + costs[mb] - wa.max(1) - wb.max(1)
+            wu = self._spliced(u, u1, u2, v, v1, v2, ru)
+            spent += u.size
+            # v's slowest rank is at least its new mean: only candidates that could still gain score v
+            work_v = self.works[v].sum(1) + self._before[u * self._cols + u2] - self._before[u * self._cols + u1] \
+                - self._before[v * self._cols + v2] + self._before[v * self._cols + v1]
+            hope = costs[u] - wu.max(1) + costs[v] - work_v / self.cp > 0
+            u, u1, u2, v, v1, v2, ru, rv, wu = (x[hope] for x in (u, u1, u2, v, v1, v2, ru, rv, wu))
+            wv = self._spliced(v, v1, v2, u, u1, u2, rv)
+            spent += u.size
+            gain = costs[u] + costs[v] - wu.max(1) - wv.max(1)
             touched: set[int] = set()
-            done = []
-            for c in np.lexsort((np.arange(xi.size), -gain)).tolist():
+            for c in np.lexsort((np.arange(u.size), -gain)).tolist():
                 if gain[c] <= 0:
                     break
-                u, v = int(ma[c]), int(mb[c])
-                if u in touched or v in touched:
+                a, b = int(u[c]), int(v[c])
+                if a in touched or b in touched:
                     continue
-                touched.update((u, v))
-                xu, yv = int(x[c]), int(y[c])
-                self.order[u, self.pos[xu]], self.order[v, self.pos[yv]] = yv, xu
-                self.pos[xu], self.pos[yv] = self.pos[yv], self.pos[xu]
-                self.where[xu], self.where[yv] = v, u
-                self.rows[u], self.rows[v] = ra[c], rb[c]
-                self.works[u], self.works[v] = wa[c], wb[c]
-                done += [u, v]
-            if not done:
+                touched.update((a, b))
+                old_a, old_b = self.order[a, :self.size[a]].tolist(), self.order[b, :self.size[b]].tolist()
+                new_a = old_a[:u1[c]] + old_b[v1[c]:v2[c]] + old_a[u2[c]:]
+                new_b = old_b[:v1[c]] + old_a[u1[c]:u2[c]] + old_b[v2[c]:]
+                self._room(max(len(new_a), len(new_b)) + 1)
+                self.size[a], self.size[b] = len(new_a), len(new_b)
+                self._set(a, new_a)
+                self._set(b, new_b)
+                self.rows[a], self.rows[b] = ru[c], rv[c]
+                self.works[a], self.works[b] = wu[c], wv[c]
+            if not touched:
                 break
+            done = np.array(sorted(touched), dtype=np.int64)
             self._index()
-            spent += self.descend(np.array(done, dtype=np.int64), _DESCENT_AFTER_SWAP * len(done))
-            moved.update(done)
-        if moved:
-            self.descend(np.array(sorted(moved), dtype=np.int64), budget)
+            spent += self.descend(done, _DESCENT_AFTER_SWAP * done.size)
+            touched_all.update(touched)
+        if touched_all:
+            self.descend(np.array(sorted(touched_all), dtype=np.int64), budget)
 
 
 def _grid(size: int) -> np.ndarray:

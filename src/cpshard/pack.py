@@ -42,11 +42,12 @@ that lowered only the sum of squares (each step's candidates are scored in close
 two DP ranks involved change).
 
 The model ends there: every later step scores exactly (Note [Refining a packing], ``_refine``).
-Under the contiguous layout (unless ``reorder="balanced"``, where each plan balances its own order)
-every micro-batch's buffer order is chosen by a batched descent from a longest-first start, and
-swaps of sequences between micro-batches that lower the sum of the micro-batches' slowest ranks
-follow, each scored on both buffers in closed form. Last, the micro-batches go to the DP ranks by
-their exact costs (:func:`cpshard._refine.assign`), the counts unchanged.
+Under the contiguous layout every micro-batch's buffer order is chosen by a batched descent from a
+longest-first start, and swaps of sequences between micro-batches that lower the sum of the
+micro-batches' slowest ranks follow, each scored on both buffers in closed form (with
+``reorder="balanced"`` each plan then balances that order further, never ending worse than it).
+Last, the micro-batches go to the DP ranks by their exact costs (:func:`cpshard._refine.assign`),
+the counts unchanged.
 """
 
 from __future__ import annotations
@@ -67,9 +68,9 @@ from cpshard.plan import ShardPlan
 __all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
 
 _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
-_ORDER_BUDGET = 1 << 14  # candidate rows (orders scored times B) of the order descent, per micro-batch
-_EXCHANGE_ROUNDS = 10  # exchange rounds at most (Note [Refining a packing]) ...
-_EXCHANGE_BUDGET = 1 << 16  # ... and candidate rows they score, per micro-batch
+_ORDER_BUDGET = 1 << 12  # candidate orders the first descent scores, per micro-batch (Note [Refining a packing])
+_EXCHANGE_ROUNDS = 8  # exchange rounds at most ...
+_EXCHANGE_BUDGET = 1 << 12  # ... and candidate swaps they score, per micro-batch
 _PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
 
 
@@ -384,15 +385,27 @@ class _Search:
         key = self.heavy if self.contiguous else self.vec.max(1)
         times = np.zeros(self.dp, dtype=np.int64)
         big = np.iinfo(np.int64).max
+        limit = prob.capacity - prob.p  # a micro-batch takes sequence i while its rows are at most this
+        members = [np.flatnonzero(self.owner == d) for d in range(self.dp)]
+        base = times[self.owner] - self.cost  # the step a micro-batch's DP rank takes without it
         for i in np.lexsort((np.arange(prob.n.size), -prob.p, -key)).tolist():
-            room = self.rows + prob.p[i] <= prob.capacity
-            if not room.any():
+            if self.contiguous:
+                new = np.maximum(-(-(self.acc[:, 0] + self.vec[i, 0]) // self.prob.cp),
+                                 np.maximum(self.h1, self.heavy[i]))
+            else:
+                new = (self.acc + self.vec[i]).max(1)
+            score = np.where(self.rows <= limit[i], base + new, big)
+            b = int(score.argmin())
+            if score[b] == big:
                 return False
-            h = np.maximum(self.h1, self.heavy[i])
-            delta = self._cost_of(self.acc + self.vec[i], h) - self.cost
-            score = np.where(room, times[self.owner] + delta, big)
-            b = int(np.lexsort((self.rows, times[self.owner], delta, score))[0])
-            times[self.owner[b]] += delta[b]
+            ties = np.flatnonzero(score == score[b])
+            if ties.size > 1:  # ties: the least raise, then the least loaded DP rank, then the fewest rows
+                raise_ = new[ties] - self.cost[ties]
+                b = int(ties[np.lexsort((self.rows[ties], times[self.owner[ties]], raise_))[0]])
+            d, delta = int(self.owner[b]), int(new[b] - self.cost[b])
+            base[members[d]] += delta
+            base[b] -= delta
+            times[d] += delta
             self.where[i] = b
             self.acc[b] += self.vec[i]
             self.rows[b] += prob.p[i]
@@ -401,7 +414,7 @@ class _Search:
                 self.h2[b], self.h1[b], self.h1i[b] = self.h1[b], self.heavy[i], i
             elif self.heavy[i] > self.h2[b]:
                 self.h2[b] = self.heavy[i]
-            self.cost[b] += delta[b]
+            self.cost[b] += delta
         return True
 
     def first_fit(self) -> None:
@@ -516,24 +529,20 @@ class _Search:
         return key, int(seqs[r]), int(b[r, c]), -1 if j is None else int(j[r, c])
 
 
-def _refined(prob: _Problem, groups: list[list[int]], reorder: str | None) -> tuple[list[list[int]], np.ndarray]:
+def _refined(prob: _Problem, groups: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
     """Each micro-batch's buffer order and exact per-rank work ``(K, cp)`` (Note [Refining a packing]).
 
-    Contiguous without ``reorder``: the orders, exchanges and works of :class:`cpshard._refine.Buffers`.
-    Otherwise the orders are sorted (the plan orders them itself under ``reorder``, and :func:`pack`
-    reads the works from its plans) and the works are zigzag's closed form, additive over sequences.
+    Contiguous: the orders, exchanges and works of :class:`cpshard._refine.Buffers`. Zigzag (and
+    ``cp = 1``): sorted orders and the closed form, additive over sequences (``zigzag_works``).
     """
-    if prob.layout is Layout.CONTIGUOUS and prob.cp > 1 and reorder is None:
+    if prob.layout is Layout.CONTIGUOUS and prob.cp > 1:
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
         buffers.start()
         buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
         buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
         return buffers.orders(), buffers.works
-    orders = [sorted(g) for g in groups]
-    if reorder is not None:
-        return orders, np.zeros((len(groups), prob.cp), dtype=np.int64)  # read from the plans
     vec = zigzag_works(prob.n, prob.p, prob.cp) if prob.layout is Layout.ZIGZAG else prob.w[:, None]  # cp = 1
-    return orders, np.stack([vec[g].sum(0) for g in groups])
+    return [sorted(g) for g in groups], np.stack([vec[g].sum(0) for g in groups])
 
 
 def plan_work(plan: ShardPlan) -> list[int]:
@@ -609,18 +618,20 @@ def pack(
     search.fill_empty()
     search.improve()
     groups = [np.flatnonzero(search.where == b).tolist() for b in range(search.owner.size)]
-    orders, works = _refined(prob, groups, reorder)
+    orders, works = _refined(prob, groups)
+    built = [ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
+                             padding=padding, reorder=reorder) for ids in orders]
+    if reorder is not None:  # each plan balanced the refined order further (never worse than it)
+        works = np.array([plan_work(plan) for plan in built], dtype=np.int64)
     owner = assign(works.max(1), counts)
     micro: list[list[tuple[int, ...]]] = [[] for _ in counts]
     plans: list[list[ShardPlan]] = [[] for _ in counts]
     work: list[list[tuple[int, ...]]] = [[] for _ in counts]
     for b, ids in enumerate(orders):
         d = int(owner[b])
-        plan = ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
-                               padding=padding, reorder=reorder)
         micro[d].append(tuple(ids))
-        plans[d].append(plan)
-        work[d].append(tuple(plan_work(plan)) if reorder is not None else tuple(works[b].tolist()))
+        plans[d].append(built[b])
+        work[d].append(tuple(works[b].tolist()))
     total = int(prob.w.sum())
     return Packing(
         micro_batches=tuple(tuple(m) for m in micro),
