@@ -264,7 +264,8 @@ class Buffers:
 
     def _runs(self, which: np.ndarray, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every run of ``lengths`` consecutive positions in the micro-batches ``which``: ``(b, first, end)``."""
-        out_b, out_1, out_2 = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        empty = np.zeros(0, dtype=np.int64)
+        out_b, out_1, out_2 = [empty], [empty], [empty]
         for k in lengths:
             for b in which.tolist():
                 first = np.arange(int(self.size[b]) - k + 1 if k else int(self.size[b]) + 1, dtype=np.int64)
