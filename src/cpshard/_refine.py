@@ -26,8 +26,8 @@ and the old ``G`` after it. Swapping positions ``i < j`` (``s`` a start, ``e`` a
     else                    G(c)
 
 and moving ``i`` to just after ``j > i``, or to just before ``j < i``, are the same with one moved
-sequence; replacing the sequence at ``t`` with another (an exchange) shifts everything after it and
-moves the boundaries (``L`` follows the new rows). A candidate then costs ``O(cp log K)``, not a
+sequence; splicing a run of another micro-batch in place of a run of this one (an exchange) shifts
+everything after it and moves the boundaries (``L`` follows the new rows). A candidate then costs ``O(cp log K)``, not a
 rescan of its buffer: thousands are scored in one call of a few NumPy operations.
 
 1. **Orders.** From longest-first starts (``_balance._lpt``), :meth:`Buffers.descend` runs a
@@ -35,12 +35,17 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
    ``_GRID`` evenly spread positions, scored by the largest rank, then the sum of squares
    (``_balance._score``'s key), until none improves or ``budget`` candidates are spent.
 2. **Exchanges.** DP ranks share out ``sum_m c_m`` (``c_m`` a micro-batch's slowest rank), so
-   :meth:`Buffers.exchange` lowers it: for the ``_EXCHANGE_TOP`` micro-batches whose slowest rank is
-   furthest above their mean, every swap of one of their sequences ``x`` with a sequence ``y`` of
-   another micro-batch that keeps both within the budget (``y`` at ``x``'s buffer position, ``x`` at
-   ``y``'s) is scored exactly on both; improving swaps are applied best first, one per micro-batch a
-   round, and the micro-batches they touched descend again. A swap is kept only when ``c_a + c_b``
-   falls, so the sum never rises.
+   :meth:`Buffers.exchange` lowers it. Every exchange splices a run of consecutive buffer positions of
+   one micro-batch in place of a run of another and back (``_spliced``: the old ``G`` before the
+   splice, the run's own ``G`` inside it, the old ``G`` shifted after it): for the ``_EXCHANGE_TOP``
+   micro-batches whose slowest rank is furthest above their mean, a sequence for none (a move), for
+   one (a swap), or, when it holds rows of the slowest rank, for a run of ``2 .. _RUN`` (which lets
+   a long document's micro-batch trade one filler for several and so reach offsets a single one
+   cannot); a run of theirs for one sequence of half a rank or more; and moves into them. Every
+   candidate that keeps both micro-batches within the budget is scored exactly on both (the
+   receiving side only when its new mean leaves room for a gain); improving ones are applied best
+   first, one per micro-batch a round, and the micro-batches they touched descend a step (all of
+   them fully at the end). An exchange is kept only when ``c_a + c_b`` falls, so the sum never rises.
 3. **DP ranks.** :func:`assign` gives the micro-batches, with exact costs, to the DP ranks with their
    counts fixed: longest first to the least loaded rank with a place left, then swaps of a
    micro-batch of the slowest rank with one of another while the slowest rank's time falls.
@@ -62,7 +67,7 @@ __all__ = ["Buffers", "assign"]
 _GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
-_RUN = 3  # an exchange swaps one sequence for a run of up to this many consecutive ones
+_RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 
 
@@ -263,43 +268,49 @@ class Buffers:
             self._index()
 
     def _runs(self, which: np.ndarray, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every run of ``lengths`` consecutive positions in the micro-batches ``which``: ``(b, first, end)``."""
-        empty = np.zeros(0, dtype=np.int64)
-        out_b, out_1, out_2 = [empty], [empty], [empty]
+        """Every run of ``lengths`` consecutive positions in the micro-batches ``which``, ``(b, first, end)``;
+        a length of 0 is the empty run at a micro-batch's end (where a move appends)."""
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for k in lengths:
-            for b in which.tolist():
-                first = np.arange(int(self.size[b]) - k + 1 if k else int(self.size[b]) + 1, dtype=np.int64)
-                if k == 0:
-                    first = first[-1:]  # the empty run at the end: where a move appends
-                out_b.append(np.full(first.size, b, dtype=np.int64))
-                out_1.append(first)
-                out_2.append(first + k)
-        return np.concatenate(out_b), np.concatenate(out_1), np.concatenate(out_2)
+            if k == 0:
+                out.append((which, self.size[which], self.size[which]))
+                continue
+            count = np.maximum(self.size[which] - k + 1, 0)
+            b = np.repeat(which, count)
+            first = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+            out.append((b, first, first + k))
+        return tuple(np.concatenate([o[f] for o in out]) if out else np.zeros(0, dtype=np.int64)
+                     for f in range(3))  # type: ignore[return-value]
 
-    def _long(self, run: tuple[np.ndarray, np.ndarray, np.ndarray],
-              heavy: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The single-sequence runs among ``run`` whose sequence takes at least half a rank's rows (and,
-        with ``heavy``, holds rows of its micro-batch's slowest rank)."""
+    def _long(self, run: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The single-sequence runs among ``run`` whose sequence takes at least half a rank's rows."""
         b, first, end = run
-        rows = self._p[self.order[b, first]]
-        keep = 2 * self.cp * rows >= self.capacity
-        if heavy:
-            local = self._cuts(self.rows[b])[:, 1]
-            h = self.works[b].argmax(1)
-            start = self._start[b * self._cols + first]
-            keep &= (start < (h + 1) * local) & (start + rows > h * local)
+        keep = 2 * self.cp * self._p[self.order[b, first]] >= self.capacity
+        return b[keep], first[keep], end[keep]
+
+    def _on_slowest(self, run: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The single-sequence runs among ``run`` holding rows of their micro-batch's slowest rank."""
+        b, first, end = run
+        local = self._cuts(self.rows[b])[:, 1]
+        h = self.works[b].argmax(1)
+        start = self._start[b * self._cols + first]
+        keep = (start < (h + 1) * local) & (start + self._p[self.order[b, first]] > h * local)
         return b[keep], first[keep], end[keep]
 
     def _exchanges(self, top: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Candidates ``(u, u1, u2, v, v1, v2)``: micro-batch ``u``'s run ``[u1, u2)`` and ``v``'s run
-        ``[v1, v2)`` change places. ``u`` is one of ``top``; ``u``'s run one sequence and ``v``'s none
-        (a move), one (a swap) or ``2 .. _RUN`` (a run swap), or ``u``'s run ``2 .. _RUN`` and ``v``'s
-        one, or ``v`` one of ``top`` taking a sequence of ``u`` (a move in); both stay within the
-        budget and keep a sequence."""
+        """Candidates ``(u, u1, u2, v, v1, v2, rows_u, rows_v)``: micro-batch ``u``'s run ``[u1, u2)`` and
+        ``v``'s run ``[v1, v2)`` change places, one of the two in ``top``, both within the budget and
+        keeping a sequence. The families (Note [Refining a packing]), ``u`` in ``top`` but the last:
+
+        - one sequence of ``u`` for none (a move out), one (a swap), or, when it holds rows of ``u``'s
+          slowest rank, a run of ``2 .. _RUN`` of ``v``;
+        - a run of ``2 .. _RUN`` of ``u`` for one sequence of ``v`` that takes half a rank's rows or more;
+        - one sequence of another micro-batch ``u`` moved into ``v`` in ``top`` (appended).
+        """
         k = np.arange(self.size.size)
         rest = np.setdiff1d(k, top)
         singles, runs = self._runs(top, [1]), self._runs(k, range(2, _RUN + 1))
-        cands = [(singles, self._runs(k, [0, 1])), (self._long(singles, heavy=True), runs),
+        cands = [(singles, self._runs(k, [0, 1])), (self._on_slowest(singles), runs),
                  (self._runs(top, range(2, _RUN + 1)), self._long(self._runs(k, [1]))),
                  (self._runs(rest, [1]), self._runs(top, [0]))]
         cols = []
