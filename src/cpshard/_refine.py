@@ -119,24 +119,22 @@ class Buffers:
 
     def _index(self) -> None:
         """Per buffer position of every micro-batch: its start row, the work before it, its length, and
-        the search keys ``b * span + end row`` (one sorted array over all micro-batches)."""
+        the search keys ``b * span + end row`` (one sorted array over all micro-batches). The last column
+        is always empty (``_room``); its key is ``b``'s last, so every row of ``b`` finds a position."""
         p_o, n_o = self._p[self.order], self._n[self.order]
         w_o = _tri(n_o)
         ends, cum = np.cumsum(p_o, 1), np.cumsum(w_o, 1)
         k, self._cols = self.order.shape
+        ends[:, -1] = self._span - 1
         self._keys = (np.arange(k, dtype=np.int64)[:, None] * self._span + ends).reshape(-1)
-        self._start = (ends - p_o).reshape(-1)
+        self._start = (np.cumsum(p_o, 1) - p_o).reshape(-1)
         self._before = (cum - w_o).reshape(-1)
         self._len = n_o.reshape(-1)
-        self._work = cum[:, -1].copy()
 
     def _g(self, b: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``G_b(x)``: the work of micro-batch ``b``'s first ``x`` buffer rows (``b`` broadcast over ``x``)."""
-        j = np.searchsorted(self._keys, b * self._span + x, side="right")
-        inside = j < (b + 1) * self._cols  # a position of b holds row x; else x is past b's last token
-        jj = np.where(inside, j, 0)
-        head = np.clip(x - self._start[jj], 0, self._len[jj])
-        return np.where(inside, self._before[jj] + _tri(head), self._work[b])
+        j = np.searchsorted(self._keys, b * self._span + x, side="right")  # the position holding row x
+        return self._before[j] + _tri(np.minimum(x - self._start[j], self._len[j]))
 
     def _cuts(self, rows: np.ndarray) -> np.ndarray:
         """``(Q, cp + 1)`` the rank boundaries of micro-batches of ``rows`` padded rows."""
@@ -199,8 +197,8 @@ class Buffers:
         middle = ~outside & ~first & ~last
         g = self._g(b[:, None], np.where(middle, c - shift, c))
         g = np.where(middle, g + d_work, g)
-        g = np.where(first, g_lo + _tri(np.clip(c - s_lo, 0, n_hi)), g)
-        g = np.where(last, g_hi + w_hi - w_lo + _tri(np.clip(c - last_start, 0, n_lo)), g)
+        g = np.where(first, g_lo + _tri(np.minimum(c - s_lo, n_hi)), g)
+        g = np.where(last, g_hi + w_hi - w_lo + _tri(np.minimum(c - last_start, n_lo)), g)
         return np.diff(g, axis=1)
 
     def orders(self) -> list[list[int]]:
