@@ -260,3 +260,14 @@ def test_refinement_descends_and_exchanges_to_exact_works():
     for b, order in enumerate(orders):
         assert sum(p[i] for i in order) <= capacity
         assert buf.works[b].tolist() == _rescan(n, p, order, keep, cp)
+
+
+@pytest.mark.parametrize("lens", [[363, 5], [1449, 67, 49, 2258, 545, 98, 34, 13, 1302, 626, 5, 183, 133, 194, 363]])
+def test_zigzag_minimal_padding_works_count_the_extended_last_sequence(lens):
+    """Minimal padding may extend a zigzag micro-batch's last sequence past its own padding (to keep it
+    a multiple of 2 cp), which moves its chunks: the works reported are the plan's, not the per-sequence
+    closed form's (a fuzz found the second batch reported off by 1474 pairs a rank)."""
+    p = pack(lens, max_tokens=1 << 16, cp_size=2, tp_size=8, layout="zigzag", padding="minimal")
+    check(p, lens, 2, 1 << 16)
+    plan = p.plans[0][0]
+    assert plan.padded_seqlens_py[-1] > -(-lens[p.micro_batches[0][0][-1]] // 4) * 4  # the extension happened

@@ -533,7 +533,8 @@ def _refined(prob: _Problem, groups: list[list[int]]) -> tuple[list[list[int]], 
     """Each micro-batch's buffer order and exact per-rank work ``(K, cp)`` (Note [Refining a packing]).
 
     Contiguous: the orders, exchanges and works of :class:`cpshard._refine.Buffers`. Zigzag (and
-    ``cp = 1``): sorted orders and the closed form, additive over sequences (``zigzag_works``).
+    ``cp = 1``): sorted orders and the closed form, additive over sequences (``zigzag_works``; under
+    minimal padding :func:`pack` recounts it on the plan's lengths, whose last may be extended).
     """
     if prob.layout is Layout.CONTIGUOUS and prob.cp > 1:
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
@@ -623,6 +624,9 @@ def pack(
                              padding=padding, reorder=reorder) for ids in orders]
     if reorder is not None:  # each plan balanced the refined order further (never worse than it)
         works = np.array([plan_work(plan) for plan in built], dtype=np.int64)
+    elif layout is Layout.ZIGZAG and cp_size > 1 and padding is Padding.MINIMAL:  # the plan may extend the last
+        works = np.stack([zigzag_works(np.array(plan.seqlens_py), np.array(plan.padded_seqlens_py), cp_size).sum(0)
+                          for plan in built])
     owner = assign(works.max(1), counts)
     micro: list[list[tuple[int, ...]]] = [[] for _ in counts]
     plans: list[list[ShardPlan]] = [[] for _ in counts]
