@@ -44,7 +44,7 @@ def check(packing: Packing, lens: list[int], cp: int, max_tokens: int) -> None:
 
 
 configs = st.fixed_dictionaries({
-    "cp": st.sampled_from([1, 2, 3, 4]), "tp": st.sampled_from([1, 2]), "dp": st.sampled_from([1, 2]),
+    "cp": st.sampled_from([1, 2, 3, 4]), "tp": st.sampled_from([1, 2, 8]), "dp": st.sampled_from([1, 2]),
     "layout": st.sampled_from(["zigzag", "contiguous"]), "padding": st.sampled_from(["aligned", "minimal"]),
     "reorder": st.booleans(), "slack": st.integers(0, 300),
 })
