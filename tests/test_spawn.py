@@ -1,4 +1,5 @@
-"""cpshard.spawn.run_ranks hands back what the ranks return, whatever the ranks imported."""
+"""cpshard.spawn.run_ranks hands back what the ranks return, whatever the ranks imported (ranks started
+by ``spawn``, as users get them; the rest of the suite forks them from a server, tests/forked.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from cpshard import spawn
 from cpshard.spawn import run_ranks
+
+pytestmark = pytest.mark.usefixtures("spawned")  # the default start method (tests/conftest.py)
 
 
 def _values(rank):
