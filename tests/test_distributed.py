@@ -400,12 +400,12 @@ def test_harness_reports_rank_failures_and_timeouts():
     with pytest.raises(RuntimeError, match="cannot leave its process"):
         run_ranks(_unpicklable, 2, timeout=100)
     assert time.monotonic() - start < 60
-    # (rank 0 returns at once, unless a loaded machine takes 8 s to start it)
-    with pytest.raises(TimeoutError, match=r"^ranks \[(0, )?1\] of 2 did not finish within 8s( \(ranks \[0\] "
+    # (rank 0 returns at once, unless a loaded machine takes 4 s to start it)
+    with pytest.raises(TimeoutError, match=r"^ranks \[(0, )?1\] of 2 did not finish within 4s( \(ranks \[0\] "
                                            r"returned\))?: "
                                            r"they were killed\. A rank that waits in a collective .*"
                                            r"collective_timeout \(60s here\)\. Fix: "):
-        run_ranks(_hang_on_rank_one, 2, timeout=8, collective_timeout=60)
+        run_ranks(_hang_on_rank_one, 2, timeout=4, collective_timeout=60)
 
 
 def _killed_before_a_collective(rank, world):
