@@ -1,7 +1,9 @@
 """The benchmark scripts still run and report (smoke runs on tiny batches; nothing here looks at a time).
 
 Benchmarks are scripts, not tests (README, "Performance"); this only keeps them from rotting as the
-library changes: each runs to completion on a small batch and prints its comparison.
+library changes: each runs to completion on a small batch and prints its comparison. The scripts start
+together (each is mostly imports, and spawned ranks starting: on two cores they overlap) and each test
+waits for its own.
 """
 
 from __future__ import annotations
@@ -26,15 +28,52 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("script,args,expected", CASES, ids=[c[0] for c in CASES])
-def test_benchmark_runs_and_reports(script, args, expected):
+def _skip_reason(script):
     if script == "verl.py" and importlib.util.find_spec("verl") is None:
-        pytest.skip("verl is not installed (scripts/setup.sh installs it)")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+        return "verl is not installed (scripts/setup.sh installs it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """Every selected script, started at once: ``{script: (process, stdout file, stderr file)}``."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if getattr(item, "module", None) is request.module and hasattr(item, "callspec")}
+    out = {}
+    try:
+        for script, args, _ in CASES:
+            if script in selected and _skip_reason(script) is None:
+                where = tmp_path_factory.mktemp(script.removesuffix(".py"))
+                stdout, stderr = (where / "stdout").open("w+"), (where / "stderr").open("w+")
+                proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                                        stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, text=True)
+                out[script] = proc, stdout, stderr
+        yield out
+    finally:
+        for proc, stdout, stderr in out.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            stdout.close()
+            stderr.close()
+
+
+def _finished(started, script):
+    proc, stdout, stderr = started[script]
+    proc.wait(timeout=300)
+    stdout.seek(0)
+    stderr.seek(0)
+    return proc.returncode, stdout.read(), stderr.read()
+
+
+@pytest.mark.parametrize("script,args,expected", CASES, ids=[c[0] for c in CASES])
+def test_benchmark_runs_and_reports(started, script, args, expected):
+    if _skip_reason(script):
+        pytest.skip(_skip_reason(script))
+    returncode, stdout, stderr = _finished(started, script)
+    assert returncode == 0, stderr[-2000:]
     for text in expected:
-        assert text in done.stdout, (text, done.stdout[-2000:])
+        assert text in stdout, (text, stdout[-2000:])
     if script == "verl.py":  # every drop-in agreed with verl on every real token
-        rows = [line for line in done.stdout.splitlines() if line.startswith(("preprocess", "postprocess"))]
+        rows = [line for line in stdout.splitlines() if line.startswith(("preprocess", "postprocess"))]
         assert rows and all(line.rstrip().endswith("True") for line in rows), rows
