@@ -3,16 +3,21 @@
 # 0.16.0 first on the path (its GPTModel loop, no process_mtp_loss; see scripts/setup.sh); then the
 # README's install cases in a fresh torch-only environment (scripts/check_install.sh, about a minute;
 # CPSHARD_INSTALL_CHECK=0 skips it). With arguments, only pytest runs, with them.
+# Without, the suite runs on two pytest-xdist workers where there are two cores or more (the gloo tests
+# together on one of them, tests/conftest.py); CPSHARD_TEST_WORKERS=N sets the number, 0 runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/python -m pytest "$@"
-if [ -d .venv-mcore016/megatron ] && [ "$#" -eq 0 ]; then
+if [ "$#" -gt 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+.venv/bin/python -m pytest -n "${CPSHARD_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"
+if [ -d .venv-mcore016/megatron ]; then
   echo "--- the MTP tests with megatron-core 0.16.0 ---"
   PYTHONPATH=.venv-mcore016${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q tests/test_mtp.py \
     tests/test_mtp_distributed.py
 fi
-if [ "${CPSHARD_INSTALL_CHECK:-1}" != 0 ] && [ "$#" -eq 0 ]; then
+if [ "${CPSHARD_INSTALL_CHECK:-1}" != 0 ]; then
   echo "--- the install cases (a fresh environment with torch only) ---"
   scripts/check_install.sh
 fi

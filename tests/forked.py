@@ -47,11 +47,13 @@ def _with_callers_stdio(stdout: int, stderr: int, target: Callable[..., Any], ar
 
 class ForkServer:
     """What ``cpshard.spawn`` uses of a multiprocessing context (``Queue``, ``Process``), from the
-    ``forkserver`` context with ``PRELOAD`` imported; the server starts at the first rank."""
+    ``forkserver`` context with ``PRELOAD`` imported; the server starts at the first rank.
+    ``before_start()`` runs before each rank's process is made (it may refuse it by raising)."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_start: Callable[[], None] = lambda: None) -> None:
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
+        self._before_start = before_start
 
     def get_start_method(self) -> str:
         return "forkserver"
@@ -61,5 +63,6 @@ class ForkServer:
 
     def Process(self, target: Callable[..., Any], args: tuple[Any, ...] = (),  # noqa: N802
                 kwargs: dict[str, Any] | None = None, **options: Any) -> Any:
+        self._before_start()
         return self._ctx.Process(target=_with_callers_stdio, args=(_Fd(1), _Fd(2), target, args, kwargs or {}),
                                  **options)
