@@ -10,11 +10,17 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 ENV=.venv-install
 PIP=(.venv/bin/python -m pip --python "$ENV/bin/python" install -q --disable-pip-version-check --no-compile)
+# Installed without bytecode (--no-compile: compiling all of torch takes longer than it saves); where the
+# environment says never to write any (PYTHONDONTWRITEBYTECODE), every start of the fresh interpreter would
+# compile torch's modules again: here the first import writes them (into $ENV, removed at the end).
+unset PYTHONDONTWRITEBYTECODE
 rm -rf "$ENV"
 "$PYTHON" -m venv --without-pip "$ENV"
-.venv/bin/python -m pip wheel -q --disable-pip-version-check --no-deps -w "$ENV/wheel" .
-wheel=$(ls "$ENV"/wheel/cpshard-*.whl)
+.venv/bin/python -m pip wheel -q --disable-pip-version-check --no-deps -w "$ENV/wheel" . &  # while torch installs
+build=$!
 "${PIP[@]}" "$(grep '^torch==' constraints.txt)"
+wait "$build"
+wheel=$(ls "$ENV"/wheel/cpshard-*.whl)
 torch_before=$("$ENV/bin/python" -c "import torch; print(torch.__version__)" 2> /dev/null)  # torch warns: no NumPy
 "${PIP[@]}" --no-deps "$wheel"
 if "$ENV/bin/python" -c "import cpshard" 2> "$ENV/import.err"; then

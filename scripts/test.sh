@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite; then the MTP tests once more with megatron-core
 # 0.16.0 first on the path (its GPTModel loop, no process_mtp_loss; see scripts/setup.sh); then the
-# README's install cases in a fresh torch-only environment (scripts/check_install.sh, about a minute;
-# CPSHARD_INSTALL_CHECK=0 skips it). With arguments, only pytest runs, with them.
+# README's install cases in a fresh torch-only environment (scripts/check_install.sh, about a minute, run
+# alongside the MTP tests; CPSHARD_INSTALL_CHECK=0 skips it). With arguments, only pytest runs, with them.
 # Without, the suite runs on two pytest-xdist workers where there are two cores or more (the gloo tests
 # together on one of them, tests/conftest.py); CPSHARD_TEST_WORKERS=N sets the number, 0 runs it in one process.
 set -euo pipefail
@@ -12,12 +12,23 @@ if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 .venv/bin/python -m pytest -n "${CPSHARD_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"
+install_log=
+if [ "${CPSHARD_INSTALL_CHECK:-1}" != 0 ]; then
+  # alongside the MTP tests below (it mostly unpacks torch, on one core); its output follows theirs
+  install_log=$(mktemp)
+  scripts/check_install.sh > "$install_log" 2>&1 &
+  install_pid=$!
+  trap 'wait "$install_pid" 2> /dev/null; rm -f "$install_log"' EXIT  # never left running on an early exit
+fi
 if [ -d .venv-mcore016/megatron ]; then
   echo "--- the MTP tests with megatron-core 0.16.0 ---"
   PYTHONPATH=.venv-mcore016${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q tests/test_mtp.py \
     tests/test_mtp_distributed.py
 fi
-if [ "${CPSHARD_INSTALL_CHECK:-1}" != 0 ]; then
+if [ -n "$install_log" ]; then
   echo "--- the install cases (a fresh environment with torch only) ---"
-  scripts/check_install.sh
+  status=0
+  wait "$install_pid" || status=$?
+  cat "$install_log"
+  exit "$status"
 fi
