@@ -359,7 +359,8 @@ class PlanIndices:
         (:data:`ROWS_PER_RUN`).
 
         ``sizes[r]`` cut rank ``r``'s rows into each held segment's token rows and pad rows, in local
-        order; ``keep`` lists the token pieces in the caller's (sequence, position) order.
+        order; ``keep`` lists the token pieces in the caller's (sequence, position) order. None too for
+        a plan of no tokens.
         """
         def make() -> tuple[list[list[int]], list[int]]:
             rank, _, length, tokens, order = self._restore_order()
@@ -368,8 +369,8 @@ class PlanIndices:
             sizes = [cuts[a:b].reshape(-1).tolist() for a, b in zip(bounds[:-1], bounds[1:])]
             return sizes, (2 * order).tolist()
         pieces = self._restore_order()[2].size
-        if not pieces or 2 * pieces * rows_per_run > self.plan.num_tokens:
-            return None
+        if not pieces or not self.plan.num_tokens or 2 * pieces * rows_per_run > self.plan.num_tokens:
+            return None  # no runs to copy (a batch of empty sequences gathers its zero rows by the index)
         return self._kept("restore", "runs", make)
 
     # -- exchanges --------------------------------------------------------------------------
