@@ -20,7 +20,10 @@ F64 = torch.float64
 
 
 def _close(a, b):
-    return torch.allclose(torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64), rtol=1e-12, atol=1e-300)
+    # the terms are O(1) (standard normal values, weights up to 3), so a sum that cancels to near zero
+    # differs from the reference's order of summation by a few ulps of the terms, not of the result:
+    # atol=1e-300 failed about once in ten CI runs on such a token_mean
+    return torch.allclose(torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64), rtol=1e-12, atol=1e-12)
 
 
 LOSSES = {
