@@ -29,6 +29,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,8 @@ _GOOD = 1e-3  # stop once the largest rank is this close to the lower bound
 _BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
 
 
-def _tri(x: torch.Tensor) -> torch.Tensor:
+def _tri(x: Any) -> Any:
+    """``x (x + 1) / 2`` of an int64 tensor or array (``pack`` and ``_refine`` share it)."""
     return (x * (x + 1)) >> 1  # x (x + 1) is even and >= 0; the shift is many times faster than // 2
 
 
@@ -120,8 +122,7 @@ def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
     >>> zigzag_works(np.array([5, 3]), np.array([8, 4]), 2).tolist()  # SPEC's worked example
     [[3, 12], [1, 5]]
     """
-    def tri(x: np.ndarray) -> np.ndarray:
-        return x * (x + 1) // 2
+    tri = _tri
     if cp == 1:
         return tri(n)[:, None]
     c = (p // (2 * cp))[:, None]

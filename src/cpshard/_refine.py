@@ -1,9 +1,9 @@
 """Exact refinement of a packing: contiguous buffer orders, exchanges between micro-batches, DP ranks.
 
-Pure index math on NumPy int64 arrays (no plan is built, no communication). :func:`cpshard.pack` calls
-it after its fill; every score here is the exact per-rank causal work of the contiguous layout
-(Note [Causal work under the contiguous layout] in ``_balance``, the closed form of
-:func:`cpshard.causal.attention_work`), never a model.
+Pure index math on NumPy int64 arrays (scored by ``_balance._score``; no plan is built, no
+communication). :func:`cpshard.pack` calls it after its fill; every score here is the exact per-rank
+causal work of the contiguous layout (Note [Causal work under the contiguous layout] in ``_balance``,
+the closed form of :func:`cpshard.causal.attention_work`), never a model.
 
 Note [Refining a packing]
 -------------------------
@@ -59,27 +59,23 @@ import functools
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
-from cpshard._balance import _lpt
+from cpshard._balance import _lpt, _tri
+from cpshard._balance import _score as _score_tensor
 
 __all__ = ["Buffers", "assign"]
 
-_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
+_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 
 
-def _tri(x: np.ndarray) -> np.ndarray:
-    return x * (x + 1) // 2
-
-
 def _score(works: np.ndarray) -> np.ndarray:
-    """``(..., )`` float64 keys ordered as (max, sum of squares) of ``works`` ``(..., cp)``: ``_balance._score``."""
-    x = works.astype(np.float64)
-    mx = x.max(-1)
-    return mx + (x * x).sum(-1) / (2 * works.shape[-1] * np.maximum(mx, 1) ** 2)
+    """``_balance._score`` (the largest rank, then the sum of squares) of ``(Q, cp)`` works, as an array."""
+    return _score_tensor(torch.from_numpy(works)).numpy()
 
 
 class Buffers:

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from cpshard._balance import zigzag_works
+from cpshard._balance import _tri, zigzag_works
 from cpshard._errors import check_int, fail
 from cpshard._refine import Buffers, assign
 from cpshard.layout import Layout, Padding, sequence_unit
@@ -103,10 +103,6 @@ class Packing:
 
 
 # -- shared arithmetic -----------------------------------------------------------------------------
-
-
-def _tri(x: np.ndarray) -> np.ndarray:
-    return x * (x + 1) // 2
 
 
 def _two_piece(n: np.ndarray, local: np.ndarray) -> np.ndarray:
@@ -529,21 +525,17 @@ class _Search:
         return key, int(seqs[r]), int(b[r, c]), -1 if j is None else int(j[r, c])
 
 
-def _refined(prob: _Problem, groups: list[list[int]]) -> tuple[list[list[int]], np.ndarray]:
-    """Each micro-batch's buffer order and exact per-rank work ``(K, cp)`` (Note [Refining a packing]).
-
-    Contiguous: the orders, exchanges and works of :class:`cpshard._refine.Buffers`. Zigzag (and
-    ``cp = 1``): sorted orders and the closed form, additive over sequences (``zigzag_works``; under
-    minimal padding :func:`pack` recounts it on the plan's lengths, whose last may be extended).
-    """
+def _refined(prob: _Problem, groups: list[list[int]]) -> tuple[list[list[int]], np.ndarray | None]:
+    """Each micro-batch's buffer order and, under the contiguous layout, its exact per-rank work
+    ``(K, cp)`` (Note [Refining a packing]); otherwise sorted orders and None (:func:`pack` reads
+    the works from the plans, whose last sequence minimal padding may extend)."""
     if prob.layout is Layout.CONTIGUOUS and prob.cp > 1:
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
         buffers.start()
         buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
         buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
         return buffers.orders(), buffers.works
-    vec = zigzag_works(prob.n, prob.p, prob.cp) if prob.layout is Layout.ZIGZAG else prob.w[:, None]  # cp = 1
-    return [sorted(g) for g in groups], np.stack([vec[g].sum(0) for g in groups])
+    return [sorted(g) for g in groups], None
 
 
 def plan_work(plan: ShardPlan) -> list[int]:
@@ -622,11 +614,8 @@ def pack(
     orders, works = _refined(prob, groups)
     built = [ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
                              padding=padding, reorder=reorder) for ids in orders]
-    if reorder is not None:  # each plan balanced the refined order further (never worse than it)
+    if works is None or reorder is not None:  # zigzag's closed form, or a plan that balanced its order further
         works = np.array([plan_work(plan) for plan in built], dtype=np.int64)
-    elif layout is Layout.ZIGZAG and cp_size > 1 and padding is Padding.MINIMAL:  # the plan may extend the last
-        works = np.stack([zigzag_works(np.array(plan.seqlens_py), np.array(plan.padded_seqlens_py), cp_size).sum(0)
-                          for plan in built])
     owner = assign(works.max(1), counts)
     micro: list[list[tuple[int, ...]]] = [[] for _ in counts]
     plans: list[list[ShardPlan]] = [[] for _ in counts]
