@@ -122,11 +122,10 @@ def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
     >>> zigzag_works(np.array([5, 3]), np.array([8, 4]), 2).tolist()  # SPEC's worked example
     [[3, 12], [1, 5]]
     """
-    tri = _tri
     if cp == 1:
-        return tri(n)[:, None]
+        return _tri(n)[:, None]
     c = (p // (2 * cp))[:, None]
-    chunk = np.diff(tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
+    chunk = np.diff(_tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
     return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
 
 
