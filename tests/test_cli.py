@@ -307,12 +307,30 @@ def test_pack_when_verl_cannot_split_the_batch(capsys):
      "more than --max-tokens=24. Fix: raise --max-tokens to at least 32"),
     (["--lengths", "4,5,6", "--max-tokens", "64", "--min-micro-batches", "4"], "a smaller --min-micro-batches or "
      "--divisible-by"),
+    (["--lengths", "4,5,6", "--max-tokens", "64", "--group-size", "2"], "--group-size=2: must divide the number"),
+    (["--lengths", "4,5,30,9", "--max-tokens", "40", "--group-size", "2"],
+     "--lengths[2:4]=[30, 9]: is group 1 (--group-size=2), whose sequences pad to 44 rows"),
 ])
 def test_pack_library_errors_name_flags(capsys, argv, message):
     assert cli_main(["pack", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cpshard pack: ") and message in err, err
-    assert not any(term in err for term in ("max_tokens", "seqlens", "min_micro_batches")), err
+    assert not any(term in err for term in ("max_tokens", "seqlens", "min_micro_batches", "group_size")), err
+
+
+def test_pack_group_size_keeps_pairs_together(capsys):
+    import json
+
+    from cpshard.pack import pack
+
+    argv = ["pack", "--lengths", "9000,300,7000,20000,1200,4096", "--max-tokens", "32768", "--cp", "4", "--json"]
+    assert cli_main([*argv, "--group-size", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = pack([9000, 300, 7000, 20000, 1200, 4096], max_tokens=32768, cp_size=4, group_size=2)
+    assert got["micro_batches"] == [[list(mb) for mb in rank] for rank in want.micro_batches]
+    assert all({i // 2 for i in mb} == {i // 2 for i in mb if i % 2 == 0} for rank in got["micro_batches"]
+               for mb in rank)
+    assert got["verl"] is None
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -136,6 +136,76 @@ def test_bound_below_exhaustive_optimum_and_pack_near_it(layout, cp, dp):
     assert sum(gaps) / len(gaps) <= 1.10, gaps
 
 
+def _groups_intact(packing: Packing, group: int) -> bool:
+    """Every micro-batch holding a member of group ``k`` holds all of ``k * group .. k * group + group - 1``."""
+    return all(set(mb) == {k * group + j for k in {i // group for i in mb} for j in range(group)}
+               for rank in packing.micro_batches for mb in rank)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 3), st.lists(st.integers(0, 120), min_size=1, max_size=8), configs)
+def test_group_size_keeps_groups_together(group, groups_lens, c):
+    lens = [(n * (j + 3)) % 151 for n in groups_lens for j in range(group)]  # unequal members
+    max_tokens = max(1, max(ShardPlan.build(lens[k:k + group], cp_size=c["cp"], tp_size=c["tp"], layout=c["layout"],
+                                            padding=c["padding"]).total_len
+                            for k in range(0, len(lens), group))) + c["slack"]
+    reorder = "balanced" if c["reorder"] and c["layout"] == "contiguous" else None
+    kw = dict(max_tokens=max_tokens, cp_size=c["cp"], tp_size=c["tp"], layout=c["layout"], dp_size=c["dp"],
+              padding=c["padding"], reorder=reorder, group_size=group)
+    try:
+        p = pack(lens, **kw)
+    except ValueError as exc:  # the same count on every DP rank needs more micro-batches than groups
+        assert c["dp"] > 1 and f"{len(groups_lens)} groups of {group}" in str(exc), exc
+        return
+    check(p, lens, c["cp"], max_tokens)
+    assert _groups_intact(p, group)
+    assert p == pack(lens, **kw)
+
+
+def test_group_size_one_is_the_default_and_errors_name_the_group():
+    lens = [30, 7, 55, 12, 3, 41, 9, 26]
+    for layout in ("zigzag", "contiguous"):
+        assert pack(lens, max_tokens=96, cp_size=2, layout=layout, group_size=1) == pack(
+            lens, max_tokens=96, cp_size=2, layout=layout)
+    with pytest.raises(ValueError, match=r"group_size=3: must divide the number of sequences \(8\)"):
+        pack(lens, max_tokens=96, cp_size=2, group_size=3)
+    with pytest.raises(ValueError, match=r"seqlens\[2:4\]=\[55, 12\]: is group 1 \(group_size=2\).*68 rows"):
+        pack(lens, max_tokens=64, cp_size=2, group_size=2)
+    with pytest.raises(TypeError, match="group_size"):
+        pack(lens, max_tokens=96, cp_size=2, group_size=2.0)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_group_size_against_the_exhaustive_grouped_optimum(layout):
+    """Pairs as units: the bound stays below the grouped optimum, and pack within 25% of it on average."""
+    import random
+
+    gaps = []
+    for seed in range(5):
+        rng = random.Random(seed)
+        lens = [rng.randint(1, 40) for _ in range(8)]
+        cp, max_tokens = 2, max(ShardPlan.build(lens[k:k + 2], cp_size=2, layout=layout).total_len
+                                for k in range(0, 8, 2)) * 2
+        total = sum(n * (n + 1) // 2 for n in lens)
+        p = pack(lens, max_tokens=max_tokens, cp_size=cp, layout=layout, group_size=2)
+        check(p, lens, cp, max_tokens)
+        assert _groups_intact(p, 2)
+        assert p.num_micro_batches[0] >= 2  # so no micro-batch of the search holds more than six sequences
+        best = None  # every partition of the four pairs into that many micro-batches (orders inside: all)
+        for part in _set_partitions(list(range(4))):
+            if len(part) != p.num_micro_batches[0]:
+                continue
+            costs = [_best_cost(lens, [2 * k + j for k in mb for j in (0, 1)], cp, layout, "aligned") for mb in part]
+            if all(rows <= max_tokens for _, rows in costs):
+                t = sum(c for c, _ in costs)
+                best = t if best is None else min(best, t)
+        assert best is not None
+        opt = best * cp / total
+        assert p.lower_bound <= opt + 1e-12 and p.step_ratio >= opt - 1e-12
+        gaps.append(p.step_ratio / opt)
+    assert sum(gaps) / len(gaps) <= 1.25, gaps
+
+
 def test_count_rules():
     lens = [100] * 12
     p = pack(lens, max_tokens=400, cp_size=2, dp_size=2, divisible_by=2, min_micro_batches=3)

@@ -63,8 +63,32 @@ def test_counts_and_errors():
     mbs, idx = cv.rearrange_micro_batches(batch, 64, num_batches_divided_by=4, min_num_micro_batch=3, cp_size=2,
                                           tp_size=1)
     assert len(mbs) == 4
-    with pytest.raises(ValueError, match="force_group_size"):
-        cv.rearrange_micro_batches(batch, 64, force_group_size=2, cp_size=2, tp_size=1)
+    with pytest.raises(ValueError, match="force_group_size=5: must divide the batch size"):
+        cv.rearrange_micro_batches(batch, 64, force_group_size=5, cp_size=2, tp_size=1)
+    with pytest.raises(ValueError, match=r"seqlens\[0:2\].*group 0"):
+        cv.rearrange_micro_batches(_batch([40, 40, 1, 1]), 64, force_group_size=2, cp_size=2, tp_size=1)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("group", [2, 3])
+def test_force_group_size_keeps_groups_together(layout, group):
+    """verl's reward-model pairs: every ``force_group_size`` consecutive samples share a micro-batch, in
+    verl's structure (index lists restore the order), under the padded budget; verl's own keeps them too."""
+    lens = [37, 5, 64, 12, 90, 3, 41, 77, 18, 60, 22, 9, 70, 33, 8, 51, 29, 66]
+    batch = _batch(lens)
+    want_mbs, want_idx = sb.rearrange_micro_batches(batch, max_token_len=256, force_group_size=group)
+    mbs, idx = cv.rearrange_micro_batches(batch, 256, force_group_size=group, cp_size=2, tp_size=2, layout=layout)
+    assert type(mbs) is type(want_mbs) and type(idx) is type(want_idx)
+    for got in (want_idx, idx):
+        assert sorted(itertools.chain(*got)) == list(range(len(lens)))
+        assert all({j // group for j in i} == {j // group for j in i if j % group == 0} for i in got)
+        assert all(len(i) % group == 0 for i in got)
+    flat = list(itertools.chain(*idx))
+    stacked = torch.cat([m["input_ids"] for m in mbs])
+    assert torch.equal(sb.restore_dynamic_batch(stacked, idx), batch["input_ids"])
+    for i in idx:
+        assert ShardPlan.build([lens[j] for j in i], cp_size=2, tp_size=2, layout=layout).total_len <= 256
+    assert torch.equal(stacked[torch.tensor(sb.get_reverse_idx(flat))], batch["input_ids"])
 
 
 def test_patch_covers_it():

@@ -310,7 +310,7 @@ _FLAGS = {"seqlens": "--lengths", "lengths": "--lengths", "cp_size": "--cp", "tp
 
 #: ``cpshard pack``'s too (``cpshard.pack``'s parameter names)
 _PACK_FLAGS = {**_FLAGS, "max_tokens": "--max-tokens", "dp_size": "--dp", "min_micro_batches": "--min-micro-batches",
-               "divisible_by": "--divisible-by", "seed": "--seed"}
+               "divisible_by": "--divisible-by", "group_size": "--group-size", "seed": "--seed"}
 _PACK_AFTER = "=[ ,.;)"  # pack's messages name its parameters in lists too ("min_micro_batches or divisible_by,")
 
 
@@ -323,7 +323,7 @@ def _in_flags(message: str, flags: dict[str, str] = _FLAGS, after: str = "=[ ") 
 
 
 _VALUE_FLAGS = {"--lengths", "--cp", "--tp", "--min-local-rows", "--length-bucket", "--max-seqlen", "--scale-to",
-                "--max-tokens", "--dp", "--min-micro-batches", "--divisible-by", "--seed"}
+                "--max-tokens", "--dp", "--min-micro-batches", "--divisible-by", "--group-size", "--seed"}
 
 
 def _values_may_be_negative(argv: Sequence[str]) -> list[str]:
@@ -487,6 +487,9 @@ def _pack_parser(sub: Any) -> argparse.ArgumentParser:
                    help="every DP rank's count is a multiple of N (the virtual pipeline size)")
     k.add_argument("--same-count", action=argparse.BooleanOptionalAction, default=True,
                    help="the same count on every DP rank (verl's same_micro_num_in_dp; default on)")
+    k.add_argument("--group-size", type=_at_least("--group-size", 1, "2"), default=1, metavar="G",
+                   help="every G consecutive sequences share a micro-batch (verl's force_group_size, such as a "
+                   "reward model's pairs; default 1)")
     k.add_argument("--seed", type=_at_least("--seed", 0, "0"), default=0, help="the search's tie-break seed")
     k.add_argument("--verl", action=argparse.BooleanOptionalAction, default=True,
                    help="compare with verl's partition (its own when verl imports; default on)")
@@ -518,11 +521,14 @@ def _run_pack(args: argparse.Namespace, k: argparse.ArgumentParser) -> int:
                           "dp_size": args.dp, "padding": args.padding}
     try:
         packing = pack(lengths, reorder="balanced" if args.reorder else None, min_micro_batches=args.min_micro_batches,
-                       divisible_by=args.divisible_by, same_count_across_dp=args.same_count, seed=args.seed, **kw)
+                       divisible_by=args.divisible_by, same_count_across_dp=args.same_count,
+                       group_size=args.group_size, seed=args.seed, **kw)
         verl = None
         note = ""
         if args.verl:
-            if len(lengths) % args.dp:
+            if args.group_size > 1:
+                note = "verl's partition: not shown (compared only for --group-size 1)"
+            elif len(lengths) % args.dp:
                 note = (f"verl's partition: not shown ({len(lengths)} sequences do not divide by --dp {args.dp}; "
                         "verl's DP split takes equal counts)")
             else:

@@ -48,6 +48,13 @@ micro-batches' slowest ranks follow, each scored on both buffers in closed form 
 ``reorder="balanced"`` each plan then balances that order further, never ending worse than it).
 Last, the micro-batches go to the DP ranks by their exact costs (:func:`cpshard._refine.assign`),
 the counts unchanged.
+
+**Groups** (``group_size = g > 1``, verl's ``force_group_size``): the count, the fill and its moves
+and swaps place units of ``g`` consecutive sequences (rows, work and zigzag vectors summed, the
+contiguous model's heaviest piece the members' largest), so a group never splits. The bound is the
+one for single sequences (a grouped packing is one of the packings it covers). The exchanges of the
+exact refinement move single sequences and runs of a buffer, so with groups they are skipped; the
+buffer orders and the DP split are refined as without.
 """
 
 from __future__ import annotations
@@ -164,6 +171,25 @@ def _problem(seqlens: Sequence[int], max_tokens: int, cp: int, tp: int, layout: 
              f"{keep} at cp_size={cp}, tp_size={tp}, layout={layout.value!r}, padding={padding.value!r}), more than "
              f"max_tokens={max_tokens}", f"raise max_tokens to at least {int(alone.max())}, or cut sequence {i}")
     return _Problem(n, p, _tri(n), cp, tp, layout, padding, keep, capacity)
+
+
+def _by_unit(x: np.ndarray, group: int) -> np.ndarray:
+    """``(B / group,)`` the sums of ``x`` over each ``group`` consecutive sequences."""
+    return x if group == 1 else x.reshape(-1, group).sum(1)
+
+
+def _check_groups(prob: _Problem, group: int, max_tokens: int) -> None:
+    """A clear error for a batch that does not split into groups, or a group that cannot fit a micro-batch."""
+    if prob.n.size % group:
+        fail("group_size", group, f"must divide the number of sequences ({prob.n.size})",
+             "pass a batch of whole groups, or another group_size")
+    rows = -(-_by_unit(prob.p, group) // prob.keep) * prob.keep
+    over = np.flatnonzero(rows > max_tokens)
+    if over.size:
+        k = int(over[0])
+        fail(f"seqlens[{k * group}:{(k + 1) * group}]", [int(x) for x in prob.n[k * group:(k + 1) * group]],
+             f"is group {k} (group_size={group}), whose sequences pad to {int(rows[k])} rows together, more than "
+             f"max_tokens={max_tokens}", f"raise max_tokens to at least {int(rows.max())}, or split the group")
 
 
 def _filler(prob: _Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -300,7 +326,7 @@ def _ffd_count(p: np.ndarray, capacity: int) -> int:
     return max(1, len(free))
 
 
-def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int) -> list[int]:
+def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int, group: int = 1) -> list[int]:
     """Micro-batches per DP rank: at least ``least`` each, multiples of ``by``, together ``>= total``."""
     if same:
         k = max(least, -(-total // dp))
@@ -310,9 +336,11 @@ def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int)
         units = max(dp * (-(-least // by)), -(-total // by))
         counts = [by * (units // dp + (d < units % dp)) for d in range(dp)]
     if sum(counts) > num_seqs:
-        fail("seqlens", f"{num_seqs} sequences", f"cannot fill {sum(counts)} micro-batches ({counts} per DP rank: "
+        what = f"{num_seqs} sequences" if group == 1 else f"{num_seqs} groups of {group}"
+        fail("seqlens", what, f"cannot fill {sum(counts)} micro-batches ({counts} per DP rank: "
              f"at least {least} each, a multiple of divisible_by={by}"
-             + (", the same on every DP rank" if same else "") + "), and a micro-batch holds at least one",
+             + (", the same on every DP rank" if same else "") + "), and a micro-batch holds at least one"
+             + ("" if group == 1 else " group"),
              "pass more sequences, a smaller min_micro_batches or divisible_by, or a larger max_tokens")
     return counts
 
@@ -320,25 +348,32 @@ def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int)
 class _Search:
     """Micro-batches laid out per DP rank, filled and improved under the per-micro-batch model.
 
-    Arrays over micro-batches: rows, the model's additive part ``acc`` (zigzag: per-rank work;
-    contiguous: total work), the two largest heaviest pieces (contiguous) and the cost."""
+    It places **units**: ``group`` consecutive sequences that share a micro-batch (one sequence each
+    when ``group`` is 1), with the members' rows, work and model vectors summed and their heaviest
+    pieces' largest as the unit's. Arrays over micro-batches: rows, the model's additive part ``acc``
+    (zigzag: per-rank work; contiguous: total work), the two largest heaviest pieces (contiguous) and
+    the cost."""
 
-    def __init__(self, prob: _Problem, counts: list[int], seed: int) -> None:
+    def __init__(self, prob: _Problem, counts: list[int], seed: int, group: int = 1) -> None:
         self.prob = prob
         self.owner = np.repeat(np.arange(len(counts)), counts)  # micro-batch -> DP rank
         self.dp = len(counts)
+        self.group = group
         k = len(self.owner)
-        self.where = np.full(prob.n.size, -1, dtype=np.int64)  # sequence -> micro-batch
-        self.rng = np.random.default_rng(seed)
         cp = prob.cp
         if prob.layout is Layout.ZIGZAG or cp == 1:
-            self.vec = zigzag_works(prob.n, prob.p, cp)  # (B, cp): additive and exact
-            self.heavy = np.zeros(prob.n.size, dtype=np.int64)
+            vec = zigzag_works(prob.n, prob.p, cp)  # (B, cp): additive and exact
+            heavy = np.zeros(prob.n.size, dtype=np.int64)
             self.contiguous = False
         else:
-            self.vec = prob.w[:, None]
-            self.heavy = _two_piece(prob.n, np.full(prob.n.shape, prob.capacity // cp))
+            vec = prob.w[:, None]
+            heavy = _two_piece(prob.n, np.full(prob.n.shape, prob.capacity // cp))
             self.contiguous = True
+        self.p, self.w = _by_unit(prob.p, group), _by_unit(prob.w, group)
+        self.vec = vec.reshape(-1, group, vec.shape[1]).sum(1)
+        self.heavy = heavy.reshape(-1, group).max(1)
+        self.where = np.full(self.p.size, -1, dtype=np.int64)  # unit -> micro-batch
+        self.rng = np.random.default_rng(seed)
         self.acc = np.zeros((k, self.vec.shape[1]), dtype=np.int64)
         self.rows = np.zeros(k, dtype=np.int64)
         self.size = np.zeros(k, dtype=np.int64)
@@ -362,7 +397,7 @@ class _Search:
         ids = np.flatnonzero(self.where == b)
         self.size[b] = ids.size
         self.acc[b] = self.vec[ids].sum(0)
-        self.rows[b] = int(self.prob.p[ids].sum())
+        self.rows[b] = int(self.p[ids].sum())
         hv = self.heavy[ids]
         if ids.size:
             top = np.argsort(-hv, kind="stable")
@@ -381,10 +416,10 @@ class _Search:
         key = self.heavy if self.contiguous else self.vec.max(1)
         times = np.zeros(self.dp, dtype=np.int64)
         big = np.iinfo(np.int64).max
-        limit = prob.capacity - prob.p  # a micro-batch takes sequence i while its rows are at most this
+        limit = prob.capacity - self.p  # a micro-batch takes unit i while its rows are at most this
         members = [np.flatnonzero(self.owner == d) for d in range(self.dp)]
         base = times[self.owner] - self.cost  # the step a micro-batch's DP rank takes without it
-        for i in np.lexsort((np.arange(prob.n.size), -prob.p, -key)).tolist():
+        for i in np.lexsort((np.arange(self.p.size), -self.p, -key)).tolist():
             if self.contiguous:
                 new = np.maximum(-(-(self.acc[:, 0] + self.vec[i, 0]) // self.prob.cp),
                                  np.maximum(self.h1, self.heavy[i]))
@@ -404,7 +439,7 @@ class _Search:
             times[d] += delta
             self.where[i] = b
             self.acc[b] += self.vec[i]
-            self.rows[b] += prob.p[i]
+            self.rows[b] += self.p[i]
             self.size[b] += 1
             if self.heavy[i] > self.h1[b]:
                 self.h2[b], self.h1[b], self.h1i[b] = self.h1[b], self.heavy[i], i
@@ -418,10 +453,10 @@ class _Search:
         prob = self.prob
         self.where[:] = -1
         rows = np.zeros_like(self.rows)
-        for i in np.lexsort((np.arange(prob.n.size), -prob.p)).tolist():
-            b = int(np.flatnonzero(rows + prob.p[i] <= prob.capacity)[0])
+        for i in np.lexsort((np.arange(self.p.size), -self.p)).tolist():
+            b = int(np.flatnonzero(rows + self.p[i] <= prob.capacity)[0])
             self.where[i] = b
-            rows[b] += prob.p[i]
+            rows[b] += self.p[i]
         for b in range(self.owner.size):
             self._refresh(b)
 
@@ -430,11 +465,11 @@ class _Search:
         for b in np.flatnonzero(self.size == 0).tolist():
             a = int(np.argmax(self.size))
             ids = np.flatnonzero(self.where == a)
-            self._put(int(ids[np.argmin(self.prob.w[ids])]), b)
+            self._put(int(ids[np.argmin(self.w[ids])]), b)
 
     def improve(self, steps: int = _SEARCH_STEPS) -> None:
         """Moves and swaps out of the slowest DP rank's micro-batches while (step, sum of squares) falls."""
-        prob, cp_cap = self.prob, self.prob.capacity
+        p, cp_cap = self.p, self.prob.capacity
         stale, low = 0, int(self.times().max())
         for _ in range(steps):
             times = self.times()
@@ -455,7 +490,7 @@ class _Search:
             h_b = np.maximum(self.h1[None, :], self.heavy[seqs][:, None])
             cost_b = self._cost_of(self.acc[None, :, :] + self.vec[seqs][:, None, :], h_b)
             cost_a = self._cost_of(base_a, h_a)
-            ok = (self.rows[None, :] + prob.p[seqs][:, None] <= cp_cap) & (self.size[a] > 1)[:, None]
+            ok = (self.rows[None, :] + p[seqs][:, None] <= cp_cap) & (self.size[a] > 1)[:, None]
             ok[np.arange(seqs.size), a] = False
             best = self._best(seqs, a, cost_a, np.broadcast_to(np.arange(self.owner.size), ok.shape), cost_b,
                               None, ok, times, cur, best)
@@ -463,10 +498,10 @@ class _Search:
             top = seqs[np.argsort(-np.maximum(self.heavy[seqs], self.vec[seqs].max(1)), kind="stable")[:16]]
             if top.size:
                 ta = self.where[top]
-                j = np.arange(prob.n.size)
+                j = np.arange(p.size)
                 bj = self.where[j]
-                ok = ((self.rows[ta][:, None] - prob.p[top][:, None] + prob.p[j][None, :] <= cp_cap)
-                      & (self.rows[bj][None, :] - prob.p[j][None, :] + prob.p[top][:, None] <= cp_cap)
+                ok = ((self.rows[ta][:, None] - p[top][:, None] + p[j][None, :] <= cp_cap)
+                      & (self.rows[bj][None, :] - p[j][None, :] + p[top][:, None] <= cp_cap)
                       & (bj[None, :] != ta[:, None]))
                 if ok.any():
                     hta = np.where(self.h1i[ta] == top, self.h2[ta], self.h1[ta])
@@ -525,15 +560,18 @@ class _Search:
         return key, int(seqs[r]), int(b[r, c]), -1 if j is None else int(j[r, c])
 
 
-def _refined(prob: _Problem, groups: list[list[int]]) -> tuple[list[list[int]], np.ndarray | None]:
+def _refined(prob: _Problem, groups: list[list[int]], group: int = 1) -> tuple[list[list[int]], np.ndarray | None]:
     """Each micro-batch's buffer order and, under the contiguous layout, its exact per-rank work
     ``(K, cp)`` (Note [Refining a packing]); otherwise sorted orders and None (:func:`pack` reads
-    the works from the plans, whose last sequence minimal padding may extend)."""
+    the works from the plans, whose last sequence minimal padding may extend). With ``group > 1``
+    the orders are refined but no sequence changes micro-batch (an exchange moves single sequences
+    and runs of a buffer, which need not be whole groups)."""
     if prob.layout is Layout.CONTIGUOUS and prob.cp > 1:
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
         buffers.start()
         buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
-        buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
+        if group == 1:
+            buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
         return buffers.orders(), buffers.works
     return [sorted(g) for g in groups], None
 
@@ -559,6 +597,7 @@ def pack(
     min_micro_batches: int | None = None,
     divisible_by: int | None = None,
     same_count_across_dp: bool = True,
+    group_size: int = 1,
     seed: int = 0,
 ) -> Packing:
     """Split a global batch into micro-batches per DP rank whose padded rows fit ``max_tokens`` and whose
@@ -570,11 +609,15 @@ def pack(
     ``layout``, ``padding``, ``reorder`` are :meth:`ShardPlan.build`'s, for every micro-batch.
     ``dp_size`` DP ranks; ``min_micro_batches`` and ``divisible_by`` (the virtual pipeline size)
     apply to every DP rank's count; ``same_count_across_dp`` gives every DP rank the same count
-    (verl's ``same_micro_num_in_dp``), else the counts may differ by ``divisible_by``. ``seed``
-    breaks ties in the search (the result is deterministic for a seed).
+    (verl's ``same_micro_num_in_dp``), else the counts may differ by ``divisible_by``.
+    ``group_size``: every ``group_size`` consecutive sequences (``seqlens[k g:(k + 1) g]``) share one
+    micro-batch, such as a reward model's chosen and rejected responses (verl's ``force_group_size``);
+    the number of sequences must be a multiple of it, and under the contiguous layout sequences then
+    keep the micro-batch the fill gives their group (Note [Refining a packing]: the buffer orders and the
+    DP split are still refined). ``seed`` breaks ties in the search (the result is deterministic for a seed).
 
-    Every sequence is in exactly one micro-batch; a sequence whose padded length alone exceeds
-    ``max_tokens`` is an error naming it. The count is first-fit decreasing's on the padded
+    Every sequence is in exactly one micro-batch; a sequence (or group) whose padded length alone
+    exceeds ``max_tokens`` is an error naming it. The count is first-fit decreasing's on the padded
     lengths, raised by the count rules. See :class:`Packing` for the result and
     :func:`packing_bound` for ``lower_bound``.
 
@@ -590,6 +633,7 @@ def pack(
     tp_size = check_int("tp_size", tp_size, minimum=1)
     dp_size = check_int("dp_size", dp_size, minimum=1)
     seed = check_int("seed", seed)
+    group = check_int("group_size", group_size, minimum=1)
     least = 1 if min_micro_batches is None else check_int("min_micro_batches", min_micro_batches, minimum=1)
     by = 1 if divisible_by is None else check_int("divisible_by", divisible_by, minimum=1)
     if not isinstance(same_count_across_dp, bool):
@@ -604,14 +648,18 @@ def pack(
             fail("reorder", repr(reorder), f"balances the contiguous layout (layout={layout.value!r})",
                  "pass layout='contiguous', or drop reorder")
     prob = _problem(lens, max_tokens, cp_size, tp_size, layout, padding)
-    counts = _counts(_ffd_count(prob.p, prob.capacity), dp_size, least, by, same_count_across_dp, len(lens))
-    search = _Search(prob, counts, seed)
+    _check_groups(prob, group, max_tokens)
+    units = len(lens) // group
+    counts = _counts(_ffd_count(_by_unit(prob.p, group), prob.capacity), dp_size, least, by, same_count_across_dp,
+                     units, group)
+    search = _Search(prob, counts, seed, group)
     if not search.fill():
         search.first_fit()
     search.fill_empty()
     search.improve()
-    groups = [np.flatnonzero(search.where == b).tolist() for b in range(search.owner.size)]
-    orders, works = _refined(prob, groups)
+    members = np.arange(len(lens)).reshape(units, group)
+    groups = [members[search.where == b].reshape(-1).tolist() for b in range(search.owner.size)]
+    orders, works = _refined(prob, groups, group)
     built = [ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
                              padding=padding, reorder=reorder) for ids in orders]
     if works is None or reorder is not None:  # zigzag's closed form, or a plan that balanced its order further

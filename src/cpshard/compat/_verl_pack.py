@@ -156,22 +156,24 @@ def rearrange_micro_batches(
 
     The count: :func:`cpshard.pack`'s for this rank's lengths; with ``dp_group`` and
     ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, one
-    ``all_reduce(MAX)`` of one integer, as verl does. ``force_group_size`` other than 1 is refused.
+    ``all_reduce(MAX)`` of one integer, as verl does. ``force_group_size``: every that many consecutive
+    samples share a micro-batch (verl's reward-model pairs; :func:`cpshard.pack`'s ``group_size``), and
+    the batch must hold whole groups (verl asserts it; this raises a ``ValueError`` naming it).
     """
     max_token_len = check_int("max_token_len", max_token_len, minimum=1)
     force_group_size = check_int("force_group_size", force_group_size, minimum=1)
-    if force_group_size != 1:
-        fail("force_group_size", force_group_size, "cpshard's packing places samples one by one",
-             "use verl's own rearrange_micro_batches for grouped samples (reward-model training)")
     if cp_size is None or tp_size is None:
         from cpshard.megatron.state import parallel_context
 
         ctx = parallel_context(tp_size=tp_size, cp_size=cp_size, cp_rank=0, need_group=False)
         cp_size, tp_size = ctx.cp_size, ctx.tp_size
     lens = _lengths(batch)
+    if len(lens) % force_group_size:
+        fail("force_group_size", force_group_size, f"must divide the batch size ({len(lens)}), as verl asserts",
+             "pass a batch of whole groups")
     kw: dict[str, Any] = {"max_tokens": max_token_len, "cp_size": cp_size, "tp_size": tp_size, "layout": layout,
                           "padding": padding, "reorder": reorder, "divisible_by": num_batches_divided_by,
-                          "seed": seed}
+                          "group_size": force_group_size, "seed": seed}
     packing = pack(lens, min_micro_batches=min_num_micro_batch, **kw)
     from cpshard.distributed import initialized
 
