@@ -65,8 +65,6 @@ def test_counts_and_errors():
     assert len(mbs) == 4
     with pytest.raises(ValueError, match="force_group_size=5: must divide the batch size"):
         cv.rearrange_micro_batches(batch, 64, force_group_size=5, cp_size=2, tp_size=1)
-    with pytest.raises(ValueError, match=r"seqlens\[0:2\].*group 0"):
-        cv.rearrange_micro_batches(_batch([40, 40, 1, 1]), 64, force_group_size=2, cp_size=2, tp_size=1)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -89,6 +87,59 @@ def test_force_group_size_keeps_groups_together(layout, group):
     for i in idx:
         assert ShardPlan.build([lens[j] for j in i], cp_size=2, tp_size=2, layout=layout).total_len <= 256
     assert torch.equal(stacked[torch.tensor(sb.get_reverse_idx(flat))], batch["input_ids"])
+
+
+def test_a_group_over_the_budget_gets_a_micro_batch_of_its_own(caplog):
+    """Named in the README: verl 0.9.1 refuses a group over ``max_token_len``, verl main places it among
+    others (over the budget); the drop-in gives it a micro-batch alone, the fewest rows it can have."""
+    lens = [40, 40, 1, 1, 20, 9, 30, 31]
+    batch = _batch(lens)
+    import verl
+
+    if verl.__version__ == "0.9.1":
+        with pytest.raises(ValueError, match="exceeds max_token_len"):  # verl 0.9.1's own
+            sb.rearrange_micro_batches(batch, max_token_len=64, force_group_size=2)
+    with caplog.at_level("WARNING", logger="cpshard.compat.verl"):
+        mbs, idx = cv.rearrange_micro_batches(batch, 64, force_group_size=2, cp_size=2, tp_size=1)
+    assert "samples 0..1 (40+40 tokens) pad to 80 rows" in caplog.text
+    assert [0, 1] in idx and sorted(itertools.chain(*idx)) == list(range(8))
+    assert all(ShardPlan.build([lens[j] for j in i], cp_size=2).total_len <= 64 for i in idx if i != [0, 1])
+    stacked = torch.cat([m["input_ids"] for m in mbs])
+    assert torch.equal(sb.restore_dynamic_batch(stacked, idx), batch["input_ids"])
+
+
+def test_the_count_where_ceil_tokens_over_the_budget_overshoots_it():
+    """Named in the README: verl main's count is ``ceil(tokens / max_token_len)`` and its partition of this
+    rank (from verl main's own ``test_seqlen_balancing_distributed_params``) then holds 318 tokens in one
+    micro-batch of 300; verl 0.9.1 raises its count until the partition fits, and so does the drop-in."""
+    lens = [64, 50, 53, 86, 87, 88, 60, 60, 63, 70, 83, 69, 80, 70, 54, 79, 77, 56, 60, 62, 83, 85, 87, 67, 62]
+    batch = _batch(lens, 100)
+    six = sb.get_seqlen_balanced_partitions(sb.calculate_workload(torch.tensor(lens)).tolist(), 6, equal_size=False)
+    assert -(-sum(lens) // 300) == 6 and max(sum(lens[i] for i in p) for p in six) > 300
+    _, want = sb.rearrange_micro_batches(batch, max_token_len=300)
+    _, got = cv.rearrange_micro_batches(batch, 300, cp_size=1, tp_size=1)
+    assert len(got) == len(want) == 7
+    assert max(sum(lens[i] for i in p) for p in got) <= 300
+
+
+def test_parallel_sizes_from_megatron_when_initialized_else_one(monkeypatch):
+    """verl's FSDP engines call ``prepare_micro_batches`` too: without Megatron's parallel state the
+    drop-in packs as cp = tp = 1 (verl's unpadded budget); with it, it reads the sizes from there."""
+    lens = [37, 5, 64, 12, 90, 3, 41, 77, 18, 60]
+    batch = _batch(lens)
+    _, alone = cv.rearrange_micro_batches(batch, 128)
+    assert alone == cv.rearrange_micro_batches(batch, 128, cp_size=1, tp_size=1)[1]
+    try:
+        from cpshard.megatron._import import import_megatron
+
+        mpu = import_megatron("parallel_state")
+    except ImportError:
+        pytest.skip("megatron-core is not installed")
+    monkeypatch.setattr(mpu, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(mpu, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(mpu, "get_context_parallel_world_size", lambda: 4)
+    _, read = cv.rearrange_micro_batches(batch, 128)
+    assert read == cv.rearrange_micro_batches(batch, 128, cp_size=4, tp_size=2)[1] != alone
 
 
 def test_patch_covers_it():

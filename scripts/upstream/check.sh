@@ -26,6 +26,30 @@ echo "--- patch() on that verl"
 PYTHONPATH="$WORK/verl" "$PY" -c "
 from cpshard.compat import verl as cv
 p = cv.patch(); print(len(p.replaced), 'sites bound; skipped:', p.skipped); p.undo(); print('undone')" 2>&1 | tail -2
+# 2. verl's own micro-batch tests through patch() (verl.workers.engine.utils imports a few more packages:
+#    installed --no-deps beside it); test_seqlen_balancing's spawned ranks moved to gloo and the CPU
+echo "--- verl's micro-batch tests against cpshard.compat.verl.rearrange_micro_batches (one asserts verl main's count: fails)"
+"$PY" -m pip install -q --no-deps --target "$WORK/extra" peft accelerate datasets multiprocess pandas pyarrow dill xxhash
+cp "$VERL_TREE/tests/utils/test_prepare_micro_batches_with_group_size.py" "$WORK/"
+cat > "$WORK/conftest.py" <<'PY'
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _cpshard_patch():
+    from cpshard.compat import verl as cv
+    with cv.patch():
+        import verl.workers.engine.utils as engine_utils
+        assert engine_utils.rearrange_micro_batches is cv.rearrange_micro_batches
+        yield
+PY
+sed -e 's/^    rearrange_micro_batches,$//' \
+    -e 's/^from verl.utils.seqlen_balancing import (/from cpshard.compat.verl import rearrange_micro_batches\nfrom verl.utils.seqlen_balancing import (/' \
+    -e 's/    get_torch_device().set_device(rank)/    pass/' -e 's/        backend=get_nccl_backend(),/        backend="gloo",/' \
+    -e 's/device=f"{get_device_name()}:{rank}"/device="cpu"/g' \
+    "$VERL_TREE/tests/utils/test_seqlen_balancing.py" > "$WORK/test_seqlen_balancing_cpshard.py"
+(cd "$WORK" && PYTHONPATH="$WORK/verl:$WORK/extra:$WORK" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider \
+  test_prepare_micro_batches_with_group_size.py test_seqlen_balancing_cpshard.py 2>&1 | tail -3) || true
 for tree in "$MDEV" $MMAIN; do
   echo "--- process_mtp_loss against $tree"
   PYTHONPATH="$tree" "$PY" -m pytest -q tests/test_mtp.py -k "equals_megatron_process or every_parameter" 2>&1 | tail -1

@@ -157,7 +157,7 @@ class _Problem:
 
 
 def _problem(seqlens: Sequence[int], max_tokens: int, cp: int, tp: int, layout: Layout,
-             padding: Padding) -> _Problem:
+             padding: Padding, check: bool = True) -> _Problem:
     unit = sequence_unit(cp, tp, layout, False, padding)
     keep = math.lcm(unit, cp * tp)
     n = np.array(seqlens, dtype=np.int64)
@@ -165,7 +165,7 @@ def _problem(seqlens: Sequence[int], max_tokens: int, cp: int, tp: int, layout: 
     capacity = max_tokens // keep * keep
     alone = -(-p // keep) * keep  # the rows of a micro-batch of that sequence alone (0 for an empty one)
     over = np.flatnonzero(alone > max_tokens)
-    if over.size:
+    if check and over.size:
         i = int(over[0])
         fail(f"seqlens[{i}]", int(n[i]), f"pads to {int(alone[i])} rows (a micro-batch's rows are a multiple of "
              f"{keep} at cp_size={cp}, tp_size={tp}, layout={layout.value!r}, padding={padding.value!r}), more than "
@@ -178,12 +178,17 @@ def _by_unit(x: np.ndarray, group: int) -> np.ndarray:
     return x if group == 1 else x.reshape(-1, group).sum(1)
 
 
+def _group_rows(prob: _Problem, group: int) -> np.ndarray:
+    """``(B / group,)`` the padded rows of a micro-batch holding only group ``k`` (``plan.total_len``)."""
+    return -(-_by_unit(prob.p, group) // prob.keep) * prob.keep
+
+
 def _check_groups(prob: _Problem, group: int, max_tokens: int) -> None:
     """A clear error for a batch that does not split into groups, or a group that cannot fit a micro-batch."""
     if prob.n.size % group:
         fail("group_size", group, f"must divide the number of sequences ({prob.n.size})",
              "pass a batch of whole groups, or another group_size")
-    rows = -(-_by_unit(prob.p, group) // prob.keep) * prob.keep
+    rows = _group_rows(prob, group)
     over = np.flatnonzero(rows > max_tokens)
     if over.size:
         k = int(over[0])

@@ -27,7 +27,8 @@ import torch
 
 from cpshard._errors import check_int, fail
 from cpshard.layout import Layout, Padding
-from cpshard.pack import pack
+from cpshard.pack import _group_rows, _problem, pack, plan_work
+from cpshard.plan import ShardPlan
 
 __all__ = ["patch_sites", "rearrange_micro_batches", "verl_partition", "verl_partitioner"]
 
@@ -127,6 +128,43 @@ def _dp_count(count: int, dp_group: Any) -> int:
     return int(max_over(torch.tensor([count], dtype=torch.long), dp_group).item())
 
 
+def _oversized(lens: list[int], group: int, max_tokens: int, plan_kw: dict[str, Any]) -> set[int]:
+    """The groups (``group`` consecutive samples) whose plan alone has more than ``max_tokens`` padded rows.
+
+    verl checks only that ``max_token_len`` covers the longest sample, before padding, and places every
+    group somewhere; the drop-in gives each such group a micro-batch of its own (the fewest rows it can
+    have) and logs it, where :func:`cpshard.pack` refuses the batch."""
+    prob = _problem(lens, max_tokens, plan_kw["cp_size"], plan_kw["tp_size"], Layout.parse(plan_kw["layout"]),
+                    Padding.parse(plan_kw["padding"]), check=False)
+    rows = _group_rows(prob, group)
+    out = {int(k) for k in (rows > max_tokens).nonzero()[0]}
+    for k in sorted(out)[:4]:
+        logger.warning("cpshard.compat.verl.rearrange_micro_batches: samples %d..%d (%s tokens) pad to %d rows, "
+                       "more than max_token_len=%d; they get a micro-batch of their own%s", k * group,
+                       (k + 1) * group - 1, "+".join(map(str, lens[k * group:(k + 1) * group])), int(rows[k]),
+                       max_tokens, f" (and {len(out) - 4} more groups)" if len(out) > 4 and k == sorted(out)[3] else "")
+    return out
+
+
+def _megatron_initialized() -> bool:
+    """Whether Megatron's model-parallel state is initialized in this process (without importing
+    Megatron: a process that never imported it runs no Megatron model parallelism)."""
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    probe = getattr(mpu, "model_parallel_is_initialized", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def _parallel_sizes(cp_size: int | None, tp_size: int | None) -> tuple[int, int]:
+    """``(cp, tp)``: the ones passed, the rest from Megatron's parallel state when it is initialized,
+    else 1 (a verl FSDP engine: no Megatron CP or TP)."""
+    if not _megatron_initialized():
+        return (1 if cp_size is None else cp_size), (1 if tp_size is None else tp_size)
+    from cpshard.megatron.state import parallel_context
+
+    ctx = parallel_context(tp_size=tp_size, cp_size=cp_size, cp_rank=0, need_group=False)
+    return ctx.cp_size, ctx.tp_size
+
+
 def rearrange_micro_batches(
     batch: Any,
     max_token_len: int,
@@ -151,8 +189,11 @@ def rearrange_micro_batches(
     (under the contiguous layout, the buffer order :func:`cpshard.pack` chose; else ascending, as
     verl's); ``get_reverse_idx(list(itertools.chain(*indices)))`` restores the batch's order.
     ``use_dynamic_bsz_balance`` orders the micro-batches as verl does (by work, the lighter ones at both
-    ends). ``cp_size`` / ``tp_size``: the plan's sizes, read from Megatron's parallel state when not
-    given; ``layout``, ``padding``, ``reorder``: the ones the micro-batches' plans are built with.
+    ends). ``cp_size`` / ``tp_size``: the plan's sizes; when not given, read from Megatron's parallel
+    state if it is initialized, else 1 (verl's FSDP engines call this function too, through
+    ``prepare_micro_batches``, and there no Megatron CP or TP pads a sequence: the budget is then
+    verl's own, unpadded tokens); ``layout``, ``padding``, ``reorder``: the ones the micro-batches'
+    plans are built with.
 
     The count: :func:`cpshard.pack`'s for this rank's lengths; with ``dp_group`` and
     ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, one
@@ -163,27 +204,47 @@ def rearrange_micro_batches(
     max_token_len = check_int("max_token_len", max_token_len, minimum=1)
     force_group_size = check_int("force_group_size", force_group_size, minimum=1)
     if cp_size is None or tp_size is None:
-        from cpshard.megatron.state import parallel_context
-
-        ctx = parallel_context(tp_size=tp_size, cp_size=cp_size, cp_rank=0, need_group=False)
-        cp_size, tp_size = ctx.cp_size, ctx.tp_size
+        cp_size, tp_size = _parallel_sizes(cp_size, tp_size)
     lens = _lengths(batch)
     if len(lens) % force_group_size:
         fail("force_group_size", force_group_size, f"must divide the batch size ({len(lens)}), as verl asserts",
              "pass a batch of whole groups")
-    kw: dict[str, Any] = {"max_tokens": max_token_len, "cp_size": cp_size, "tp_size": tp_size, "layout": layout,
-                          "padding": padding, "reorder": reorder, "divisible_by": num_batches_divided_by,
-                          "group_size": force_group_size, "seed": seed}
-    packing = pack(lens, min_micro_batches=min_num_micro_batch, **kw)
+    g = force_group_size
+    plan_kw: dict[str, Any] = {"cp_size": cp_size, "tp_size": tp_size, "layout": layout, "padding": padding,
+                               "reorder": reorder}
+    alone = _oversized(lens, g, max_token_len, plan_kw)
+    rest = [i for i in range(len(lens)) if i // g not in alone]
+    kw: dict[str, Any] = {"max_tokens": max_token_len, "group_size": g, "seed": seed, **plan_kw}
+    by = 1 if num_batches_divided_by is None else check_int("num_batches_divided_by", num_batches_divided_by,
+                                                            minimum=1)
+    least = 1 if min_num_micro_batch is None else check_int("min_num_micro_batch", min_num_micro_batch, minimum=1)
+
+    def packed(total: int) -> tuple[list[list[int]], list[int]]:
+        """Micro-batches (batch indices) and their works: at least ``total`` in all, a multiple of ``by``."""
+        if not rest:
+            return [], []
+        want = max(1, total - len(alone))
+        packing = pack([lens[i] for i in rest], min_micro_batches=want, **kw)
+        count = packing.num_micro_batches[0]
+        if (count + len(alone)) % by:
+            packing = pack([lens[i] for i in rest], min_micro_batches=-(-(count + len(alone)) // by) * by
+                           - len(alone), **kw)
+        return ([[rest[j] for j in mb] for mb in packing.micro_batches[0]],
+                [sum(w) for w in packing.work[0]])
+
+    indices, work = packed(least)
     from cpshard.distributed import initialized
 
     if same_micro_num_in_dp and dp_group is not None and initialized():
-        count = _dp_count(packing.num_micro_batches[0], dp_group)
-        if count != packing.num_micro_batches[0]:
-            packing = pack(lens, min_micro_batches=count, **kw)
-    indices = [list(mb) for mb in packing.micro_batches[0]]
+        count = _dp_count(len(indices) + len(alone), dp_group)
+        if count != len(indices) + len(alone):
+            indices, work = packed(count)
+    for k in sorted(alone):  # a group (or sequence) over the budget alone: in a micro-batch of its own
+        ids = list(range(k * g, (k + 1) * g))
+        plan = ShardPlan.build([lens[i] for i in ids], **plan_kw)
+        indices.append(ids)
+        work.append(sum(plan_work(plan)))
     if use_dynamic_bsz_balance:
-        work = [sum(w) for w in packing.work[0]]
         order = sorted(range(len(indices)), key=lambda m: (work[m], indices[m][0]), reverse=True)
         order = order[::2][::-1] + order[1::2]  # verl's rule: the lighter micro-batches at both ends
         indices = [indices[m] for m in order]
