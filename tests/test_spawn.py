@@ -1,11 +1,12 @@
-"""cpshard.spawn: run_ranks hands back what the ranks return, whatever the ranks imported (ranks started
-by ``spawn``, as users get them; the rest of the suite forks them from a server, tests/forked.py);
-CollectiveCounter names and sizes every kind of c10d call.
+"""cpshard.spawn: run_ranks hands back what the ranks return, whatever the ranks imported, and starts
+them the way it is asked to (ranks started by ``spawn``, as users get them; the rest of the suite forks
+them from a server, tests/forked.py); CollectiveCounter names and sizes every kind of c10d call.
 """
 
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 import torch
@@ -35,7 +36,6 @@ def _import_megatron_then_return(rank, world):
     from cpshard.megatron._import import import_megatron
 
     import_megatron("transformer.multi_token_prediction")  # replaces torch.storage._load_from_bytes
-    import sys
     assert "megatron.core.safe_globals" in sys.modules
     return _values(rank)
 
@@ -161,6 +161,48 @@ def test_the_counter_names_and_sizes_each_kind_of_collective():
     }
     for kind, per_rank in expected.items():
         assert [seen[kind] for seen in got] == per_rank, kind
+
+
+def _spawned_rank(rank, world):
+    with CollectiveCounter() as comm:
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total)
+        (total * 2).tolist()
+    # a fresh interpreter (the fork server preloads tests/forked.py), and the counter never loaded DTensor
+    return comm.calls, int(total), "forked" in sys.modules, "torch.distributed.tensor" in sys.modules
+
+
+def test_start_method_spawn_starts_fresh_interpreters_and_the_counter_stays_light():
+    """``start_method="spawn"`` overrides the suite's default (its fork server); in a fresh rank the
+    counter works without importing torch.distributed.tensor (the DTensor stack, seconds of import)."""
+    assert run_ranks(_spawned_rank, 2, start_method="spawn") == [(["allreduce"], 3, False, False)] * 2
+
+
+def _never_runs(rank, world):
+    raise AssertionError("a rank started")
+
+
+def test_a_bad_start_method_raises_before_any_process_starts(monkeypatch):
+    def no_port():
+        raise AssertionError("run_ranks went on to start ranks")
+    monkeypatch.setattr(spawn, "free_port", no_port)
+    for bad in ("threads", "Spawn", "", 1):
+        with pytest.raises(ValueError, match=r"start_method=.* is not a start method of torch\.multiprocessing "
+                                             r"on this platform\. Fix: pass one of \[.*'spawn'"):
+            run_ranks(_never_runs, 2, start_method=bad)
+    with pytest.raises(ValueError, match="start_method='threads'"):
+        spawn.set_default_context("threads")
+    with pytest.raises(TypeError, match="expected a start method's name or an object with Queue"):
+        spawn.set_default_context(object())
+
+
+def test_set_default_context_returns_the_one_it_replaces():
+    forked = spawn.set_default_context("spawn")
+    try:
+        assert forked.get_start_method() == "forkserver"  # the suite's server (tests/conftest.py)
+        assert spawn.set_default_context(forked).get_start_method() == "spawn"
+    finally:
+        spawn.set_default_context(forked)
 
 
 def test_the_counter_under_torch_compile():

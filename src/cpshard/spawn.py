@@ -8,6 +8,9 @@ initializes the default gloo group on a free port, calls ``fn(rank, world_size, 
 and returns the ranks' results in rank order. The first traceback from any rank is re-raised in the
 caller (with the rank named); a run that outlives ``timeout`` seconds is killed and raises
 ``TimeoutError`` instead of hanging the suite. No process is left behind either way.
+``start_method=`` picks another of ``torch.multiprocessing``'s start methods for one call;
+``set_default_context`` changes the default for every call, cpshard's own included (a test suite
+that forks its ranks from a server, as cpshard's does).
 
 ``fn`` and its arguments must be picklable: define ``fn`` at module level in an importable module.
 
@@ -46,9 +49,9 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveCounter", "free_port", "run_ranks"]
+__all__ = ["CollectiveCounter", "free_port", "run_ranks", "set_default_context"]
 
-_CTX = mp.get_context("spawn")
+_default_context: Any = mp.get_context("spawn")  # what run_ranks starts ranks with (set_default_context)
 
 # What a rank reports when a peer died first: not the root cause, so reported only if nothing else is.
 _PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|"
@@ -272,17 +275,56 @@ def _root_cause(failures: dict[int, tuple[float, str]]) -> int:
     return min(own or failures, key=lambda r: failures[r][0])
 
 
+def _start_context(start_method: str) -> Any:
+    """The ``torch.multiprocessing`` context of ``start_method``, or a ``ValueError`` naming the choices."""
+    methods = mp.get_all_start_methods()
+    if not isinstance(start_method, str) or start_method not in methods:
+        raise ValueError(f"start_method={start_method!r} is not a start method of torch.multiprocessing on this "
+                         f"platform. Fix: pass one of {methods} (default 'spawn')")
+    return mp.get_context(start_method)
+
+
+def set_default_context(context: Any) -> Any:
+    """Make ``context`` what :func:`run_ranks` starts ranks with when it is given no ``start_method``,
+    and return the one it replaces (to put back). At first it is ``torch.multiprocessing``'s ``spawn``.
+
+    ``context`` is a start method's name (``"spawn"``, ``"forkserver"``, ``"fork"``: one of
+    ``torch.multiprocessing.get_all_start_methods()``) or a context object: a multiprocessing context,
+    or anything with ``Queue()`` and ``Process(target=..., args=..., daemon=...)`` that behave as
+    theirs, such as a test suite's fork server that imported torch once (cpshard's ``tests/forked.py``).
+
+    A default for the process rather than an argument because ``run_ranks`` is also called from
+    inside cpshard (``cpshard.verify``) and from helpers built on it: a test harness switches them all
+    in one place, and the call sites stay as users write them. A call's own ``start_method`` wins.
+    """
+    global _default_context
+    if isinstance(context, str):
+        context = _start_context(context)
+    elif not (callable(getattr(context, "Queue", None)) and callable(getattr(context, "Process", None))):
+        raise TypeError(f"set_default_context({context!r}): expected a start method's name or an object with "
+                        "Queue() and Process(target=, args=, daemon=), such as torch.multiprocessing.get_context()")
+    previous, _default_context = _default_context, context
+    return previous
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              collective_timeout: float = 60.0) -> list[Any]:
+              collective_timeout: float = 60.0, start_method: str | None = None) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each in its own process.
 
     Tensors in the results come back detached and on the CPU. When ranks fail, the error raised
     here is the root cause: the failing rank's own exception, not the "connection closed" its peers
     report once it is gone (those ranks are listed after it).
+
+    ``start_method`` is how the ranks start: one of ``torch.multiprocessing.get_all_start_methods()``
+    (a ``ValueError`` before any process starts otherwise). ``None`` takes the default,
+    ``"spawn"`` unless :func:`set_default_context` changed it. ``"spawn"`` gives fresh interpreters that
+    inherit nothing; ``"forkserver"`` forks each rank from a server process started once; ``"fork"``
+    starts fastest but copies this process's state (unsafe once it runs threads).
     """
-    results = _CTX.Queue()
+    ctx = _default_context if start_method is None else _start_context(start_method)
+    results = ctx.Queue()
     port = free_port()
-    procs = [_CTX.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout),
                           daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
