@@ -11,8 +11,8 @@ of only the rows whose rank changes; the simple alternative all-gathers every ra
 (``all_gather_single``) and selects its own rows of the twin from them. Per call, every rank does
 ``barrier(); t0; call; t1``; a call's time is the max over ranks, the table the median over repeats.
 "cold" is relayout's first call on freshly built plans (the route is computed then, and cached).
-Communication is counted on a separate call with ``cpshard.spawn.CollectiveCounter`` (PyTorch's
-``CommDebugMode``); "sent MB" is what the ranks hand the backend (all ranks summed), "moved MB" what
+Communication is counted on a separate call with ``cpshard.spawn.CollectiveCounter`` (every c10d
+call); "sent MB" is what the ranks hand the backend (all ranks summed), "moved MB" what
 crosses ranks (a rank's own rows in the gathered buffer do not).
 """
 

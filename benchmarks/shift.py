@@ -37,7 +37,7 @@ Timing: per call, every rank does ``barrier(); t0; call; t1``; a call's time is 
 the table shows the median over repeats. "cold" is cpshard's first call on a freshly built plan
 (whose per-plan exchange indices are not yet cached, as for a new micro-batch), after the rank has
 sharded its inputs with that plan. Communication is counted on a separate, untimed call with
-``cpshard.spawn.CollectiveCounter`` (PyTorch's ``CommDebugMode``, which sees every c10d call, p2p
+``cpshard.spawn.CollectiveCounter`` (a dispatch mode that sees every c10d call, p2p
 included); "bytes" is what a rank hands the backend to send (all ranks summed). The ranks run under
 ``cpshard.spawn.run_ranks``.
 """

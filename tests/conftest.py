@@ -1,7 +1,8 @@
 """Suite-wide settings: one intra-op thread (on a busy 2-core machine torch's thread pool makes the
 many small index operations here thousands of times slower), tests/ importable by name, the gloo
-ranks of ``cpshard.spawn.run_ranks`` forked from a server (tests/forked.py: a spawned rank takes
-seconds to import torch), and how pytest-xdist's workers share the modules.
+ranks of ``cpshard.spawn.run_ranks`` forked from a server (tests/forked.py, made the default with
+``cpshard.spawn.set_default_context``: a spawned rank takes seconds to import torch), and how
+pytest-xdist's workers share the modules.
 
 ``tests/test_spawn.py`` keeps the default ``spawn`` (the ``spawned`` fixture), and the torchrun run of
 ``tests/test_verify.py`` has a launcher of its own, so the start methods users get stay tested.
@@ -41,15 +42,19 @@ def _outside_gloo_group() -> None:
         raise RuntimeError(f"{test} starts gloo ranks on an xdist worker: add its module to GLOO in tests/conftest.py")
 
 
-_SPAWN = cpshard.spawn._CTX
+_FORKED = ForkServer(before_start=_outside_gloo_group)
+_SPAWN = cpshard.spawn.set_default_context(_FORKED)
 assert _SPAWN.get_start_method() == "spawn", "cpshard.spawn no longer spawns: revisit tests/forked.py"
-cpshard.spawn._CTX = ForkServer(before_start=_outside_gloo_group)
 
 
 @pytest.fixture
-def spawned(monkeypatch):
+def spawned():
     """``run_ranks`` as users get it: every rank a fresh ``spawn`` interpreter."""
-    monkeypatch.setattr(cpshard.spawn, "_CTX", _SPAWN)
+    cpshard.spawn.set_default_context(_SPAWN)
+    try:
+        yield
+    finally:
+        cpshard.spawn.set_default_context(_FORKED)
 
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without xdist it is never called

@@ -1,5 +1,5 @@
-"""The test suite's gloo ranks, forked from a server instead of spawned (tests/conftest.py puts it in
-``cpshard.spawn.run_ranks``' place for start methods).
+"""The test suite's gloo ranks, forked from a server instead of spawned (tests/conftest.py makes it what
+``cpshard.spawn.run_ranks`` starts ranks with, through ``cpshard.spawn.set_default_context``).
 
 A rank that ``run_ranks`` starts with ``spawn`` (its default) is a fresh interpreter that imports torch
 and ``cpshard.spawn`` before its function runs: about 5 s of CPU each, so 8 ranks on 2 cores take 40 s
@@ -46,9 +46,10 @@ def _with_callers_stdio(stdout: int, stderr: int, target: Callable[..., Any], ar
 
 
 class ForkServer:
-    """What ``cpshard.spawn`` uses of a multiprocessing context (``Queue``, ``Process``), from the
-    ``forkserver`` context with ``PRELOAD`` imported; the server starts at the first rank.
-    ``before_start()`` runs before each rank's process is made (it may refuse it by raising)."""
+    """What ``cpshard.spawn`` uses of a multiprocessing context (``Queue``, ``Process``: what
+    ``set_default_context`` accepts), from the ``forkserver`` context with ``PRELOAD`` imported; the
+    server starts at the first rank. ``before_start()`` runs before each rank's process is made (it may
+    refuse it by raising)."""
 
     def __init__(self, before_start: Callable[[], None] = lambda: None) -> None:
         self._ctx = multiprocessing.get_context("forkserver")

@@ -25,6 +25,7 @@ CASES = [
     ("gather.py", ["--quick", "--repeats", "2"], ["baseline/cpshard"]),
     ("verl.py", ["--quick", "--repeats", "1"], ["postprocess_thd_engine contiguous", "verl/cpshard"]),
     ("pack.py", ["--quick", "--batches", "1", "--no-large"], ["verl+bal", "pack+bal", "bound"]),
+    ("collective_counter.py", ["--quick"], ["import + first counted op", "baseline/new", "all_reduce"]),
 ]
 
 

@@ -1,17 +1,19 @@
-"""cpshard.spawn.run_ranks hands back what the ranks return, whatever the ranks imported (ranks started
-by ``spawn``, as users get them; the rest of the suite forks them from a server, tests/forked.py)."""
+"""cpshard.spawn: run_ranks hands back what the ranks return, whatever the ranks imported, and starts
+them the way it is asked to (ranks started by ``spawn``, as users get them; the rest of the suite forks
+them from a server, tests/forked.py); CollectiveCounter names and sizes every kind of c10d call.
+"""
 
 from __future__ import annotations
 
 import pickle
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cpshard import spawn
-from cpshard.spawn import run_ranks
-
-pytestmark = pytest.mark.usefixtures("spawned")  # the default start method (tests/conftest.py)
+from cpshard.spawn import CollectiveCounter, run_ranks
 
 
 def _values(rank):
@@ -34,7 +36,6 @@ def _import_megatron_then_return(rank, world):
     from cpshard.megatron._import import import_megatron
 
     import_megatron("transformer.multi_token_prediction")  # replaces torch.storage._load_from_bytes
-    import sys
     assert "megatron.core.safe_globals" in sys.modules
     return _values(rank)
 
@@ -58,6 +59,7 @@ def _same(a, b):
             _same(x, y)
 
 
+@pytest.mark.usefixtures("spawned")  # the default start method (tests/conftest.py)
 def test_tensors_come_back_after_a_rank_imported_megatron():
     """megatron-core replaces torch.storage._load_from_bytes when it is imported; a tensor pickled
     the usual way would then make the parent import Megatron (and Triton) to read it."""
@@ -74,3 +76,145 @@ def test_tensors_come_back_after_a_rank_imported_megatron():
     assert torch.storage._load_from_bytes.__module__ == "megatron.core.safe_globals"
     assert b"megatron" not in spawn._dumps(_values(0))
     assert b"megatron" in pickle.dumps(_values(0))  # the default pickling would have named it
+
+
+def _counted(body):
+    with CollectiveCounter() as comm:
+        result = body()
+    return comm.calls, comm.bytes, result
+
+
+def _each_kind(rank, world):
+    """``{kind: (calls, bytes, what the call produced)}``, each kind counted on its own (3 ranks)."""
+    peers = range(world)
+    seen = {}
+
+    out = torch.empty(3 * world)
+    seen["all_gather_into_tensor"] = _counted(
+        lambda: dist.all_gather_into_tensor(out, torch.arange(3.0) + rank) or out.tolist())
+    outs = [torch.empty(2, dtype=torch.int64) for _ in peers]
+    seen["all_gather"] = _counted(
+        lambda: dist.all_gather(outs, torch.full((2,), rank)) or [t.tolist() for t in outs])
+    # rank r sends r + 1 values to each peer q (10 r + q): 24 (r + 1) bytes of float64 in, 6 values out
+    sent = torch.tensor([10.0 * rank + q for q in peers for _ in range(rank + 1)], dtype=torch.float64)
+    got = torch.empty(sum(p + 1 for p in peers), dtype=torch.float64)
+    seen["all_to_all_single"] = _counted(
+        lambda: dist.all_to_all_single(got, sent, [p + 1 for p in peers], [rank + 1] * world) or got.tolist())
+    summed = torch.full((5,), rank + 1.0, dtype=torch.float64)
+    seen["all_reduce"] = _counted(lambda: dist.all_reduce(summed) or summed.tolist())
+    cast = torch.full((4,), rank, dtype=torch.int32)
+    seen["broadcast"] = _counted(lambda: dist.broadcast(cast, src=1) or cast.tolist())
+
+    def send_recv():
+        if rank == 0:
+            dist.send(torch.arange(7, dtype=torch.uint8), dst=1)
+        elif rank == 1:
+            into = torch.empty(7, dtype=torch.uint8)
+            dist.recv(into, src=0)
+            return into.tolist()
+        return None
+    seen["send/recv"] = _counted(send_recv)
+
+    def isend_irecv():
+        if rank == 2:
+            dist.isend(torch.ones(3, dtype=torch.float16), dst=0).wait()
+        elif rank == 0:
+            into = torch.empty(3, dtype=torch.float16)
+            dist.irecv(into, src=2).wait()
+            return into.tolist()
+        return None
+    seen["isend/irecv"] = _counted(isend_irecv)
+    seen["barrier"] = _counted(lambda: dist.barrier())
+
+    def in_order():
+        dist.all_reduce(torch.ones(1, dtype=torch.int64))
+        dist.barrier()
+        dist.all_gather_into_tensor(torch.empty(world), torch.ones(1))
+        dist.broadcast(torch.ones(2), src=0)
+    seen["in order"] = _counted(in_order)
+
+    def no_collective():
+        w = torch.randn(4, 3, requires_grad=True)
+        layer = torch.nn.Linear(3, 3)
+        loss = layer(layer(torch.ones(2, 4) @ w)).relu().sum()  # a module twice (CommDebugMode raised)
+        loss.backward()
+        return [dist.get_rank(), dist.get_world_size(), w.grad.shape[0]]
+    seen["no collective"] = _counted(no_collective)
+    return seen
+
+
+def test_the_counter_names_and_sizes_each_kind_of_collective():
+    got = run_ranks(_each_kind, 3, timeout=120)
+    order = ["allreduce", "allgather_base", "broadcast"]
+    expected = {  # kind: per rank (calls, bytes sent by that rank, what the call produced there)
+        "all_gather_into_tensor": [(["allgather_base"], 12, [0.0, 1, 2, 1, 2, 3, 2, 3, 4])] * 3,
+        "all_gather": [(["allgather"], 16, [[0, 0], [1, 1], [2, 2]])] * 3,
+        "all_to_all_single": [(["alltoall_base"], 24 * (r + 1), [10.0 * p + r for p in range(3) for _ in range(p + 1)])
+                              for r in range(3)],
+        "all_reduce": [(["allreduce"], 40, [6.0] * 5)] * 3,
+        "broadcast": [(["broadcast"], 16 if r == 1 else 0, [1] * 4) for r in range(3)],
+        "send/recv": [(["send"], 7, None), (["recv"], 0, list(range(7))), ([], 0, None)],
+        "isend/irecv": [(["recv"], 0, [1.0] * 3), ([], 0, None), (["send"], 6, None)],
+        "barrier": [([], 0, None)] * 3,
+        "in order": [(order, 8 + 4 + 8, None)] + [(order, 8 + 4, None)] * 2,  # the broadcast's root sends
+        "no collective": [([], 0, [r, 3, 4]) for r in range(3)],
+    }
+    for kind, per_rank in expected.items():
+        assert [seen[kind] for seen in got] == per_rank, kind
+
+
+def _spawned_rank(rank, world):
+    with CollectiveCounter() as comm:
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total)
+        (total * 2).tolist()
+    # a fresh interpreter (the fork server preloads tests/forked.py), and the counter never loaded DTensor
+    return comm.calls, int(total), "forked" in sys.modules, "torch.distributed.tensor" in sys.modules
+
+
+def test_start_method_spawn_starts_fresh_interpreters_and_the_counter_stays_light():
+    """``start_method="spawn"`` overrides the suite's default (its fork server); in a fresh rank the
+    counter works without importing torch.distributed.tensor (the DTensor stack, seconds of import)."""
+    assert run_ranks(_spawned_rank, 2, start_method="spawn") == [(["allreduce"], 3, False, False)] * 2
+
+
+def _never_runs(rank, world):
+    raise AssertionError("a rank started")
+
+
+def test_a_bad_start_method_raises_before_any_process_starts(monkeypatch):
+    def no_port():
+        raise AssertionError("run_ranks went on to start ranks")
+    monkeypatch.setattr(spawn, "free_port", no_port)
+    for bad in ("threads", "Spawn", "", 1):
+        with pytest.raises(ValueError, match=r"start_method=.* is not a start method of torch\.multiprocessing "
+                                             r"on this platform\. Fix: pass one of \[.*'spawn'"):
+            run_ranks(_never_runs, 2, start_method=bad)
+    with pytest.raises(ValueError, match="start_method='threads'"):
+        spawn.set_default_context("threads")
+    with pytest.raises(TypeError, match="expected a start method's name or an object with Queue"):
+        spawn.set_default_context(object())
+
+
+def test_set_default_context_returns_the_one_it_replaces():
+    forked = spawn.set_default_context("spawn")
+    try:
+        assert forked.get_start_method() == "forkserver"  # the suite's server (tests/conftest.py)
+        assert spawn.set_default_context(forked).get_start_method() == "spawn"
+    finally:
+        spawn.set_default_context(forked)
+
+
+def test_the_counter_under_torch_compile():
+    """Once torch._dynamo is loaded the counter is the variant torch hides from torch.compile (as it hides
+    every dispatch mode); before, the plain class, which never imports it."""
+    import torch._dynamo  # noqa: F401 - what torch.compile loads
+
+    counter = CollectiveCounter()
+    assert isinstance(counter, CollectiveCounter) and type(counter) is not CollectiveCounter
+    assert hasattr(type(counter).__dict__["__torch_dispatch__"], "__wrapped__")
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    with counter:
+        assert double(torch.ones(3)).tolist() == [3.0] * 3
+    assert (counter.calls, counter.bytes) == ([], 0)
+    assert not hasattr(CollectiveCounter.__dict__["__torch_dispatch__"], "__wrapped__")
