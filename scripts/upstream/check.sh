@@ -49,7 +49,7 @@ sed -e 's/^    rearrange_micro_batches,$//' \
     -e 's/device=f"{get_device_name()}:{rank}"/device="cpu"/g' \
     "$VERL_TREE/tests/utils/test_seqlen_balancing.py" > "$WORK/test_seqlen_balancing_cpshard.py"
 (cd "$WORK" && PYTHONPATH="$WORK/verl:$WORK/extra:$WORK" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider \
-  test_prepare_micro_batches_with_group_size.py test_seqlen_balancing_cpshard.py 2>&1 | tail -3) || true
+  test_prepare_micro_batches_with_group_size.py test_seqlen_balancing_cpshard.py 2>&1 | grep -E "^FAILED|passed|failed") || true
 for tree in "$MDEV" $MMAIN; do
   echo "--- process_mtp_loss against $tree"
   PYTHONPATH="$tree" "$PY" -m pytest -q tests/test_mtp.py -k "equals_megatron_process or every_parameter" 2>&1 | tail -1

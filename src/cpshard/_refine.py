@@ -137,6 +137,17 @@ class Buffers:
         local = -(-rows // self.keep) * self.keep // self.cp
         return local[:, None] * np.arange(self.cp + 1, dtype=np.int64)[None, :]
 
+    def _inner(self, rows: np.ndarray) -> np.ndarray:
+        """``(Q, cp - 1)`` the boundaries between ranks (``G`` is 0 at the first and the whole work at the
+        last, which every row precedes: only these need a lookup)."""
+        return self._cuts(rows)[:, 1:-1]
+
+    @staticmethod
+    def _framed(inner: np.ndarray, total: np.ndarray) -> np.ndarray:
+        """``(Q, cp)`` rank works from ``G`` at the inner boundaries and each buffer's whole work."""
+        q = inner.shape[0]
+        return np.diff(np.concatenate([np.zeros((q, 1), dtype=np.int64), inner, total[:, None]], axis=1), axis=1)
+
     def _rank_works(self, b: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return np.diff(self._g(b[:, None], self._cuts(rows)), axis=1)
 
@@ -153,7 +164,7 @@ class Buffers:
         ``[s1, s2)`` of micro-batch ``src`` (either may be empty), ``rows`` rows: the old prefix before
         the splice, the run's own prefix inside it, the old prefix shifted by the change of rows (plus
         the change of work) after it. One ``G`` lookup a boundary."""
-        c = self._cuts(rows)
+        c = self._inner(rows)
         at_b1, at_b2 = (b * self._cols + b1)[:, None], (b * self._cols + b2)[:, None]
         at_s1, at_s2 = (src * self._cols + s1)[:, None], (src * self._cols + s2)[:, None]
         start, before = self._start[at_b1], self._before[at_b1]
@@ -166,7 +177,7 @@ class Buffers:
         x = np.where(inside, src_start + c - start, np.where(after, c - rows_new + rows_old, c))
         g = self._g(which, x)
         g = g + np.where(inside, before - src_before, np.where(after, work_new - work_old, 0))
-        return np.diff(g, axis=1)
+        return self._framed(g, self.works[b].sum(1) + (work_new - work_old)[:, 0])
 
     def _moved(self, b: np.ndarray, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
         """``(Q, cp)`` works of micro-batch ``b`` with positions ``i != j`` swapped (``swap``) or the sequence
@@ -174,7 +185,7 @@ class Buffers:
 
         One ``G`` lookup a boundary: outside the moved stretch the old ``G``; over the shifted middle the
         old ``G`` at the shifted row plus the change of work; inside a moved sequence its own prefix."""
-        c = self._cuts(self.rows[b])
+        c = self._inner(self.rows[b])
         lo, hi = np.minimum(i, j), np.maximum(i, j)
         s_lo, g_lo, p_lo, n_lo = self._at(b, lo)
         s_hi, g_hi, p_hi, n_hi = self._at(b, hi)
@@ -195,7 +206,7 @@ class Buffers:
         g = np.where(middle, g + d_work, g)
         g = np.where(first, g_lo + _tri(np.minimum(c - s_lo, n_hi)), g)
         g = np.where(last, g_hi + w_hi - w_lo + _tri(np.minimum(c - last_start, n_lo)), g)
-        return np.diff(g, axis=1)
+        return self._framed(g, self.works[b].sum(1))
 
     def orders(self) -> list[list[int]]:
         return [self.order[b, :s].tolist() for b, s in enumerate(self.size.tolist())]
