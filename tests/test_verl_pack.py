@@ -142,6 +142,44 @@ def test_parallel_sizes_from_megatron_when_initialized_else_one(monkeypatch):
     assert read == cv.rearrange_micro_batches(batch, 128, cp_size=4, tp_size=2)[1] != alone
 
 
+def _dp_rank(rank, world, cases):
+    """Each case on every rank: this rank's lengths through the drop-in with the WORLD group as DP group;
+    the index lists, or the error's message."""
+    import torch.distributed as dist
+
+    out = []
+    for per_rank, kw in cases:
+        lens = per_rank[rank]
+        try:
+            _, idx = cv.rearrange_micro_batches(_batch(lens), 64, dp_group=dist.group.WORLD, cp_size=2, tp_size=1, **kw)
+            out.append(idx)
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_the_dp_group_agrees_on_the_count_and_raises_together():
+    """On gloo ranks: the count is the largest over the DP group (one all_reduce), and a rank that cannot
+    take it, or cannot pack its batch, makes every rank raise (none waits in a collective)."""
+    from cpshard.spawn import run_ranks
+
+    few, many = [30, 20, 10, 5], [60, 50, 40, 30, 20, 10, 9, 8]
+    cases = [([few, many], {}),  # rank 1 needs more micro-batches: rank 0 takes as many
+             ([few[:2], many], {}),  # rank 0 holds two samples, fewer than the agreed count
+             ([few, many], {"min_num_micro_batch": 5})]  # rank 0 cannot fill five micro-batches
+    res = run_ranks(_dp_rank, 2, cases, timeout=180)
+    alone = [len(cv.rearrange_micro_batches(_batch(lens), 64, cp_size=2, tp_size=1)[1]) for lens in (few, many)]
+    assert alone[0] < alone[1]
+    for r, lens in enumerate((few, many)):
+        idx = res[r][0]
+        assert len(idx) == alone[1] and sorted(itertools.chain(*idx)) == list(range(len(lens)))
+        assert all(ShardPlan.build([lens[j] for j in i], cp_size=2).total_len <= 64 for i in idx)
+    assert all(f"agreed on {alone[1]} micro-batches a rank" in res[r][1] and "holds only 2 samples" in res[r][1]
+               for r in (0, 1)), res
+    assert "cannot fill 5 micro-batches" in res[0][2], res[0][2]
+    assert "another DP rank could not pack its batch" in res[1][2], res[1][2]
+
+
 def test_patch_covers_it():
     import verl.utils.seqlen_balancing as mod
 

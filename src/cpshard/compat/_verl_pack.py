@@ -121,11 +121,14 @@ def _select(batch: Any, indices: list[int]) -> Any:
     return tu.index_select_tensor_dict(batch, indices)
 
 
-def _dp_count(count: int, dp_group: Any) -> int:
-    """The largest count over the DP group: one ``all_reduce(MAX)`` of one int (verl's own collective)."""
+def _dp_agree(count: int, units: int, failed: bool, dp_group: Any) -> tuple[int, int, bool]:
+    """``(largest count, fewest samples or groups, whether a rank failed)`` over the DP group: one
+    ``all_reduce(MAX)`` of three ints, verl's one collective, so that a rank that cannot take the agreed
+    count makes every rank raise (verl 0.9.1 agrees on its limits the same way), not one hang."""
     from cpshard.distributed import max_over
 
-    return int(max_over(torch.tensor([count], dtype=torch.long), dp_group).item())
+    got = max_over(torch.tensor([count, -units, int(failed)], dtype=torch.long), dp_group).tolist()
+    return int(got[0]), -int(got[1]), bool(got[2])
 
 
 def _oversized(lens: list[int], group: int, max_tokens: int, plan_kw: dict[str, Any]) -> set[int]:
@@ -196,8 +199,10 @@ def rearrange_micro_batches(
     plans are built with.
 
     The count: :func:`cpshard.pack`'s for this rank's lengths; with ``dp_group`` and
-    ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, one
-    ``all_reduce(MAX)`` of one integer, as verl does. ``force_group_size``: every that many consecutive
+    ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, in one
+    ``all_reduce(MAX)`` of three integers (the count, the fewest samples, whether a rank failed), so
+    that when a rank cannot take the agreed count or pack its batch every rank raises a ``ValueError``
+    and none waits in a collective. ``force_group_size``: every that many consecutive
     samples share a micro-batch (verl's reward-model pairs; :func:`cpshard.pack`'s ``group_size``), and
     the batch must hold whole groups (verl asserts it; this raises a ``ValueError`` naming it).
     """
@@ -232,11 +237,26 @@ def rearrange_micro_batches(
         return ([[rest[j] for j in mb] for mb in packing.micro_batches[0]],
                 [sum(w) for w in packing.work[0]])
 
-    indices, work = packed(least)
     from cpshard.distributed import initialized
 
-    if same_micro_num_in_dp and dp_group is not None and initialized():
-        count = _dp_count(len(indices) + len(alone), dp_group)
+    agree = same_micro_num_in_dp and dp_group is not None and initialized()
+    try:
+        indices, work = packed(least)
+    except ValueError:
+        if not agree:
+            raise
+        _dp_agree(len(lens) + 1, len(lens) // g, True, dp_group)  # the peers raise too, not hang
+        raise
+    if agree:
+        count, fewest, failed = _dp_agree(len(indices) + len(alone), len(lens) // g, False, dp_group)
+        if failed:
+            fail("dp_group", "a DP group", "another DP rank could not pack its batch (its own error names why)",
+                 "fix that rank's batch; every rank of the group raises so that none waits in a collective")
+        if count > fewest:
+            fail("dp_group", "a DP group", f"agreed on {count} micro-batches a rank (same_micro_num_in_dp), but a "
+                 f"rank holds only {fewest} " + ("samples" if g == 1 else f"groups of {g}") + ", and a micro-batch "
+                 "holds at least one", "pass same_micro_num_in_dp=False, a larger max_token_len, or a smaller "
+                 "min_num_micro_batch / num_batches_divided_by")
         if count != len(indices) + len(alone):
             indices, work = packed(count)
     for k in sorted(alone):  # a group (or sequence) over the budget alone: in a micro-batch of its own
