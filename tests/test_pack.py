@@ -206,6 +206,26 @@ def test_group_size_against_the_exhaustive_grouped_optimum(layout):
     assert sum(gaps) / len(gaps) <= 1.25, gaps
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 12)), min_size=1, max_size=7), st.integers(0, 12))
+def test_crowded_excess_is_below_every_split_into_micro_batches(items, extra):
+    """Part (3) of Note [Why no packing beats the bound]: ``_crowded`` is at most ``sum_m max_{i in m} e_i``
+    over every split of the sequences into micro-batches of at most ``C`` rows, and at least the
+    fractional ``sum_i e_i P_i / C`` it replaced."""
+    import numpy as np
+
+    from cpshard.pack import _crowded
+
+    e = np.array([float(x) for x, _ in items])
+    rows = np.array([r for _, r in items], dtype=np.int64)
+    capacity = int(rows.max()) + extra
+    got = _crowded(e, rows, capacity)
+    best = min(sum(max(e[i] for i in mb) for mb in part) for part in _set_partitions(list(range(len(items))))
+               if all(sum(int(rows[i]) for i in mb) <= capacity for mb in part))
+    assert got <= best + 1e-9
+    assert got >= float((e * rows).sum()) / capacity - 1e-9
+
+
 def test_count_rules():
     lens = [100] * 12
     p = pack(lens, max_tokens=400, cp_size=2, dp_size=2, divisible_by=2, min_micro_batches=3)

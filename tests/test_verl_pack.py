@@ -106,6 +106,9 @@ def test_a_group_over_the_budget_gets_a_micro_batch_of_its_own(caplog):
     assert all(ShardPlan.build([lens[j] for j in i], cp_size=2).total_len <= 64 for i in idx if i != [0, 1])
     stacked = torch.cat([m["input_ids"] for m in mbs])
     assert torch.equal(sb.restore_dynamic_batch(stacked, idx), batch["input_ids"])
+    assert cv.rearrange_micro_batches(_batch([100, 90]), 64, cp_size=2, tp_size=1)[1] == [[0], [1]]
+    with pytest.raises(ValueError, match="2 samples over the budget: cannot fill 3 micro-batches"):
+        cv.rearrange_micro_batches(_batch([100, 90]), 64, cp_size=2, tp_size=1, min_num_micro_batch=3)
 
 
 def test_the_count_where_ceil_tokens_over_the_budget_overshoots_it():

@@ -228,9 +228,23 @@ def _bound_work(prob: _Problem, dp: int) -> int:
         excess = np.minimum(excess, heavy - (w + fill) / cp)
     heavy_min = _heaviest(prob, rows_min // cp)
     excess = np.maximum(excess, 0.0)
-    spread = (total / cp + float((excess * prob.p).sum()) / prob.capacity) / dp
+    spread = (total / cp + _crowded(excess, prob.p, prob.capacity)) / dp
     bound = max(-(-total // (dp * cp)), int(heavy_min.max()), math.ceil(spread * (1 - 1e-12)) - 1)
     return bound
+
+
+def _crowded(excess: np.ndarray, rows: np.ndarray, capacity: int) -> float:
+    """``sum_k (e_(k) - e_(k+1)) ceil(R_k / C)``: the least ``sum_m max_{i in m} e_i`` over every split of
+    the sequences into micro-batches of at most ``C`` rows (Note [Why no packing beats the bound], (3)),
+    with ``e`` sorted descending and ``R_k`` the rows of the ``k`` largest."""
+    by = np.argsort(-excess, kind="stable")
+    e = excess[by]
+    keep = e > 0
+    e, cum = e[keep], np.cumsum(rows[by][keep])
+    if e.size == 0:
+        return 0.0
+    steps = e - np.concatenate([e[1:], [0.0]])
+    return float((steps * -(-cum // capacity)).sum())
 
 
 def _heaviest(prob: _Problem, local: np.ndarray) -> np.ndarray:
@@ -273,9 +287,14 @@ def packing_bound(seqlens: Sequence[int], *, max_tokens: int, cp_size: int, tp_s
        densest first, over all sequences: an upper bound), ``W_m <= tri(n_i) + F(R_m - P_i)``, so
        ``c_m - W_m / cp >= e_i := min_R (b_i(R / cp) - (tri(n_i) + F(R - P_i)) / cp)^+`` over the rows
        ``R`` a micro-batch holding ``i`` can have (evaluated on a grid: over each interval, ``b_i`` at
-       its lower end, which is no more by the monotonicity above, and ``F`` at its upper end). Since
-       ``sum_{i in m} P_i <= C``, ``max_{i in m} e_i >= sum_{i in m} e_i P_i / C``, and summing (1)
-       with that over the micro-batches: ``T >= (W / cp + sum_i e_i P_i / C) / dp``.
+       its lower end, which is no more by the monotonicity above, and ``F`` at its upper end). So
+       ``sum_m c_m >= W / cp + sum_m max_{i in m} e_i``, and the last sum is
+       ``integral_0^inf N(t) dt`` with ``N(t)`` the micro-batches holding a sequence of ``e_i > t``.
+       Those sequences' rows ``R(t) = sum_{e_i > t} P_i`` fit only in micro-batches of at most ``C``
+       rows each, so ``N(t) >= ceil(R(t) / C)``: with ``e`` sorted descending and ``R_k`` the rows of
+       the ``k`` largest, ``sum_m max e >= sum_k (e_(k) - e_(k+1)) ceil(R_k / C)`` (``_crowded``; the
+       first version took ``R(t) / C``, the fraction, which misses that one long document's excess is
+       paid whole by its micro-batch). Hence ``T >= (W / cp + sum_k (e_(k) - e_(k+1)) ceil(R_k / C)) / dp``.
 
     ``T`` is an integer; the bound is the ceiling of the largest of the three (minus one unit
     against float rounding in (3)), over ``W / (dp cp)``. It ignores the count and DP-agreement
