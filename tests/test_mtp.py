@@ -6,6 +6,7 @@ The Megatron tests skip, naming the reason, when megatron-core is not importable
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from types import SimpleNamespace
@@ -441,9 +442,13 @@ def megatron_loop(mod):
             compute_language_model_loss, config, cp_group=None, packed_seq_params=None, scale_logits_fn=None,
             input_ids=None):
         def roll(x):
-            if packed_seq_params is None:
-                return mod.roll_tensor(x, shifts=-1, dims=-1, cp_group=cp_group)
-            return mod.roll_tensor(x, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+            kw = {"shifts": -1, "dims": -1, "cp_group": cp_group}
+            if packed_seq_params is not None:
+                kw["packed_seq_params"] = packed_seq_params
+            if "tensors" in inspect.signature(mod.roll_tensor).parameters:  # Megatron-LM dev: a list in and out
+                rolled = mod.roll_tensor([x], **kw)[0]
+                return rolled, rolled.sum()
+            return mod.roll_tensor(x, **kw)
 
         chunks = torch.chunk(hidden_states, 1 + config.mtp_num_layers, dim=0)
         hidden = chunks[0]
@@ -487,7 +492,8 @@ def test_drop_in_equals_loop_on_megatron_roll(lens, packed, n, per_token, with_m
 
 def test_drop_in_uses_megatrons_autoscaler_scale():
     mod = megatron_module()
-    config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=False)
+    config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=False,
+                             cross_entropy_loss_fusion=False)
     case = make_case(3, [5, 4], True, 2, True, False)
     _, h1, w1 = run_drop_in(process_mtp_loss, case, config, shared_weight=True)
     saved = mod.MTPLossAutoScaler.main_loss_backward_scale
@@ -507,28 +513,68 @@ def test_training_logs_like_megatron(monkeypatch):
     mod = megatron_module()
     if not hasattr(mod, "process_mtp_loss"):
         pytest.skip(f"megatron-core {megatron_version()} has no process_mtp_loss to compare the logging with")
-    records = []
     helper = mod.MTPLossLoggingHelper
-    name = "save_metrics_to_tracker" if hasattr(helper, "save_metrics_to_tracker") else "save_loss_to_tracker"
-    monkeypatch.setattr(helper, name, staticmethod(lambda *a, **k: records.append((a, k))))
-    parallel_state = import_megatron("parallel_state")
-    monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda **k: "dp-cp-group")
+    for per_token in (False, True):
+        records = []
+        for name in ("save_metrics_to_tracker", "save_loss_to_tracker"):  # whichever the version has and calls
+            if hasattr(helper, name):
+                def record(*a, _name=name, **k):
+                    records.append((_name, a, k))
+                monkeypatch.setattr(helper, name, staticmethod(functools.wraps(getattr(helper, name))(record)))
+        parallel_state = import_megatron("parallel_state")
+        monkeypatch.setattr(parallel_state, "get_data_parallel_group", lambda **k: "dp-cp-group")
+        config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=per_token,
+                                 mtp_detach_heads=False, cross_entropy_loss_fusion=False)
+        case = make_case(5, [6, 1, 4], True, 2, True, False)
+        for fn in (mod.process_mtp_loss, process_mtp_loss):
+            hidden = case["hidden"].clone().requires_grad_(True)
+            fn(hidden, case["labels"], case["mask"], OutputLayer(case["weight"]), None, None, True,
+               language_model_loss, config, packed_seq_params=case["psp"], input_ids=case["ids"])
+        assert len(records) == 4
+        for (n_m, a_m, k_m), (n_c, a_c, k_c) in zip(records[:2], records[2:]):
+            assert n_m == n_c and k_m.keys() == k_c.keys() and k_m["avg_group"] == k_c["avg_group"] == "dp-cp-group"
+            for x, y in zip([*a_m, *k_m.values()], [*a_c, *k_c.values()], strict=True):
+                if isinstance(x, torch.Tensor):
+                    torch.testing.assert_close(y, x, rtol=1e-12, atol=0, check_dtype=False)
+                else:
+                    assert x == y
+
+
+def test_fused_linear_cross_entropy_like_megatron(monkeypatch):
+    """Megatron-LM dev, ``cross_entropy_loss_fusion`` with the "linear" implementation: each depth's loss
+    comes from the output layer (``output_cross_entropy_loss=True``, no logits), and no acceptance
+    counts are computed (there are no logits to count them from); the releases always build logits."""
+    mod = megatron_module()
+    if not megatron_mtp._fuses_linear_cross_entropy(
+            mod, SimpleNamespace(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="linear")):
+        pytest.skip(f"megatron-core {megatron_version()}'s process_mtp_loss builds logits whatever the fusion "
+                    "(Megatron-LM dev fuses)")
+    calls = []
+
+    class FusedHead(OutputLayer):
+        def forward(self, hidden, weight=None, runtime_gather_output=None, output_cross_entropy_loss=False,
+                    labels=None):
+            calls.append(output_cross_entropy_loss)
+            logits, bias = super().forward(hidden, weight=weight, runtime_gather_output=runtime_gather_output)
+            if not output_cross_entropy_loss:
+                return logits, bias
+            return language_model_loss(labels, logits)
+
+    monkeypatch.setattr(mod, "_compute_mtp_acceptance_counts",
+                        lambda *a, **k: pytest.fail("acceptance counted without logits"))
     config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=0.3, calculate_per_token_loss=False,
-                             mtp_detach_heads=False)
-    case = make_case(5, [6, 1, 4], True, 2, True, False)
+                             mtp_detach_heads=False, cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="linear")
+    case = make_case(7, [5, 3, 4], True, 2, True, False)
+    results = []
     for fn in (mod.process_mtp_loss, process_mtp_loss):
         hidden = case["hidden"].clone().requires_grad_(True)
-        fn(hidden, case["labels"], case["mask"], OutputLayer(case["weight"]), None, None, True,
-           language_model_loss, config, packed_seq_params=case["psp"], input_ids=case["ids"])
-    assert len(records) == 4
-    for (a_m, k_m), (a_c, k_c) in zip(records[:2], records[2:]):
-        assert k_m == k_c == {"avg_group": "dp-cp-group"}
-        assert len(a_m) == len(a_c)
-        for x, y in zip(a_m, a_c):
-            if isinstance(x, torch.Tensor):
-                torch.testing.assert_close(y, x, rtol=1e-12, atol=0, check_dtype=False)
-            else:
-                assert x == y
+        head = FusedHead(case["weight"].clone())
+        out = fn(hidden, case["labels"], case["mask"], head, None, None, False, language_model_loss, config,
+                 packed_seq_params=case["psp"], input_ids=case["ids"])
+        (out * case["upstream"]).sum().backward()
+        results.append((out.detach(), hidden.grad, head.weight.grad))
+    assert calls == [True, True, True, True]
+    assert_same(results[1], results[0])
 
 
 def test_mtp_loss_impl_chooses_and_logs_once(caplog):

@@ -14,6 +14,7 @@ the function still works (cpshard's own autoscaler, no tracker logging).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable
@@ -131,6 +132,12 @@ def process_mtp_loss(
     boundaries for every layout, and the labels of all depths cross ranks in cpshard's one
     collective, so the result is the same with or without it (``tests/test_mtp.py``).
 
+    Where Megatron-LM dev changed the contract, the drop-in follows the installed Megatron: with
+    ``config.cross_entropy_loss_fusion`` and ``cross_entropy_fusion_impl == "linear"``, dev (and the
+    drop-in) take each depth's per-token loss from ``output_layer(..., output_cross_entropy_loss=True,
+    labels=...)`` and build no logits (``scale_logits_fn`` unused); its tracker takes loss sums and
+    token counts, and acceptance counts only where logits exist (``_tracker_logger``).
+
     On the CPU without Megatron's parallel state initialized, pass ``is_training=False``: training
     mode logs each depth through Megatron's tracker, which reads the data-parallel group.
     """
@@ -145,19 +152,33 @@ def process_mtp_loss(
         weight = output_weight if output_weight is not None else getattr(output_layer, "weight")  # noqa: B009
         output_weight = weight.detach()
 
+    shape = tuple(like.shape)
+    mod = _megatron_mtp()
+    fused = _fuses_linear_cross_entropy(mod, config)
+    last: dict[str, torch.Tensor] = {}  # each depth's per-token loss, for the tracker's loss sum (dev)
+
     def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+        if fused:  # the head computes the loss from hidden states and labels itself: no logits
+            return hidden
         logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=runtime_gather_output)
         return scale_logits_fn(logits) if scale_logits_fn is not None else logits
 
-    shape = tuple(like.shape)
-    mod = _megatron_mtp()
+    def loss_of(lab: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if fused:
+            loss = output_layer(logits, weight=output_weight, runtime_gather_output=runtime_gather_output,
+                                output_cross_entropy_loss=True, labels=lab.reshape(shape))
+        else:
+            loss = compute_language_model_loss(lab.reshape(shape), logits)
+        last["loss"] = loss
+        return loss
+
     autoscaler = mod.MTPLossAutoScaler.apply if mod is not None else MtpLossAutoScaler.apply
-    log_fn = _tracker_logger(mod, num_depths, shape, output_layer, runtime_gather_output, tp_group) \
+    log_fn = _tracker_logger(mod, config, shape, output_layer, runtime_gather_output, tp_group, fused, last) \
         if is_training and mod is not None else None
     result = mtp_loss(
         hidden_states, labels, loss_mask, plan, cp_group if cp_size > 1 else None,
         output_layer=logits_of,
-        loss_fn=lambda lab, logits: compute_language_model_loss(lab.reshape(shape), logits),
+        loss_fn=loss_of,
         num_depths=num_depths,
         scaling_factor=config.mtp_loss_scaling_factor,
         normalization=Normalization.PER_TOKEN if config.calculate_per_token_loss else Normalization.MEAN,
@@ -169,19 +190,60 @@ def process_mtp_loss(
     return result.hidden
 
 
-def _tracker_logger(mod: Any, num_depths: int, shape: tuple[int, ...], output_layer: Any,
-                    runtime_gather_output: Any, tp_group: Any) -> Callable[..., None]:
-    """Log each depth through Megatron's ``MTPLossLoggingHelper``, as its own loss function does.
+def _fuses_linear_cross_entropy(mod: Any, config: Any) -> bool:
+    """Whether the installed Megatron's ``process_mtp_loss`` takes each depth's loss from the output
+    layer (``output_cross_entropy_loss=True``, no logits) under this config: Megatron-LM dev does with
+    ``cross_entropy_loss_fusion`` and ``cross_entropy_fusion_impl == "linear"``; 0.19 and main always
+    build logits. Read from its source, once per module."""
+    if not (getattr(config, "cross_entropy_loss_fusion", False)
+            and getattr(config, "cross_entropy_fusion_impl", None) == "linear"):
+        return False
+    fn = getattr(mod, "process_mtp_loss", None)
+    if fn is None:
+        return False
+    if fn not in _FUSES:
+        try:
+            _FUSES[fn] = "output_cross_entropy_loss=True" in inspect.getsource(fn)
+        except (OSError, TypeError):  # no source: the releases' behaviour
+            _FUSES[fn] = False
+    return _FUSES[fn]
 
-    0.19 has ``save_metrics_to_tracker`` (loss, acceptance counts); older versions ``save_loss_to_tracker``.
+
+_FUSES: dict[Any, bool] = {}
+
+
+def _tracker_logger(mod: Any, config: Any, shape: tuple[int, ...], output_layer: Any, runtime_gather_output: Any,
+                    tp_group: Any, fused: bool, last: dict[str, torch.Tensor]) -> Callable[..., None]:
+    """Log each depth through Megatron's ``MTPLossLoggingHelper``, as the installed version's own does.
+
+    - Megatron-LM dev: ``save_loss_to_tracker(loss_sum, num_tokens, ...)`` with this rank's masked loss
+      sum and token count, and acceptance counts only where logits exist (not under fused linear cross
+      entropy) and ``should_collect_acceptance()`` says a consumer wants them;
+    - 0.19 and main: ``save_metrics_to_tracker`` (the depth's loss, acceptance counts);
+    - older: ``save_loss_to_tracker(loss, ...)``.
     """
+    from cpshard.loss import masked_rows
+
     helper = mod.MTPLossLoggingHelper
     parallel_state = import_megatron("parallel_state")
     acceptance = getattr(mod, "_compute_mtp_acceptance_counts", None)
+    num_depths = int(config.mtp_num_layers)
+    saver = getattr(helper, "save_loss_to_tracker", None)
+    sums_and_counts = saver is not None and "num_tokens" in inspect.signature(saver).parameters
+    wants = getattr(helper, "should_collect_acceptance", lambda: True)
 
     def log(depth: int, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, loss: torch.Tensor) -> None:
         avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if hasattr(helper, "save_metrics_to_tracker") and acceptance is not None:
+        if sums_and_counts:
+            correct = total = None
+            if acceptance is not None and not fused and wants():
+                correct, total = acceptance(logits, labels.reshape(shape), mask.reshape(shape), output_layer,
+                                            runtime_gather_output, tp_group)
+            loss_sum = masked_rows(last["loss"].detach().reshape(mask.shape), mask).sum()
+            helper.save_loss_to_tracker(loss_sum, mask.sum(), depth, num_depths, correct=correct, total=total,
+                                        avg_group=avg_group,
+                                        calculate_per_token_loss=bool(config.calculate_per_token_loss))
+        elif hasattr(helper, "save_metrics_to_tracker") and acceptance is not None:
             correct, total = acceptance(logits, labels.reshape(shape), mask.reshape(shape), output_layer,
                                         runtime_gather_output, tp_group)
             helper.save_metrics_to_tracker(loss, correct, total, depth, num_depths, avg_group=avg_group)
