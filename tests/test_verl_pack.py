@@ -6,6 +6,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 try:
     import tensordict
@@ -109,6 +111,35 @@ def test_a_group_over_the_budget_gets_a_micro_batch_of_its_own(caplog):
     assert cv.rearrange_micro_batches(_batch([100, 90]), 64, cp_size=2, tp_size=1)[1] == [[0], [1]]
     with pytest.raises(ValueError, match="2 samples over the budget: cannot fill 3 micro-batches"):
         cv.rearrange_micro_batches(_batch([100, 90]), 64, cp_size=2, tp_size=1, min_num_micro_batch=3)
+    with pytest.raises(ValueError, match=r"3 samples over the budget: cannot fill 4 micro-batches \(at least 1"):
+        cv.rearrange_micro_batches(_batch([100, 90, 80]), 64, cp_size=2, tp_size=1, num_batches_divided_by=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.lists(st.integers(1, 60), min_size=1, max_size=8), st.integers(40, 160),
+       st.sampled_from(["zigzag", "contiguous"]), st.sampled_from([(1, 1), (2, 1), (2, 2)]),
+       st.sampled_from([None, 2, 3]), st.sampled_from([None, 2]))
+def test_any_batch_of_groups_in_verls_structure(group, groups_lens, budget, layout, sizes, least, by):
+    """Every sample once, in verl's restore convention; groups whole; every micro-batch within the budget
+    but those holding one group that alone exceeds it; the count at least ``min_num_micro_batch`` and a
+    multiple of ``num_batches_divided_by``, or a ValueError saying it cannot be filled."""
+    cp, tp = sizes
+    lens = [(n * (j + 5)) % 61 + 1 for n in groups_lens for j in range(group)]
+    batch = _batch(lens)
+    try:
+        mbs, idx = cv.rearrange_micro_batches(batch, budget, force_group_size=group, cp_size=cp, tp_size=tp,
+                                              layout=layout, min_num_micro_batch=least, num_batches_divided_by=by)
+    except ValueError as exc:
+        assert "cannot fill" in str(exc) and (least or 1) * (by or 1) > 1, exc
+        return
+    assert len(idx) >= (least or 1) and len(idx) % (by or 1) == 0
+    assert sorted(itertools.chain(*idx)) == list(range(len(lens)))
+    stacked = torch.cat([m["input_ids"] for m in mbs])
+    assert torch.equal(sb.restore_dynamic_batch(stacked, idx), batch["input_ids"])
+    for i in idx:
+        assert len(i) % group == 0 and {j // group for j in i} == {j // group for j in i if j % group == 0}
+        rows = ShardPlan.build([lens[j] for j in i], cp_size=cp, tp_size=tp, layout=layout).total_len
+        assert rows <= budget or len(i) == group, (i, rows)
 
 
 def test_the_count_where_ceil_tokens_over_the_budget_overshoots_it():

@@ -226,11 +226,12 @@ def rearrange_micro_batches(
 
     def packed(total: int) -> tuple[list[list[int]], list[int]]:
         """Micro-batches (batch indices) and their works: at least ``total`` in all, a multiple of ``by``."""
-        if not rest:
-            if -(-total // by) * by > len(alone):
+        if not rest:  # only groups that each take a micro-batch of their own: that many, no other count
+            if total > len(alone) or len(alone) % by:
                 fail("seqlens", f"{len(alone)} " + ("samples" if g == 1 else f"groups of {g}") + " over the budget",
-                     f"cannot fill {-(-total // by) * by} micro-batches, and a micro-batch holds at least one",
-                     "pass a smaller min_num_micro_batch or num_batches_divided_by")
+                     f"cannot fill {max(total, -(-len(alone) // by) * by)} micro-batches (at least {total}, a "
+                     f"multiple of num_batches_divided_by={by}), and each takes a micro-batch of its own",
+                     "pass a smaller min_num_micro_batch or num_batches_divided_by, or a larger max_token_len")
             return [], []
         want = max(1, total - len(alone))
         packing = pack([lens[i] for i in rest], min_micro_batches=want, **kw)
