@@ -157,19 +157,12 @@ class _Problem:
 
 
 def _problem(seqlens: Sequence[int], max_tokens: int, cp: int, tp: int, layout: Layout,
-             padding: Padding, check: bool = True) -> _Problem:
+             padding: Padding) -> _Problem:
     unit = sequence_unit(cp, tp, layout, False, padding)
     keep = math.lcm(unit, cp * tp)
     n = np.array(seqlens, dtype=np.int64)
     p = -(-n // unit) * unit
     capacity = max_tokens // keep * keep
-    alone = -(-p // keep) * keep  # the rows of a micro-batch of that sequence alone (0 for an empty one)
-    over = np.flatnonzero(alone > max_tokens)
-    if check and over.size:
-        i = int(over[0])
-        fail(f"seqlens[{i}]", int(n[i]), f"pads to {int(alone[i])} rows (a micro-batch's rows are a multiple of "
-             f"{keep} at cp_size={cp}, tp_size={tp}, layout={layout.value!r}, padding={padding.value!r}), more than "
-             f"max_tokens={max_tokens}", f"raise max_tokens to at least {int(alone.max())}, or cut sequence {i}")
     return _Problem(n, p, _tri(n), cp, tp, layout, padding, keep, capacity)
 
 
@@ -179,22 +172,29 @@ def _by_unit(x: np.ndarray, group: int) -> np.ndarray:
 
 
 def _group_rows(prob: _Problem, group: int) -> np.ndarray:
-    """``(B / group,)`` the padded rows of a micro-batch holding only group ``k`` (``plan.total_len``)."""
+    """``(B / group,)`` the padded rows of a micro-batch holding only group ``k`` (``plan.total_len``;
+    0 for an empty sequence alone)."""
     return -(-_by_unit(prob.p, group) // prob.keep) * prob.keep
 
 
-def _check_groups(prob: _Problem, group: int, max_tokens: int) -> None:
-    """A clear error for a batch that does not split into groups, or a group that cannot fit a micro-batch."""
+def _check_fits(prob: _Problem, max_tokens: int, group: int = 1) -> None:
+    """A clear error for a batch that does not split into groups, or a sequence (group) that alone
+    pads to more than ``max_tokens`` rows."""
     if prob.n.size % group:
         fail("group_size", group, f"must divide the number of sequences ({prob.n.size})",
              "pass a batch of whole groups, or another group_size")
     rows = _group_rows(prob, group)
     over = np.flatnonzero(rows > max_tokens)
-    if over.size:
-        k = int(over[0])
-        fail(f"seqlens[{k * group}:{(k + 1) * group}]", [int(x) for x in prob.n[k * group:(k + 1) * group]],
-             f"is group {k} (group_size={group}), whose sequences pad to {int(rows[k])} rows together, more than "
-             f"max_tokens={max_tokens}", f"raise max_tokens to at least {int(rows.max())}, or split the group")
+    if not over.size:
+        return
+    k, fix = int(over[0]), f"raise max_tokens to at least {int(rows.max())}"
+    if group == 1:
+        fail(f"seqlens[{k}]", int(prob.n[k]), f"pads to {int(rows[k])} rows (a micro-batch's rows are a multiple of "
+             f"{prob.keep} at cp_size={prob.cp}, tp_size={prob.tp}, layout={prob.layout.value!r}, "
+             f"padding={prob.padding.value!r}), more than max_tokens={max_tokens}", f"{fix}, or cut sequence {k}")
+    fail(f"seqlens[{k * group}:{(k + 1) * group}]", [int(x) for x in prob.n[k * group:(k + 1) * group]],
+         f"is group {k} (group_size={group}), whose sequences pad to {int(rows[k])} rows together, more than "
+         f"max_tokens={max_tokens}", f"{fix}, or split the group")
 
 
 def _filler(prob: _Problem) -> tuple[np.ndarray, np.ndarray]:
@@ -308,6 +308,7 @@ def packing_bound(seqlens: Sequence[int], *, max_tokens: int, cp_size: int, tp_s
     dp_size = check_int("dp_size", dp_size, minimum=1)
     lens = _lengths(seqlens)
     prob = _problem(lens, max_tokens, cp_size, tp_size, Layout.parse(layout), Padding.parse(padding))
+    _check_fits(prob, max_tokens)
     return _as_ratio(_bound_work(prob, dp_size), int(prob.w.sum()), dp_size, cp_size)
 
 
@@ -382,7 +383,6 @@ class _Search:
         self.prob = prob
         self.owner = np.repeat(np.arange(len(counts)), counts)  # micro-batch -> DP rank
         self.dp = len(counts)
-        self.group = group
         k = len(self.owner)
         cp = prob.cp
         if prob.layout is Layout.ZIGZAG or cp == 1:
@@ -672,7 +672,7 @@ def pack(
             fail("reorder", repr(reorder), f"balances the contiguous layout (layout={layout.value!r})",
                  "pass layout='contiguous', or drop reorder")
     prob = _problem(lens, max_tokens, cp_size, tp_size, layout, padding)
-    _check_groups(prob, group, max_tokens)
+    _check_fits(prob, max_tokens, group)
     units = len(lens) // group
     counts = _counts(_ffd_count(_by_unit(prob.p, group), prob.capacity), dp_size, least, by, same_count_across_dp,
                      units, group)
