@@ -234,9 +234,10 @@ def rearrange_micro_batches(
                      "pass a smaller min_num_micro_batch or num_batches_divided_by, or a larger max_token_len")
             return [], []
         want = max(1, total - len(alone))
-        packing = pack([lens[i] for i in rest], min_micro_batches=want, **kw)
+        aligned = len(alone) % by == 0  # then pack's own divisible_by keeps the total a multiple of by
+        packing = pack([lens[i] for i in rest], min_micro_batches=want, divisible_by=by if aligned else None, **kw)
         count = packing.num_micro_batches[0]
-        if (count + len(alone)) % by:
+        if (count + len(alone)) % by:  # the alone micro-batches offset the count: ask for the next multiple
             packing = pack([lens[i] for i in rest], min_micro_batches=-(-(count + len(alone)) // by) * by
                            - len(alone), **kw)
         return ([[rest[j] for j in mb] for mb in packing.micro_batches[0]],
