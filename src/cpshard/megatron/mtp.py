@@ -25,6 +25,7 @@ import torch
 
 from cpshard._errors import fail
 from cpshard.bshd import BshdPlan
+from cpshard.loss import masked_rows
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.megatron.packed import offsets_of
 from cpshard.megatron.state import _group_read
@@ -222,8 +223,6 @@ def _tracker_logger(mod: Any, config: Any, shape: tuple[int, ...], output_layer:
     - 0.19 and main: ``save_metrics_to_tracker`` (the depth's loss, acceptance counts);
     - older: ``save_loss_to_tracker(loss, ...)``.
     """
-    from cpshard.loss import masked_rows
-
     helper = mod.MTPLossLoggingHelper
     parallel_state = import_megatron("parallel_state")
     acceptance = getattr(mod, "_compute_mtp_acceptance_counts", None)
