@@ -27,7 +27,9 @@ Columns, per configuration, the mean over the batches:
 * ``vs bal``: ``pack / verl+bal - 1`` (negative: better); ``vs bnd``: ``pack / bound - 1``;
   ``mb``: micro-batches per DP rank (verl, pack);
   ``rows/max``: the largest padded micro-batch over ``max_tokens`` (verl, pack); ``ms``: the median
-  time of one ``cpshard.pack`` call (no reorder).
+  time of one ``cpshard.pack`` call (no reorder); ``/verl``: that time over the time of verl's
+  partition (the DP split and every DP rank's micro-batches, which is what ``pack`` replaces) on the
+  same batch, in the same process.
 
 The step ratio is ``max_d sum_m max_r work / (total work / (dp cp))`` (Note [Micro-batch packing]).
 """
@@ -35,6 +37,7 @@ The step ratio is ``max_d sum_m max_r work / (total work / (dp cp))`` (Note [Mic
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -77,11 +80,19 @@ def _rl_batch(rng: random.Random) -> list[int]:
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """The median time of ``fn`` with Python's cyclic garbage collector off (as ``timeit`` does: verl's
+    Karmarkar-Karp allocates many small objects, and a collection in the middle of one call triples
+    its time; off, the comparison favours verl)."""
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        gc.collect()
+        gc.disable()
+        try:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        finally:
+            gc.enable()
     return 1e3 * statistics.median(times)
 
 
@@ -99,13 +110,13 @@ def main() -> None:
     print(f"{batches} global batches a configuration, dp={dp}, max_tokens={MAX_TOKENS}; verl's partition: {source}")
     header = (f"{'batch':>8} {'cp':>3} {'tp':>3} {'layout':>10} {'verl':>6} {'verl+bal':>9} {'pack':>6} "
               f"{'pack+bal':>9} {'bound':>6} {'vs bal':>7} {'vs bnd':>7} {'mb verl/pack':>13} "
-              f"{'rows/max verl/pack':>19} {'ms':>7}")
+              f"{'rows/max verl/pack':>19} {'ms':>7} {'/verl':>6}")
     print(header)
     print("-" * len(header))
     configs = [("exp2048", 4, 1, "contiguous"), ("exp2048", 8, 1, "contiguous"), ("exp2048", 4, 1, "zigzag"),
                ("rl512", 8, 8, "zigzag"), ("rl512", 8, 8, "contiguous")]
     for kind, cp, tp, layout in configs:
-        cols: dict[str, list[float]] = {k: [] for k in ("verl", "vbal", "pack", "pbal", "bound", "ms")}
+        cols: dict[str, list[float]] = {k: [] for k in ("verl", "vbal", "pack", "pbal", "bound", "ms", "vms")}
         mb_v, mb_p, over_v, over_p = [], [], [], []
         for seed in range(batches):
             rng = random.Random(seed)
@@ -129,6 +140,7 @@ def main() -> None:
             if seed < max(1, repeats):
                 cols["ms"].append(_median_ms(lambda: pack(lens, max_tokens=MAX_TOKENS, dp_size=dp, **kw),  # type: ignore[arg-type]
                                              repeats))
+                cols["vms"].append(_median_ms(lambda: verl_partition(lens, dp, MAX_TOKENS), repeats))
             mb_v.append(len(part[0]))
             mb_p.append(packed.num_micro_batches[0])
             over_v.append(max(p.total_len for rank in plain for p in rank) / MAX_TOKENS)
@@ -138,7 +150,7 @@ def main() -> None:
               f"{m['pbal']:>9.3f} {m['bound']:>6.3f} {m['pack'] / m['vbal'] - 1:>+7.1%} "
               f"{m['pack'] / m['bound'] - 1:>+7.1%} "
               f"{statistics.mean(mb_v):>6.1f}/{statistics.mean(mb_p):<6.1f} "
-              f"{max(over_v):>9.3f}/{max(over_p):<9.3f} {m['ms']:>7.1f}")
+              f"{max(over_v):>9.3f}/{max(over_p):<9.3f} {m['ms']:>7.1f} {m['ms'] / m['vms']:>6.2f}")
     if args.no_large:
         return
     rng = random.Random(1024)
@@ -146,7 +158,9 @@ def main() -> None:
     for layout, cp in (("zigzag", 4), ("contiguous", 8)):
         ms = _median_ms(lambda: pack(lens, max_tokens=MAX_TOKENS, cp_size=cp, layout=layout, dp_size=dp),
                         repeats + 2)
-        print(f"pack time, 1024 sequences, {layout} cp={cp}: {ms:.1f} ms (median of {repeats + 2})")
+        base = _median_ms(lambda: verl_partition(lens, dp, MAX_TOKENS), repeats + 2)
+        print(f"pack time, 1024 sequences, {layout} cp={cp}: {ms:.1f} ms (median of {repeats + 2}); "
+              f"verl's partition {base:.1f} ms; pack / verl {ms / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -436,40 +436,57 @@ class _Search:
 
     def fill(self) -> bool:
         """Longest first into the micro-batch that raises the step least; False if one did not fit."""
-        prob = self.prob
+        prob, cp = self.prob, self.prob.cp
         key = self.heavy if self.contiguous else self.vec.max(1)
-        times = np.zeros(self.dp, dtype=np.int64)
         big = np.iinfo(np.int64).max
+        times = np.zeros(self.dp, dtype=np.int64)
         limit = prob.capacity - self.p  # a micro-batch takes unit i while its rows are at most this
         members = [np.flatnonzero(self.owner == d) for d in range(self.dp)]
         base = times[self.owner] - self.cost  # the step a micro-batch's DP rank takes without it
+        rows, cost, size = self.rows, self.cost, self.size
+        # the contiguous model's total work and heaviest pieces, 1-D (written back at the end)
+        tot, h1, h2, h1i = self.acc[:, 0].copy(), self.h1, self.h2, self.h1i
+        acc, vec, heavy = self.acc, self.vec, self.heavy
+        score = np.empty_like(base)
         for i in np.lexsort((np.arange(self.p.size), -self.p, -key)).tolist():
             if self.contiguous:
-                new = np.maximum(-(-(self.acc[:, 0] + self.vec[i, 0]) // self.prob.cp),
-                                 np.maximum(self.h1, self.heavy[i]))
+                new = tot + vec[i, 0]
+                new += cp - 1
+                new //= cp  # the new total's share of one rank, rounded up
+                np.maximum(new, h1, out=new)
+                np.maximum(new, heavy[i], out=new)
             else:
-                new = (self.acc + self.vec[i]).max(1)
-            score = np.where(self.rows <= limit[i], base + new, big)
+                new = (acc + vec[i]).max(1)
+            np.add(base, new, out=score)
+            score[rows > limit[i]] = big
             b = int(score.argmin())
-            if score[b] == big:
+            low = score[b]
+            if low == big:
                 return False
-            ties = np.flatnonzero(score == score[b])
+            ties = (score == low).nonzero()[0]
             if ties.size > 1:  # ties: the least raise, then the least loaded DP rank, then the fewest rows
-                raise_ = new[ties] - self.cost[ties]
-                b = int(ties[np.lexsort((self.rows[ties], times[self.owner[ties]], raise_))[0]])
-            d, delta = int(self.owner[b]), int(new[b] - self.cost[b])
-            base[members[d]] += delta
-            base[b] -= delta
-            times[d] += delta
+                raise_ = new[ties] - cost[ties]
+                b = int(ties[np.lexsort((rows[ties], times[self.owner[ties]], raise_))[0]])
+            d, delta = int(self.owner[b]), int(new[b] - cost[b])
+            if delta:
+                base[members[d]] += delta
+                base[b] -= delta
+                times[d] += delta
+                cost[b] += delta
             self.where[i] = b
-            self.acc[b] += self.vec[i]
-            self.rows[b] += self.p[i]
-            self.size[b] += 1
-            if self.heavy[i] > self.h1[b]:
-                self.h2[b], self.h1[b], self.h1i[b] = self.h1[b], self.heavy[i], i
-            elif self.heavy[i] > self.h2[b]:
-                self.h2[b] = self.heavy[i]
-            self.cost[b] += delta
+            if self.contiguous:
+                tot[b] += vec[i, 0]
+            else:
+                acc[b] += vec[i]
+            rows[b] += self.p[i]
+            size[b] += 1
+            hi = heavy[i]
+            if hi > h1[b]:
+                h2[b], h1[b], h1i[b] = h1[b], hi, i
+            elif hi > h2[b]:
+                h2[b] = hi
+        if self.contiguous:
+            acc[:, 0] = tot
         return True
 
     def first_fit(self) -> None:
