@@ -151,6 +151,21 @@ def main() -> None:
               f"{m['pack'] / m['bound'] - 1:>+7.1%} "
               f"{statistics.mean(mb_v):>6.1f}/{statistics.mean(mb_p):<6.1f} "
               f"{max(over_v):>9.3f}/{max(over_p):<9.3f} {m['ms']:>7.1f} {m['ms'] / m['vms']:>6.2f}")
+    # groups of two (a reward model's chosen and rejected responses, verl's force_group_size): the same
+    # batches, an even count, consecutive documents paired
+    for cp in (4, 8):
+        single, paired, ms = [], [], []
+        for seed in range(batches):
+            lens = _global_batch(random.Random(seed), dp)
+            lens = lens[:len(lens) // (2 * dp) * (2 * dp)]
+            kw = {"max_tokens": MAX_TOKENS, "cp_size": cp, "layout": "contiguous", "dp_size": dp}
+            single.append(pack(lens, **kw).step_ratio)  # type: ignore[arg-type]
+            paired.append(pack(lens, group_size=2, **kw).step_ratio)  # type: ignore[arg-type]
+            if seed < max(1, repeats):
+                ms.append(_median_ms(lambda: pack(lens, group_size=2, **kw), repeats))  # type: ignore[arg-type]
+        mp, ms1 = statistics.mean(paired), statistics.mean(single)
+        print(f"pairs (group_size=2), contiguous cp={cp}: step ratio {mp:.3f} against {ms1:.3f} ungrouped "
+              f"({mp / ms1 - 1:+.1%}), {statistics.mean(ms):.1f} ms")
     if args.no_large:
         return
     rng = random.Random(1024)

@@ -361,3 +361,76 @@ def test_zigzag_minimal_padding_works_count_the_extended_last_sequence(lens):
     check(p, lens, 2, 1 << 16)
     plan = p.plans[0][0]
     assert plan.padded_seqlens_py[-1] > -(-lens[p.micro_batches[0][0][-1]] // 4) * 4  # the extension happened
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=6), min_size=1, max_size=4),
+       st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 4]), st.data())
+def test_whole_orders_score_exactly(groups_lens, cp, unit, data):
+    """``Buffers._scored`` (the group exchange's scorer): any orders, with empty places anywhere, against
+    the rescan."""
+    import numpy as np
+
+    from cpshard._refine import Buffers
+
+    keep = int(np.lcm(unit, cp))
+    n, groups = [], []
+    for lens in groups_lens:
+        groups.append(list(range(len(n), len(n) + len(lens))))
+        n += lens
+    p = [-(-x // unit) * unit for x in n]
+    capacity = -(-sum(p) // keep) * keep + keep
+    buf = Buffers(np.array(n, dtype=np.int64), np.array(p, dtype=np.int64), keep, cp, capacity, groups)
+    orders = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        ids = data.draw(st.permutations(range(len(n))))
+        ids = ids[:data.draw(st.integers(1, len(ids)))]
+        holes = data.draw(st.lists(st.integers(0, len(ids)), max_size=3))
+        row = list(ids)
+        for h in sorted(holes, reverse=True):
+            row.insert(h, buf.null)
+        orders.append(row)
+    width = max(map(len, orders))
+    got, rows = buf._scored(np.array([o + [buf.null] * (width - len(o)) for o in orders], dtype=np.int64))
+    for k, o in enumerate(orders):
+        real = [i for i in o if i != buf.null]
+        assert rows[k] == sum(p[i] for i in real)
+        assert got[k].tolist() == _rescan(n, p, real, keep, cp), o
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_group_exchanges_keep_groups_and_score_exactly(group):
+    """After whole-group exchanges: every group in one micro-batch, every stored work a rescan of its
+    final order, the budget kept, and the sum of the slowest ranks not raised."""
+    import random
+
+    import numpy as np
+
+    from cpshard._refine import Buffers
+
+    rng = random.Random(group)
+    n = [min(4000, int(rng.expovariate(1 / 500)) + 1) for _ in range(40 * group)]
+    p = [-(-x // 2) * 2 for x in n]
+    cp, keep, capacity = 4, 4, 8192
+    groups, rows, cur = [], 0, []
+    for k in sorted(range(len(n) // group), key=lambda k: -sum(n[k * group:(k + 1) * group])):
+        ids = list(range(k * group, (k + 1) * group))
+        if rows + sum(p[i] for i in ids) > capacity:
+            groups.append(cur)
+            cur, rows = [], 0
+        cur += ids
+        rows += sum(p[i] for i in ids)
+    groups.append(cur)
+    buf = Buffers(np.array(n), np.array(p), keep, cp, capacity, groups)
+    buf.start()
+    buf.descend(np.arange(len(groups)), 1 << 20)
+    descended = int(buf.costs().sum())
+    buf.exchange_groups(group, 20, 1 << 20)
+    assert int(buf.costs().sum()) < descended  # it finds exchanges here (none would pass vacuously)
+    orders = buf.orders()
+    assert sorted(i for o in orders for i in o) == list(range(len(n)))
+    for b, order in enumerate(orders):
+        assert sum(p[i] for i in order) <= capacity
+        assert buf.works[b].tolist() == _rescan(n, p, order, keep, cp)
+    owner = {i: b for b, o in enumerate(orders) for i in o}
+    assert all(owner[k * group + j] == owner[k * group] for k in range(len(n) // group) for j in range(group))

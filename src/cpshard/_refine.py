@@ -46,6 +46,13 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
    receiving side only when its new mean leaves room for a gain); improving ones are applied best
    first, one per micro-batch a round, and the micro-batches they touched descend a step (all of
    them fully at the end). An exchange is kept only when ``c_a + c_b`` falls, so the sum never rises.
+   **Groups** (``pack(group_size=g)``): :meth:`Buffers.exchange_groups` exchanges whole groups
+   instead: a group of a top micro-batch for a group of another (member ``k`` takes member ``k``'s
+   buffer position), a group of it to the end of another, a group of another to the end of it. A
+   group's members need not be adjacent in the buffer, so these are scored from the whole new orders
+   (:meth:`Buffers._scored`: the same closed form, one ``searchsorted`` over all candidates, empty
+   places where a group left), with the same receiving-side filter, order of application and rule
+   that ``c_a + c_b`` falls.
 3. **DP ranks.** :func:`assign` gives the micro-batches, with exact costs, to the DP ranks with their
    counts fixed: longest first to the least loaded rank with a place left, then swaps of a
    micro-batch of the slowest rank with one of another while the slowest rank's time falls.
@@ -56,7 +63,7 @@ Every step is deterministic (no random choice; ties go to the lowest index).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -71,6 +78,10 @@ _GRID = 10  # positions a descent step moves from and to, evenly spread over the
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
+
+
+# a round's candidates: micro-batches u and v, the gain of each, applying candidate c, candidates scored
+_Round = tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[int], None], int]
 
 
 def _score(works: np.ndarray) -> np.ndarray:
@@ -334,31 +345,31 @@ class Buffers:
 
     def exchange(self, rounds: int, budget: int) -> None:
         """Exchanges of sequences between micro-batches that lower ``sum_m c_m`` exactly, best first."""
+        self._rounds(rounds, budget, 1, self._runs_round)
+
+    def _rounds(self, rounds: int, budget: int, room: int, propose: Callable[[np.ndarray, np.ndarray], _Round | None]
+                ) -> None:
+        """The exchange rounds: ``propose(top, costs)`` scores a round's candidates for the
+        ``_EXCHANGE_TOP`` micro-batches furthest above their mean; the improving ones are applied best
+        first, one per micro-batch, the touched micro-batches descend a step (all of them fully at the
+        end). ``room``: the order columns a candidate may add past the longest micro-batch."""
         spent = 0
         touched_all: set[int] = set()
         for _ in range(rounds):
             if spent >= budget:
                 break
-            self._room(int(self.size.max()) + 1)
+            self._room(int(self.size.max()) + room)
             costs = self.costs()
             excess = costs - self.works.sum(1) / self.cp
             top = np.argsort(-excess, kind="stable")[:_EXCHANGE_TOP]
             top = np.sort(top[excess[top] > 0])
             if top.size == 0:
                 break
-            u, u1, u2, v, v1, v2, ru, rv = self._exchanges(top)
-            if u.size == 0:
+            proposed = propose(top, costs)
+            if proposed is None:
                 break
-            wu = self._spliced(u, u1, u2, v, v1, v2, ru)
-            spent += u.size
-            # v's slowest rank is at least its new mean: only candidates that could still gain score v
-            work_v = self.works[v].sum(1) + self._before[u * self._cols + u2] - self._before[u * self._cols + u1] \
-                - self._before[v * self._cols + v2] + self._before[v * self._cols + v1]
-            hope = costs[u] - wu.max(1) + costs[v] - work_v / self.cp > 0
-            u, u1, u2, v, v1, v2, ru, rv, wu = (x[hope] for x in (u, u1, u2, v, v1, v2, ru, rv, wu))
-            wv = self._spliced(v, v1, v2, u, u1, u2, rv)
-            spent += u.size
-            gain = costs[u] + costs[v] - wu.max(1) - wv.max(1)
+            u, v, gain, apply, scored = proposed
+            spent += scored
             touched: set[int] = set()
             for c in np.lexsort((np.arange(u.size), -gain)).tolist():
                 if gain[c] <= 0:
@@ -367,15 +378,7 @@ class Buffers:
                 if a in touched or b in touched:
                     continue
                 touched.update((a, b))
-                old_a, old_b = self.order[a, :self.size[a]].tolist(), self.order[b, :self.size[b]].tolist()
-                new_a = old_a[:u1[c]] + old_b[v1[c]:v2[c]] + old_a[u2[c]:]
-                new_b = old_b[:v1[c]] + old_a[u1[c]:u2[c]] + old_b[v2[c]:]
-                self._room(max(len(new_a), len(new_b)) + 1)
-                self.size[a], self.size[b] = len(new_a), len(new_b)
-                self._set(a, new_a)
-                self._set(b, new_b)
-                self.rows[a], self.rows[b] = ru[c], rv[c]
-                self.works[a], self.works[b] = wu[c], wv[c]
+                apply(c)
             if not touched:
                 break
             done = np.array(sorted(touched), dtype=np.int64)
@@ -384,6 +387,125 @@ class Buffers:
             touched_all.update(touched)
         if touched_all:
             self.descend(np.array(sorted(touched_all), dtype=np.int64), budget)
+
+    def _runs_round(self, top: np.ndarray, costs: np.ndarray) -> _Round | None:
+        """One round of :meth:`exchange`: the runs of :meth:`_exchanges`, spliced (``_spliced``)."""
+        u, u1, u2, v, v1, v2, ru, rv = self._exchanges(top)
+        if u.size == 0:
+            return None
+        wu = self._spliced(u, u1, u2, v, v1, v2, ru)
+        scored = u.size
+        # v's slowest rank is at least its new mean: only candidates that could still gain score v
+        work_v = self.works[v].sum(1) + self._before[u * self._cols + u2] - self._before[u * self._cols + u1] \
+            - self._before[v * self._cols + v2] + self._before[v * self._cols + v1]
+        hope = costs[u] - wu.max(1) + costs[v] - work_v / self.cp > 0
+        u, u1, u2, v, v1, v2, ru, rv, wu = (x[hope] for x in (u, u1, u2, v, v1, v2, ru, rv, wu))
+        wv = self._spliced(v, v1, v2, u, u1, u2, rv)
+        scored += u.size
+
+        def apply(c: int) -> None:
+            a, b = int(u[c]), int(v[c])
+            old_a, old_b = self.order[a, :self.size[a]].tolist(), self.order[b, :self.size[b]].tolist()
+            new_a = old_a[:u1[c]] + old_b[v1[c]:v2[c]] + old_a[u2[c]:]
+            new_b = old_b[:v1[c]] + old_a[u1[c]:u2[c]] + old_b[v2[c]:]
+            self._room(max(len(new_a), len(new_b)) + 1)
+            self.size[a], self.size[b] = len(new_a), len(new_b)
+            self._set(a, new_a)
+            self._set(b, new_b)
+            self.rows[a], self.rows[b] = ru[c], rv[c]
+            self.works[a], self.works[b] = wu[c], wv[c]
+
+        return u, v, costs[u] + costs[v] - wu.max(1) - wv.max(1), apply, scored
+
+    # -- 2b. exchanges of whole groups -----------------------------------------------------------
+
+    def _scored(self, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(Q, cp)`` works and ``(Q,)`` rows of whole candidate orders ``(Q, cols)`` (``null`` entries
+        are empty places): the closed form from scratch, one ``searchsorted`` for all of them."""
+        q = orders.shape[0]
+        orders = np.concatenate([orders, np.full((q, 1), self.null, dtype=np.int64)], axis=1)
+        p_o, n_o = self._p[orders], self._n[orders]
+        w_o = _tri(n_o)
+        ends = np.cumsum(p_o, 1)
+        rows = ends[:, -1].copy()
+        before = np.cumsum(w_o, 1) - w_o
+        start = (ends - p_o).reshape(-1)
+        keys = ends
+        keys[:, -1] = self._span - 1  # the empty last place holds every row past the end
+        keys += np.arange(q, dtype=np.int64)[:, None] * self._span
+        c = self._inner(rows)
+        j = np.searchsorted(keys.reshape(-1), np.arange(q, dtype=np.int64)[:, None] * self._span + c, side="right")
+        g = before.reshape(-1)[j] + _tri(np.minimum(c - start[j], n_o.reshape(-1)[j]))
+        return self._framed(g, w_o.sum(1)), rows
+
+    def exchange_groups(self, group: int, rounds: int, budget: int) -> None:
+        """:meth:`exchange` for packings whose every ``group`` consecutive sequences share a micro-batch:
+        whole groups change micro-batch. For each top micro-batch ``u``: a group of ``u`` for a group of
+        another micro-batch (member ``k`` takes member ``k``'s place), a group of ``u`` to the end of
+        another, and a group of another to the end of ``u``; scored exactly from the whole new orders
+        (:meth:`_scored`), kept only when ``c_u + c_v`` falls."""
+        members = np.arange(self.n.size, dtype=np.int64).reshape(-1, group)
+        self._rounds(rounds, budget, group + 1, functools.partial(self._groups_round, members))
+
+    def _groups_round(self, members: np.ndarray, top: np.ndarray, costs: np.ndarray) -> _Round | None:
+        """One round of :meth:`exchange_groups` (``members`` ``(units, group)``: each group's sequences)."""
+        units, group = members.shape
+        mb = self.where[members[:, 0]]
+        rows_unit = self._p[members].sum(1)
+        in_top = np.isin(mb, top)
+        mine, rest = np.flatnonzero(in_top), np.flatnonzero(~in_top)
+        k = np.arange(self.size.size, dtype=np.int64)
+        none = np.int64(-1)
+        # (x leaves u for v, y leaves v for u, -1: none), u in top
+        x, y = np.repeat(mine, units), np.tile(np.arange(units, dtype=np.int64), mine.size)  # group for group
+        x2, v2 = np.repeat(mine, k.size), np.tile(k, mine.size)  # a group of u to the end of v
+        y3, u3 = np.repeat(rest, top.size), np.tile(top, rest.size)  # a group of v to the end of u
+        swap, move = mb[x] != mb[y], mb[x2] != v2
+        x = np.concatenate([x[swap], x2[move], np.full(y3.size, none)])
+        y = np.concatenate([y[swap], np.full(int(move.sum()), none), y3])
+        u = np.concatenate([mb[x[:int(swap.sum()) + int(move.sum())]], u3])
+        v = np.concatenate([mb[y[:int(swap.sum())]], v2[move], mb[y3]])
+        rx, ry = np.where(x >= 0, rows_unit[x], 0), np.where(y >= 0, rows_unit[y], 0)
+        ru, rv = self.rows[u] - rx + ry, self.rows[v] - ry + rx
+        du = ((y >= 0).astype(np.int64) - (x >= 0)) * group  # u's change of size (v's is minus it)
+        ok = (ru <= self.capacity) & (rv <= self.capacity) & (self.size[u] + du > 0) & (self.size[v] - du > 0)
+        x, y, u, v = x[ok], y[ok], u[ok], v[ok]
+        if u.size == 0:
+            return None
+        new_u = self._regrouped(u, x, y, members)
+        wu, _ = self._scored(new_u)
+        scored = u.size
+        work_v = self.works[v].sum(1) - (wu.sum(1) - self.works[u].sum(1))
+        hope = costs[u] - wu.max(1) + costs[v] - work_v / self.cp > 0
+        x, y, u, v, new_u, wu = (a[hope] for a in (x, y, u, v, new_u, wu))
+        new_v = self._regrouped(v, y, x, members)
+        wv, _ = self._scored(new_v)
+        scored += v.size
+
+        def apply(c: int) -> None:
+            for m, order, w in ((int(u[c]), new_u[c], wu[c]), (int(v[c]), new_v[c], wv[c])):
+                ids = order[order != self.null].tolist()
+                self.size[m] = len(ids)
+                self._set(m, ids)
+                self.rows[m] = int(self._p[ids].sum())
+                self.works[m] = w
+
+        return u, v, costs[u] + costs[v] - wu.max(1) - wv.max(1), apply, scored
+
+    def _regrouped(self, b: np.ndarray, out: np.ndarray, into: np.ndarray, members: np.ndarray) -> np.ndarray:
+        """``(Q, cols)`` micro-batch ``b``'s order with group ``out`` leaving and group ``into`` arriving
+        (-1: none): with both, ``into``'s member ``k`` takes ``out``'s member ``k``'s place; ``out`` alone
+        leaves empty places; ``into`` alone is appended."""
+        q = np.arange(b.size)
+        orders = self.order[b].copy()
+        g = members.shape[1]
+        both, only_out, only_in = (out >= 0) & (into >= 0), (out >= 0) & (into < 0), (out < 0) & (into >= 0)
+        for j in range(g):
+            at_out = self.pos[members[np.maximum(out, 0), j]]
+            orders[q[both], at_out[both]] = members[into[both], j]
+            orders[q[only_out], at_out[only_out]] = self.null
+            orders[q[only_in], self.size[b[only_in]] + j] = members[into[only_in], j]
+        return orders
 
 
 def _grid(size: int) -> np.ndarray:

@@ -52,9 +52,9 @@ the counts unchanged.
 **Groups** (``group_size = g > 1``, verl's ``force_group_size``): the count, the fill and its moves
 and swaps place units of ``g`` consecutive sequences (rows, work and zigzag vectors summed, the
 contiguous model's heaviest piece the members' largest), so a group never splits. The bound is the
-one for single sequences (a grouped packing is one of the packings it covers). The exchanges of the
-exact refinement move single sequences and runs of a buffer, so with groups they are skipped; the
-buffer orders and the DP split are refined as without.
+one for single sequences (a grouped packing is one of the packings it covers). The exact refinement
+exchanges whole groups instead of single sequences and runs (``Buffers.exchange_groups``); the buffer
+orders and the DP split are refined as without.
 """
 
 from __future__ import annotations
@@ -605,14 +605,15 @@ def _refined(prob: _Problem, groups: list[list[int]], group: int = 1) -> tuple[l
     """Each micro-batch's buffer order and, under the contiguous layout, its exact per-rank work
     ``(K, cp)`` (Note [Refining a packing]); otherwise sorted orders and None (:func:`pack` reads
     the works from the plans, whose last sequence minimal padding may extend). With ``group > 1``
-    the orders are refined but no sequence changes micro-batch (an exchange moves single sequences
-    and runs of a buffer, which need not be whole groups)."""
+    the exchanges move whole groups."""
     if prob.layout is Layout.CONTIGUOUS and prob.cp > 1:
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
         buffers.start()
         buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
         if group == 1:
             buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
+        else:
+            buffers.exchange_groups(group, _EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
         return buffers.orders(), buffers.works
     return [sorted(g) for g in groups], None
 
@@ -653,9 +654,9 @@ def pack(
     (verl's ``same_micro_num_in_dp``), else the counts may differ by ``divisible_by``.
     ``group_size``: every ``group_size`` consecutive sequences (``seqlens[k g:(k + 1) g]``) share one
     micro-batch, such as a reward model's chosen and rejected responses (verl's ``force_group_size``);
-    the number of sequences must be a multiple of it, and under the contiguous layout sequences then
-    keep the micro-batch the fill gives their group (Note [Refining a packing]: the buffer orders and the
-    DP split are still refined). ``seed`` breaks ties in the search (the result is deterministic for a seed).
+    the number of sequences must be a multiple of it (under the contiguous layout the refinement then
+    exchanges whole groups between micro-batches: Note [Refining a packing]). ``seed`` breaks ties in
+    the search (the result is deterministic for a seed).
 
     Every sequence is in exactly one micro-batch; a sequence (or group) whose padded length alone
     exceeds ``max_tokens`` is an error naming it. The count is first-fit decreasing's on the padded

@@ -18,6 +18,7 @@ Install: ``pip install numpy 'packaging>=24.2'`` then
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -25,7 +26,7 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
@@ -67,10 +68,7 @@ def _preload_paged_stash() -> None:
     path = f"{locations[0]}/core/transformer/moe/ops/paged_stash.py"
     if not os.path.exists(path):  # older releases (0.14, 0.16) have no such file and import fine
         return
-    fakes = _fake_triton()
-    saved = {name: sys.modules.get(name) for name in fakes}
-    sys.modules.update(fakes)
-    try:
+    with stand_in(_fake_triton()):
         file_spec = importlib.util.spec_from_file_location(_PAGED_STASH, path)
         assert file_spec is not None and file_spec.loader is not None
         module = importlib.util.module_from_spec(file_spec)
@@ -80,6 +78,15 @@ def _preload_paged_stash() -> None:
         except BaseException:
             del sys.modules[_PAGED_STASH]
             raise
+
+
+@contextlib.contextmanager
+def stand_in(fakes: dict[str, types.ModuleType]) -> Iterator[None]:
+    """``fakes`` in ``sys.modules`` for the block only; what was there before is put back."""
+    saved = {name: sys.modules.get(name) for name in fakes}
+    sys.modules.update(fakes)
+    try:
+        yield
     finally:
         for name, old in saved.items():
             if old is None:
