@@ -22,6 +22,8 @@ echo "--- verl's upstream util tests against cpshard.compat.verl (one fakes all_
 (cd "$WORK" && PYTHONPATH="$WORK/verl" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider test_upstream.py) || true
 echo "--- whole outputs against that verl's util.py"
 PYTHONPATH="$WORK/verl" "$PY" scripts/upstream/compare_thd.py 2>&1 | tail -1
+echo "--- local_padding_mask against that verl's dynamic-CP padding mask (verl main only)"
+PYTHONPATH="$WORK/verl" "$PY" scripts/upstream/compare_dcp_mask.py 2>&1 | tail -1
 echo "--- patch() on that verl"
 PYTHONPATH="$WORK/verl" "$PY" -c "
 from cpshard.compat import verl as cv
@@ -50,10 +52,40 @@ sed -e 's/^    rearrange_micro_batches,$//' \
     "$VERL_TREE/tests/utils/test_seqlen_balancing.py" > "$WORK/test_seqlen_balancing_cpshard.py"
 (cd "$WORK" && PYTHONPATH="$WORK/verl:$WORK/extra:$WORK" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider \
   test_prepare_micro_batches_with_group_size.py test_seqlen_balancing_cpshard.py 2>&1 | grep -E "^FAILED|passed|failed") || true
+# 3. verl's other CPU tests of the modules whose sites patch() binds (dynamic CP, MTP, router replay,
+#    the fused forward, packed padding), with patch() in force around every test, on the installed
+#    megatron-core (verl main's model_forward_fused tests expect 0.19's GPTModel, not dev's or main's)
+echo "--- verl's tests of the patched modules, under patch()"
+mkdir -p "$WORK/sites"
+for f in tests/utils/test_megatron_mtp_dcp.py tests/utils/test_dynamic_cp_scheduler.py \
+         tests/utils/test_megatron_router_replay_dcp.py tests/models/test_model_forward_fused.py \
+         tests/workers/test_packed_pad_to_length_on_cpu.py tests/utils/megatron/test_router_replay_model_walk_on_cpu.py; do
+  cp "$VERL_TREE/$f" "$WORK/sites/"
+done
+# the dynamic-CP test imports verl's padding mask by name: it tests cpshard's instead
+sed -i -e 's/^    _local_padding_mask,$//' \
+    -e 's/^import verl.utils.dynamic_cp_scheduler as dcp_module$/&\nfrom cpshard.compat.verl import local_padding_mask as _local_padding_mask/' \
+    "$WORK/sites/test_dynamic_cp_scheduler.py"
+cp scripts/upstream/megatron_cpu_conftest.py "$WORK/sites/conftest.py"
+cat >> "$WORK/sites/conftest.py" <<'PY'
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cpshard_patch():
+    from cpshard.compat import verl as cv
+    with cv.patch() as patched:
+        assert len(patched.replaced) > 20
+        yield
+PY
+(cd "$WORK/sites" && PYTHONPATH="$WORK/verl:$WORK/extra" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider test_*.py 2>&1 \
+  | grep -E "^FAILED|passed|failed") || true
 for tree in "$MDEV" $MMAIN; do
   echo "--- process_mtp_loss against $tree (tests/test_mtp.py; its version check reads the installed metadata: fails)"
   PYTHONPATH="$tree" "$PY" -m pytest -q tests/test_mtp.py 2>&1 | grep -E "^FAILED|passed|failed" || true
-  # 3. Megatron-LM's own process_mtp_loss tests with the drop-in in place of Megatron's, on the CPU
+  # 4. Megatron-LM's own process_mtp_loss tests with the drop-in in place of Megatron's, on the CPU
   #    (needs the tree's tests too: git archive dev tests/__init__.py tests/unit_tests/__init__.py
   #    tests/unit_tests/test_utilities.py tests/unit_tests/transformer/test_multi_token_prediction.py
   #    tests/unit_tests/dist_checkpointing | tar -x -C <tree>)

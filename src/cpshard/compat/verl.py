@@ -60,6 +60,7 @@ __all__ = [
     "bshd_plan",
     "build_vlm_attn_mask_bshd",
     "build_vlm_attn_mask_thd",
+    "local_padding_mask",
     "patch",
     "postprocess_bshd_engine",
     "postprocess_packed_seqs",
@@ -156,6 +157,43 @@ def thd_plan(
         return ours  # the same rows, or verl's padding would drop tokens here: keep cpshard's
     return ShardPlan.build(base.seqlens_py, cp_size=cp, tp_size=tp, layout=layout, fp8=use_fp8_padding,
                            total_len=total)
+
+
+def local_padding_mask(
+    seq_lens: list[int] | tuple[int, ...] | torch.Tensor,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int,
+    cp_layout: Layout | str = "zigzag",
+    min_local_rows: int | None = None,
+    plan: ShardPlan | None = None,
+) -> torch.Tensor:
+    """verl main's dynamic-CP router padding mask (``verl.utils.dynamic_cp_scheduler._local_padding_mask``):
+    ``(L,)`` bool, True on CP rank ``cp_rank``'s pad rows, of the micro-batch :func:`thd_plan` pads
+    (``preprocess_thd_engine`` with ``local_cp_size=cp_size``), so the router's mask and the rows the
+    drop-in gives that rank come from one plan. verl's own restates the padding per sequence; it
+    equals this one wherever verl's padding keeps every token, and differs exactly where the rows do
+    (README, "Differences from verl", items 2 and 3). ``plan=``: the micro-batch's plan, when built
+    already (checked against the lengths). verl's checks are kept: ``cp_layout`` zigzag or
+    contiguous, ``min_local_rows`` positive."""
+    cp = check_int("cp_size", cp_size, minimum=1)
+    rank = check_int("cp_rank", cp_rank, minimum=0)
+    if rank >= cp:
+        fail("cp_rank", rank, f"must be below cp_size={cp}", f"pass a rank in 0..{cp - 1}")
+    layout = _cp_layout(cp_layout)
+    if min_local_rows is not None and check_int("min_local_rows", min_local_rows) <= 0:
+        fail("min_local_rows", min_local_rows, "must be positive (verl's rule for dynamic CP)",
+             "pass a positive number of rows, or None")
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    if plan is None:
+        plan = thd_plan(lens, min_local_rows=min_local_rows, cp_layout=layout, tp_size=tp_size, cp_size=cp)
+    else:
+        plan = _given_plan(plan, ShardPlan, cp, layout)
+        if list(plan.input_seqlens_py) != lens:
+            fail("plan", repr(plan), f"is for seqlens {list(plan.input_seqlens_py)}, not {lens}",
+                 "pass the plan of this micro-batch")
+    return ~plan.token_mask(rank)
 
 
 def bshd_plan(
@@ -663,8 +701,9 @@ def patch() -> VerlPatch:
     functions of this module in ``verl.models.mcore.util`` and at every site where verl binds them by
     name (``model_forward``, ``model_forward_fused``, ``model_forward_1f1b_overlap``,
     ``verl.utils.megatron.router_replay_utils``, ``verl.trainer.distillation.megatron.losses``), and
-    routes verl's MTP loss through :func:`cpshard.megatron.process_mtp_loss`, and puts
-    :func:`rearrange_micro_batches` in ``verl.utils.seqlen_balancing`` and ``verl.workers.engine.utils``.
+    routes verl's MTP loss through :func:`cpshard.megatron.process_mtp_loss`, puts
+    :func:`rearrange_micro_batches` in ``verl.utils.seqlen_balancing`` and ``verl.workers.engine.utils``,
+    and, in verl main, :func:`local_padding_mask` in ``verl.utils.dynamic_cp_scheduler``.
     A site that does not
     bind a name (verl main's ``model_forward_fused`` has no ``build_vlm_attn_mask_thd``) is skipped
     and logged (``VerlPatch.skipped``). Checks first, changing nothing on failure: every function
@@ -726,6 +765,7 @@ def patch() -> VerlPatch:
     for module, name in sites:
         result._replace(module, name, _DROP_INS[name])
     _patch_pack_sites(result._replace)  # rearrange_micro_batches: verl.utils.seqlen_balancing and its binders
+    _patch_dcp_site(result._replace)  # verl main's dynamic-CP padding mask
     if result.skipped:
         logger.info("cpshard.compat.verl: verl %s does not bind %s; left alone", version, ", ".join(result.skipped))
     result._originals = originals
@@ -741,6 +781,28 @@ def patch() -> VerlPatch:
 
 _MISSING = object()
 _MTP_PATCH = "verl.models.mcore.mtp_patch"
+_DCP = "verl.utils.dynamic_cp_scheduler"
+
+
+def _patch_dcp_site(replace: Callable[[ModuleType, str, Any], None]) -> None:
+    """Put :func:`local_padding_mask` in place of verl main's ``_local_padding_mask`` where that module
+    imports (verl 0.9.1 has no dynamic CP) and the function takes verl main's parameters (else it is
+    left alone and logged)."""
+    try:
+        module = importlib.import_module(_DCP)
+    except Exception as exc:  # noqa: BLE001  (any failure: this verl has no usable dynamic CP)
+        logger.debug("cpshard.compat.verl: %s not importable (%s)", _DCP, exc)
+        return
+    bound = getattr(module, "_local_padding_mask", None)
+    if bound is None or bound is local_padding_mask:
+        return
+    want = [p for p in inspect.signature(local_padding_mask).parameters if p != "plan"]
+    got = list(inspect.signature(bound).parameters)
+    if got != want:
+        logger.warning("cpshard.compat.verl: %s._local_padding_mask takes (%s), not verl main's (%s); left alone",
+                       _DCP, ", ".join(got), ", ".join(want))
+        return
+    replace(module, "_local_padding_mask", local_padding_mask)
 
 
 def _describe(obj: Any) -> str:
