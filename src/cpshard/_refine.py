@@ -134,7 +134,9 @@ class Buffers:
         k, self._cols = self.order.shape
         ends[:, -1] = self._span - 1
         self._keys = (np.arange(k, dtype=np.int64)[:, None] * self._span + ends).reshape(-1)
-        self._start = (np.cumsum(p_o, 1) - p_o).reshape(-1)
+        start = np.cumsum(p_o, 1) - p_o
+        self._start = start.reshape(-1)
+        self._key_start = (np.arange(k, dtype=np.int64)[:, None] * self._span + start).reshape(-1)  # b * span + start
         self._before = (cum - w_o).reshape(-1)
         self._len = n_o.reshape(-1)
 
@@ -151,7 +153,8 @@ class Buffers:
     def _inner(self, rows: np.ndarray) -> np.ndarray:
         """``(Q, cp - 1)`` the boundaries between ranks (``G`` is 0 at the first and the whole work at the
         last, which every row precedes: only these need a lookup)."""
-        return self._cuts(rows)[:, 1:-1]
+        local = -(-rows // self.keep) * self.keep // self.cp
+        return local[:, None] * np.arange(1, self.cp, dtype=np.int64)[None, :]
 
     @staticmethod
     def _framed(inner: np.ndarray, total: np.ndarray) -> np.ndarray:
@@ -174,21 +177,25 @@ class Buffers:
         """``(Q, cp)`` works of micro-batch ``b`` with its positions ``[b1, b2)`` replaced by the run
         ``[s1, s2)`` of micro-batch ``src`` (either may be empty), ``rows`` rows: the old prefix before
         the splice, the run's own prefix inside it, the old prefix shifted by the change of rows (plus
-        the change of work) after it. One ``G`` lookup a boundary."""
+        the change of work) after it. One ``G`` lookup a boundary: each boundary's region (before,
+        inside, after) picks the search key's offset and the work added, so the lookup is one
+        ``searchsorted`` for all."""
         c = self._inner(rows)
-        at_b1, at_b2 = (b * self._cols + b1)[:, None], (b * self._cols + b2)[:, None]
-        at_s1, at_s2 = (src * self._cols + s1)[:, None], (src * self._cols + s2)[:, None]
+        cols, span = self._cols, self._span
+        at_b1, at_b2, at_s1, at_s2 = b * cols + b1, b * cols + b2, src * cols + s1, src * cols + s2
         start, before = self._start[at_b1], self._before[at_b1]
-        rows_old, work_old = self._start[at_b2] - start, self._before[at_b2] - before
         src_start, src_before = self._start[at_s1], self._before[at_s1]
         rows_new, work_new = self._start[at_s2] - src_start, self._before[at_s2] - src_before
-        inside = (c >= start) & (c < start + rows_new)
-        after = c >= start + rows_new
-        which = np.where(inside, src[:, None], b[:, None])
-        x = np.where(inside, src_start + c - start, np.where(after, c - rows_new + rows_old, c))
-        g = self._g(which, x)
-        g = g + np.where(inside, before - src_before, np.where(after, work_new - work_old, 0))
-        return self._framed(g, self.works[b].sum(1) + (work_new - work_old)[:, 0])
+        rows_old, work_old = self._start[at_b2] - start, self._before[at_b2] - before
+        region = (c >= start[:, None]).view(np.int8) + (c >= (start + rows_new)[:, None]).view(np.int8)
+        pick = np.arange(0, 3 * b.size, 3, dtype=np.int64)[:, None] + region  # (Q, cp - 1) into (Q, 3)
+        home = b * span
+        offset = np.stack([home, src * span + src_start - start, home + rows_old - rows_new], axis=1)
+        added = np.stack([np.zeros_like(before), before - src_before, work_new - work_old], axis=1)
+        key = c + offset.reshape(-1)[pick]
+        j = np.searchsorted(self._keys, key, side="right")  # the position holding each boundary's row
+        g = self._before[j] + _tri(np.minimum(key - self._key_start[j], self._len[j])) + added.reshape(-1)[pick]
+        return self._framed(g, self.works[b].sum(1) + (work_new - work_old))
 
     def _moved(self, b: np.ndarray, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
         """``(Q, cp)`` works of micro-batch ``b`` with positions ``i != j`` swapped (``swap``) or the sequence
