@@ -379,8 +379,9 @@ class _Search:
     It places **units**: ``group`` consecutive sequences that share a micro-batch (one sequence each
     when ``group`` is 1), with the members' rows, work and model vectors summed and their heaviest
     pieces' largest as the unit's. Arrays over micro-batches: rows, the model's additive part ``acc``
-    (zigzag: per-rank work; contiguous: total work), the two largest heaviest pieces (contiguous) and
-    the cost."""
+    (zigzag: per-rank work; contiguous: total work), the largest heaviest piece ``h1`` (contiguous; 0
+    under zigzag) and the cost. :meth:`improve` runs only for the additive model (zigzag, ``cp = 1``):
+    under the contiguous layout the exact refinement follows the fill."""
 
     def __init__(self, prob: _Problem, counts: list[int], seed: int, group: int = 1) -> None:
         self.prob = prob
@@ -405,14 +406,7 @@ class _Search:
         self.rows = np.zeros(k, dtype=np.int64)
         self.size = np.zeros(k, dtype=np.int64)
         self.h1 = np.zeros(k, dtype=np.int64)
-        self.h1i = np.full(k, -1, dtype=np.int64)
-        self.h2 = np.zeros(k, dtype=np.int64)
         self.cost = np.zeros(k, dtype=np.int64)
-
-    def _cost_of(self, acc: np.ndarray, heavy: np.ndarray) -> np.ndarray:
-        if not self.contiguous:
-            return acc.max(-1)
-        return np.maximum(-(-acc[..., 0] // self.prob.cp), heavy)
 
     def _put(self, i: int, b: int) -> None:
         old = int(self.where[i])
@@ -425,14 +419,9 @@ class _Search:
         self.size[b] = ids.size
         self.acc[b] = self.vec[ids].sum(0)
         self.rows[b] = int(self.p[ids].sum())
-        hv = self.heavy[ids]
-        if ids.size:
-            top = np.argsort(-hv, kind="stable")
-            self.h1[b], self.h1i[b] = hv[top[0]], ids[top[0]]
-            self.h2[b] = hv[top[1]] if ids.size > 1 else 0
-        else:
-            self.h1[b], self.h1i[b], self.h2[b] = 0, -1, 0
-        self.cost[b] = int(self._cost_of(self.acc[b][None], self.h1[b:b + 1])[0])
+        self.h1[b] = self.heavy[ids].max(initial=0)
+        acc = self.acc[b]
+        self.cost[b] = max(-(-int(acc[0]) // self.prob.cp), int(self.h1[b])) if self.contiguous else int(acc.max())
 
     def times(self) -> np.ndarray:
         return np.bincount(self.owner, weights=self.cost, minlength=self.dp).astype(np.int64)
@@ -448,7 +437,7 @@ class _Search:
         base = times[self.owner] - self.cost  # the step a micro-batch's DP rank takes without it
         rows, cost, size = self.rows, self.cost, self.size
         # the contiguous model's total work and heaviest pieces, 1-D (written back at the end)
-        tot, h1, h2, h1i = self.acc[:, 0].copy(), self.h1, self.h2, self.h1i
+        tot, h1 = self.acc[:, 0].copy(), self.h1
         acc, vec, heavy = self.acc, self.vec, self.heavy
         score = np.empty_like(base)
         for i in np.lexsort((np.arange(self.p.size), -self.p, -key)).tolist():
@@ -483,11 +472,7 @@ class _Search:
                 acc[b] += vec[i]
             rows[b] += self.p[i]
             size[b] += 1
-            hi = heavy[i]
-            if hi > h1[b]:
-                h2[b], h1[b], h1i[b] = h1[b], hi, i
-            elif hi > h2[b]:
-                h2[b] = hi
+            h1[b] = max(h1[b], heavy[i])
         if self.contiguous:
             acc[:, 0] = tot
         return True
@@ -512,7 +497,9 @@ class _Search:
             self._put(int(ids[np.argmin(self.w[ids])]), b)
 
     def improve(self, steps: int = _SEARCH_STEPS) -> None:
-        """Moves and swaps out of the slowest DP rank's micro-batches while (step, sum of squares) falls."""
+        """Moves and swaps out of the slowest DP rank's micro-batches while (step, sum of squares) falls
+        (the additive model only: a micro-batch's cost is its largest rank of ``acc``)."""
+        assert not self.contiguous, "the contiguous layout is refined exactly instead (Note [Micro-batch packing])"
         p, cp_cap = self.p, self.prob.capacity
         stale, low = 0, int(self.times().max())
         for _ in range(steps):
@@ -526,20 +513,16 @@ class _Search:
             slow = int(times.argmax())
             seqs = np.flatnonzero(self.owner[self.where] == slow)
             a = self.where[seqs]
-            # the micro-batch each loses a sequence from
-            h_a = np.where(self.h1i[a] == seqs, self.h2[a], self.h1[a])
-            base_a = self.acc[a] - self.vec[seqs]
             best: tuple[tuple[int, int], int, int, int] | None = None
-            # moves i -> b
-            h_b = np.maximum(self.h1[None, :], self.heavy[seqs][:, None])
-            cost_b = self._cost_of(self.acc[None, :, :] + self.vec[seqs][:, None, :], h_b)
-            cost_a = self._cost_of(base_a, h_a)
+            # moves i -> b (a: the micro-batch each loses a sequence from)
+            cost_b = (self.acc[None, :, :] + self.vec[seqs][:, None, :]).max(-1)
+            cost_a = (self.acc[a] - self.vec[seqs]).max(-1)
             ok = (self.rows[None, :] + p[seqs][:, None] <= cp_cap) & (self.size[a] > 1)[:, None]
             ok[np.arange(seqs.size), a] = False
             best = self._best(seqs, a, cost_a, np.broadcast_to(np.arange(self.owner.size), ok.shape), cost_b,
                               None, ok, times, cur, best)
             # swaps i <-> j for the heaviest sequences of the slow rank
-            top = seqs[np.argsort(-np.maximum(self.heavy[seqs], self.vec[seqs].max(1)), kind="stable")[:16]]
+            top = seqs[np.argsort(-self.vec[seqs].max(1), kind="stable")[:16]]
             if top.size:
                 ta = self.where[top]
                 j = np.arange(p.size)
@@ -548,12 +531,8 @@ class _Search:
                       & (self.rows[bj][None, :] - p[j][None, :] + p[top][:, None] <= cp_cap)
                       & (bj[None, :] != ta[:, None]))
                 if ok.any():
-                    hta = np.where(self.h1i[ta] == top, self.h2[ta], self.h1[ta])
-                    hbj = np.where(self.h1i[bj] == j, self.h2[bj], self.h1[bj])
-                    acc_a = self.acc[ta][:, None, :] - self.vec[top][:, None, :] + self.vec[j][None, :, :]
-                    acc_b = self.acc[bj][None, :, :] - self.vec[j][None, :, :] + self.vec[top][:, None, :]
-                    cost_a2 = self._cost_of(acc_a, np.maximum(hta[:, None], self.heavy[j][None, :]))
-                    cost_b2 = self._cost_of(acc_b, np.maximum(hbj[None, :], self.heavy[top][:, None]))
+                    cost_a2 = (self.acc[ta][:, None, :] - self.vec[top][:, None, :] + self.vec[j][None, :, :]).max(-1)
+                    cost_b2 = (self.acc[bj][None, :, :] - self.vec[j][None, :, :] + self.vec[top][:, None, :]).max(-1)
                     best = self._best(top, ta, cost_a2, np.broadcast_to(bj, ok.shape), cost_b2,
                                       np.broadcast_to(j, ok.shape), ok, times, cur, best)
             if best is None:
