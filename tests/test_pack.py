@@ -396,6 +396,8 @@ def test_whole_orders_score_exactly(groups_lens, cp, unit, data):
         real = [i for i in o if i != buf.null]
         assert rows[k] == sum(p[i] for i in real)
         assert got[k].tolist() == _rescan(n, p, real, keep, cp), o
+    none, no_rows = buf._scored(np.zeros((0, width), dtype=np.int64))  # a round whose filter left nothing
+    assert none.shape == (0, cp) and no_rows.shape == (0,)
 
 
 @pytest.mark.parametrize("group", [2, 3])

@@ -125,36 +125,28 @@ class Buffers:
         self.pos[ids] = np.arange(len(ids))
 
     def _index(self) -> None:
-        """Per buffer position of every micro-batch: its start row, the work before it, its length, and
-        the search keys ``b * span + end row`` (one sorted array over all micro-batches). The last column
-        is always empty (``_room``); its key is ``b``'s last, so every row of ``b`` finds a position."""
-        p_o, n_o = self._p[self.order], self._n[self.order]
-        w_o = _tri(n_o)
-        ends, cum = np.cumsum(p_o, 1), np.cumsum(w_o, 1)
-        k, self._cols = self.order.shape
-        ends[:, -1] = self._span - 1
-        self._keys = (np.arange(k, dtype=np.int64)[:, None] * self._span + ends).reshape(-1)
-        start = np.cumsum(p_o, 1) - p_o
-        self._start = start.reshape(-1)
-        self._key_start = (np.arange(k, dtype=np.int64)[:, None] * self._span + start).reshape(-1)  # b * span + start
-        self._before = (cum - w_o).reshape(-1)
-        self._len = n_o.reshape(-1)
+        """Every micro-batch's position tables (:func:`_tables`, one sorted array of keys over all
+        micro-batches). The last column is always empty (``_room``)."""
+        self._cols = self.order.shape[1]
+        self._keys, self._key_start, self._start, self._before, self._len = _tables(
+            self._p[self.order], self._n[self.order], self._span)
+
+    def _lookup(self, key: np.ndarray) -> np.ndarray:
+        """``G`` at keys ``b * span + x``: the work of micro-batch ``b``'s first ``x`` buffer rows."""
+        return _lookup((self._keys, self._key_start, self._start, self._before, self._len), key)
 
     def _g(self, b: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``G_b(x)``: the work of micro-batch ``b``'s first ``x`` buffer rows (``b`` broadcast over ``x``)."""
-        j = np.searchsorted(self._keys, b * self._span + x, side="right")  # the position holding row x
-        return self._before[j] + _tri(np.minimum(x - self._start[j], self._len[j]))
+        return self._lookup(b * self._span + x)
 
-    def _cuts(self, rows: np.ndarray) -> np.ndarray:
-        """``(Q, cp + 1)`` the rank boundaries of micro-batches of ``rows`` padded rows."""
-        local = -(-rows // self.keep) * self.keep // self.cp
-        return local[:, None] * np.arange(self.cp + 1, dtype=np.int64)[None, :]
+    def _local(self, rows: np.ndarray) -> np.ndarray:
+        """The rows a rank holds of micro-batches of ``rows`` padded rows (their total rounded up to ``keep``)."""
+        return -(-rows // self.keep) * self.keep // self.cp
 
     def _inner(self, rows: np.ndarray) -> np.ndarray:
         """``(Q, cp - 1)`` the boundaries between ranks (``G`` is 0 at the first and the whole work at the
         last, which every row precedes: only these need a lookup)."""
-        local = -(-rows // self.keep) * self.keep // self.cp
-        return local[:, None] * np.arange(1, self.cp, dtype=np.int64)[None, :]
+        return self._local(rows)[:, None] * np.arange(1, self.cp, dtype=np.int64)[None, :]
 
     @staticmethod
     def _framed(inner: np.ndarray, total: np.ndarray) -> np.ndarray:
@@ -163,7 +155,8 @@ class Buffers:
         return np.diff(np.concatenate([np.zeros((q, 1), dtype=np.int64), inner, total[:, None]], axis=1), axis=1)
 
     def _rank_works(self, b: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return np.diff(self._g(b[:, None], self._cuts(rows)), axis=1)
+        """``(Q, cp)`` the works of micro-batches ``b`` as their orders stand (``rows`` padded rows)."""
+        return self._framed(self._g(b[:, None], self._inner(rows)), self._before[b * self._cols + self.size[b]])
 
     def _at(self, b: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Start row, work before, padded rows and length of the sequence at position ``t`` of ``b``, ``(Q, 1)``."""
@@ -192,9 +185,7 @@ class Buffers:
         home = b * span
         offset = np.stack([home, src * span + src_start - start, home + rows_old - rows_new], axis=1)
         added = np.stack([np.zeros_like(before), before - src_before, work_new - work_old], axis=1)
-        key = c + offset.reshape(-1)[pick]
-        j = np.searchsorted(self._keys, key, side="right")  # the position holding each boundary's row
-        g = self._before[j] + _tri(np.minimum(key - self._key_start[j], self._len[j])) + added.reshape(-1)[pick]
+        g = self._lookup(c + offset.reshape(-1)[pick]) + added.reshape(-1)[pick]
         return self._framed(g, self.works[b].sum(1) + (work_new - work_old))
 
     def _moved(self, b: np.ndarray, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
@@ -241,7 +232,7 @@ class Buffers:
             if s < 2:
                 continue
             ids = self.order[b, :s].tolist()
-            local = -(-int(self.rows[b]) // self.keep) * self.keep // self.cp
+            local = int(self._local(self.rows[b]))
             start = _lpt([nl[i] for i in ids], [pl[i] for i in ids], local, self.cp)
             self._set(b, [ids[j] for j in start])
         self._index()
@@ -314,7 +305,7 @@ class Buffers:
     def _on_slowest(self, run: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The single-sequence runs among ``run`` holding rows of their micro-batch's slowest rank."""
         b, first, end = run
-        local = self._cuts(self.rows[b])[:, 1]
+        local = self._local(self.rows[b])
         h = self.works[b].argmax(1)
         start = self._start[b * self._cols + first]
         keep = (start < (h + 1) * local) & (start + self._p[self.order[b, first]] > h * local)
@@ -430,20 +421,12 @@ class Buffers:
         """``(Q, cp)`` works and ``(Q,)`` rows of whole candidate orders ``(Q, cols)`` (``null`` entries
         are empty places): the closed form from scratch, one ``searchsorted`` for all of them."""
         q = orders.shape[0]
-        orders = np.concatenate([orders, np.full((q, 1), self.null, dtype=np.int64)], axis=1)
-        p_o, n_o = self._p[orders], self._n[orders]
-        w_o = _tri(n_o)
-        ends = np.cumsum(p_o, 1)
-        rows = ends[:, -1].copy()
-        before = np.cumsum(w_o, 1) - w_o
-        start = (ends - p_o).reshape(-1)
-        keys = ends
-        keys[:, -1] = self._span - 1  # the empty last place holds every row past the end
-        keys += np.arange(q, dtype=np.int64)[:, None] * self._span
-        c = self._inner(rows)
-        j = np.searchsorted(keys.reshape(-1), np.arange(q, dtype=np.int64)[:, None] * self._span + c, side="right")
-        g = before.reshape(-1)[j] + _tri(np.minimum(c - start[j], n_o.reshape(-1)[j]))
-        return self._framed(g, w_o.sum(1)), rows
+        orders = np.concatenate([orders, np.full((q, 1), self.null, dtype=np.int64)], axis=1)  # an empty last
+        p_o = self._p[orders]
+        tables = _tables(p_o, self._n[orders], self._span)
+        rows = p_o.sum(1)
+        c = np.arange(q, dtype=np.int64)[:, None] * self._span + self._inner(rows)
+        return self._framed(_lookup(tables, c), tables[3].reshape(orders.shape)[:, -1]), rows
 
     def exchange_groups(self, group: int, rounds: int, budget: int) -> None:
         """:meth:`exchange` for packings whose every ``group`` consecutive sequences share a micro-batch:
@@ -513,6 +496,29 @@ class Buffers:
             orders[q[only_out], at_out[only_out]] = self.null
             orders[q[only_in], self.size[b[only_in]] + j] = members[into[only_in], j]
         return orders
+
+
+def _tables(p_o: np.ndarray, n_o: np.ndarray, span: int) -> tuple[np.ndarray, ...]:
+    """Per position of orders whose padded and real lengths are ``p_o``, ``n_o`` ``(Q, cols)`` (the last
+    column empty), flat: the search keys ``q * span + end row`` (the last column's ``q``'s last key, so
+    that every row of order ``q`` finds a position), ``q * span + start row``, the start row, the work
+    before it and the length. One sorted key array over all ``Q`` orders."""
+    w_o = _tri(n_o)
+    ends = np.cumsum(p_o, 1)
+    start = ends - p_o
+    base = np.arange(p_o.shape[0], dtype=np.int64)[:, None] * span
+    keys = base + ends
+    keys[:, -1] = base[:, 0] + span - 1
+    return (keys.reshape(-1), (base + start).reshape(-1), start.reshape(-1), (np.cumsum(w_o, 1) - w_o).reshape(-1),
+            n_o.reshape(-1))
+
+
+def _lookup(tables: tuple[np.ndarray, ...], key: np.ndarray) -> np.ndarray:
+    """``G`` at ``key = q * span + x`` (:func:`_tables`): the work before the position holding row ``x``
+    of order ``q``, plus that sequence's own prefix up to ``x``. One ``searchsorted`` for all keys."""
+    keys, key_start, _, before, length = tables
+    j = np.searchsorted(keys, key, side="right")  # the position holding each row
+    return before[j] + _tri(np.minimum(key - key_start[j], length[j]))
 
 
 def _grid(size: int) -> np.ndarray:
