@@ -222,3 +222,22 @@ def test_patch_covers_it():
         assert mod.rearrange_micro_batches is cv.rearrange_micro_batches
         assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.replaced
     assert mod.rearrange_micro_batches is original
+
+
+def test_patch_leaves_a_site_with_other_parameters_alone(monkeypatch, caplog):
+    import logging
+    import sys
+    import types
+
+    def changed(data, max_token_len):
+        return None
+
+    module = types.ModuleType("verl.workers.engine.utils")
+    module.rearrange_micro_batches = changed
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with caplog.at_level(logging.WARNING, logger="cpshard.compat.verl"), cv.patch() as p:
+        assert module.rearrange_micro_batches is changed
+        assert "verl.workers.engine.utils.rearrange_micro_batches" not in p.replaced
+        assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.replaced
+    assert "verl.workers.engine.utils.rearrange_micro_batches takes (data, max_token_len), not verl 0.9.1's" \
+        in caplog.text

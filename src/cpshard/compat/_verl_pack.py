@@ -30,7 +30,7 @@ from cpshard.layout import Layout, Padding
 from cpshard.pack import _group_rows, _problem, pack, plan_work
 from cpshard.plan import ShardPlan
 
-__all__ = ["patch_sites", "rearrange_micro_batches", "verl_partition", "verl_partitioner"]
+__all__ = ["bind_site", "patch_sites", "positional", "rearrange_micro_batches", "verl_partition", "verl_partitioner"]
 
 logger = logging.getLogger("cpshard.compat.verl")
 
@@ -286,20 +286,34 @@ def patch_sites(replace: Callable[[ModuleType, str, Any], None]) -> None:
     """Put :func:`rearrange_micro_batches` at every importable site that binds verl's own (through
     ``replace(module, name, new)``, :class:`cpshard.compat.verl.VerlPatch`'s, so ``undo()`` restores it).
     A site whose function takes other positional parameters than verl 0.9.1's is left alone and logged."""
-    want = [p.name for p in inspect.signature(rearrange_micro_batches).parameters.values()
-            if p.kind is p.POSITIONAL_OR_KEYWORD]
     for name in _SITES:
-        try:
-            module = importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001  (verl's engine imports many optional packages)
-            logger.debug("cpshard.compat.verl: %s not importable (%s)", name, exc)
-            continue
-        bound = getattr(module, "rearrange_micro_batches", None)
-        if bound is None or bound is rearrange_micro_batches:
-            continue
-        got = [p.name for p in inspect.signature(bound).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-        if got != want:
-            logger.warning("cpshard.compat.verl: %s.rearrange_micro_batches takes (%s), not verl 0.9.1's (%s); "
-                           "left alone", name, ", ".join(got), ", ".join(want))
-            continue
-        replace(module, "rearrange_micro_batches", rearrange_micro_batches)
+        bind_site(replace, name, "rearrange_micro_batches", rearrange_micro_batches, positional,
+                  positional(rearrange_micro_batches), "verl 0.9.1's")
+
+
+def positional(fn: Callable[..., Any]) -> list[str]:
+    """``fn``'s positional parameters' names (what a verl call site may pass by position)."""
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def bind_site(replace: Callable[[ModuleType, str, Any], None], module_name: str, attr: str, new: Any,
+              params: Callable[[Callable[..., Any]], list[str]], want: list[str], whose: str) -> None:
+    """``replace(module, attr, new)`` where ``module_name`` imports and binds ``attr`` to a function whose
+    ``params(...)`` are ``want`` (``whose``: the verl the drop-in follows, for the log); a module that
+    does not import, or binds nothing there, is skipped; a function with other parameters is left
+    alone and logged. The optional sites of :func:`cpshard.compat.verl.patch` share it."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001  (verl's engine imports many optional packages)
+        logger.debug("cpshard.compat.verl: %s not importable (%s)", module_name, exc)
+        return
+    bound = getattr(module, attr, None)
+    if bound is None or bound is new:
+        return
+    got = params(bound)
+    if got != want:
+        logger.warning("cpshard.compat.verl: %s.%s takes (%s), not %s (%s); left alone", module_name, attr,
+                       ", ".join(got), whose, ", ".join(want))
+        return
+    replace(module, attr, new)

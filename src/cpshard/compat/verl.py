@@ -45,7 +45,9 @@ from cpshard._errors import check_int, check_tensor, fail
 from cpshard._parse import jagged_lengths
 from cpshard.bshd import BshdPlan
 from cpshard.compat import _verl_rows
+from cpshard.compat._verl_pack import bind_site as _bind_site
 from cpshard.compat._verl_pack import patch_sites as _patch_pack_sites
+from cpshard.compat._verl_pack import positional as _positional
 from cpshard.compat._verl_pack import rearrange_micro_batches
 from cpshard.distributed import gather, gather_tokens
 from cpshard.layout import Layout, alignment, fp8_total_alignment, total_problem
@@ -648,11 +650,6 @@ def _verl_version(default: str = "unknown") -> str:
         return default
 
 
-def _positional(fn: Callable[..., Any]) -> list[str]:
-    return [p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
 class VerlPatch:
     """What :func:`patch` replaced; ``undo()`` (or leaving the ``with`` block) puts verl's functions back."""
 
@@ -788,21 +785,9 @@ def _patch_dcp_site(replace: Callable[[ModuleType, str, Any], None]) -> None:
     """Put :func:`local_padding_mask` in place of verl main's ``_local_padding_mask`` where that module
     imports (verl 0.9.1 has no dynamic CP) and the function takes verl main's parameters (else it is
     left alone and logged)."""
-    try:
-        module = importlib.import_module(_DCP)
-    except Exception as exc:  # noqa: BLE001  (any failure: this verl has no usable dynamic CP)
-        logger.debug("cpshard.compat.verl: %s not importable (%s)", _DCP, exc)
-        return
-    bound = getattr(module, "_local_padding_mask", None)
-    if bound is None or bound is local_padding_mask:
-        return
     want = [p for p in inspect.signature(local_padding_mask).parameters if p != "plan"]
-    got = list(inspect.signature(bound).parameters)
-    if got != want:
-        logger.warning("cpshard.compat.verl: %s._local_padding_mask takes (%s), not verl main's (%s); left alone",
-                       _DCP, ", ".join(got), ", ".join(want))
-        return
-    replace(module, "_local_padding_mask", local_padding_mask)
+    _bind_site(replace, _DCP, "_local_padding_mask", local_padding_mask,
+               lambda fn: list(inspect.signature(fn).parameters), want, "verl main's")
 
 
 def _describe(obj: Any) -> str:
