@@ -14,12 +14,12 @@ the bound falls from about 1.06 to 1.02). Padded lengths: each length rounded up
 with ``tp = 1`` (the default contiguous alignment), and the same batches unpadded (alignment 1).
 
 For every ``cp`` in 2, 4, 8 and both alignments, three orders are scored by ``max / mean`` of the
-per-rank work (``cpshard._balance.rank_work``; the mean does not depend on the order):
+per-rank work (``cpshard.index.balance.rank_work``; the mean does not depend on the order):
 
 * ``plain``: the given order (what contiguous CP does today);
 * ``swap``: a crude random-swap search kept here as a baseline, ``--swaps`` random transpositions
   from the given order, each kept when the largest rank does not grow;
-* ``balanced``: ``cpshard._balance.balanced_order``.
+* ``balanced``: ``cpshard.index.balance.balanced_order``.
 
 Columns: mean and worst ``max / mean``; ``/bound``, the mean of ``max / work_lower_bound`` (1.00 means
 every batch at a bound no order can beat); ``at bound``, the share of batches within 0.5% of it;
@@ -38,7 +38,7 @@ import statistics
 import torch
 from _timing import median_ms
 
-from cpshard._balance import _bound, _check, balanced_order, rank_work, work_lower_bound
+from cpshard.index.balance import _bound, _check, balanced_order, rank_work, work_lower_bound
 
 MICRO_BATCH = 32768
 MEAN_LEN = 2048

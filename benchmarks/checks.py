@@ -30,10 +30,17 @@ from _timing import slowest_rank_ms as timed
 
 def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, int, float, float, float, float]]:
     from cpshard import ShardPlan, shard, twin_plan
-    from cpshard._dtypes import wire
-    from cpshard._header import HEADER_BYTES
-    from cpshard._relayout import relayout_route
-    from cpshard.distributed import _all_gather_stamped, _all_to_all, _Stamp, gather, relayout, shift_sharded
+    from cpshard.base.dtypes import wire
+    from cpshard.distributed.collectives import (
+        _all_gather_stamped,
+        _all_to_all,
+        _Stamp,
+        gather,
+        relayout,
+        shift_sharded,
+    )
+    from cpshard.distributed.header import HEADER_BYTES
+    from cpshard.plan.twins import relayout_route
 
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(0)

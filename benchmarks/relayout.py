@@ -42,10 +42,10 @@ def _lengths(tokens: int, docs: int) -> list[int]:
 
 
 def _body(rank: int, world: int, repeats: int) -> list[tuple[str, float, float, float, int]] | None:
-    from cpshard import ShardPlan, shard, twin_plan
-    from cpshard._relayout import _permutation
-    from cpshard.distributed import relayout
     from cpshard.spawn import CollectiveCounter
+
+    from cpshard import ShardPlan, shard, twin_plan
+    from cpshard.distributed import relayout
 
     torch.set_num_threads(1)
     group = dist.group.WORLD
@@ -66,7 +66,7 @@ def _body(rank: int, world: int, repeats: int) -> list[tuple[str, float, float, 
         relayout(local, fresh_src, fresh_dst, group)
         cold = torch.tensor([time.perf_counter() - t])
         dist.all_reduce(cold, op=dist.ReduceOp.MAX)
-        tgt, inv, moved_rows = _permutation(src, dst)
+        tgt, inv, moved_rows = src.indices().permutation(dst)
         mine = torch.from_numpy(inv[rank * src.local_len:(rank + 1) * src.local_len].copy())
 
         def gather_select() -> torch.Tensor:

@@ -36,8 +36,8 @@ from _timing import add_batch_args, batch_lengths, interleaved_ms, median_ms  # 
 
 import verl_fakes as vf  # noqa: E402
 from cpshard import ShardPlan, shard
-from cpshard._header import HEADER_BYTES
 from cpshard.compat import verl as cv
+from cpshard.distributed.header import HEADER_BYTES
 
 vutil = vf.vutil
 
@@ -48,7 +48,7 @@ def _megatron(tp: int, cp: int, rank: int, others: list[torch.Tensor] | None = N
     copy ``others`` (every rank's output) into place, for verl's and cpshard's restore alike."""
     def sent(r: int, inp: torch.Tensor) -> torch.Tensor:
         """What rank ``r`` hands the all-gather: cpshard leads its rows with the call's header (this
-        rank's, with ``r``'s rank word: Note [Call headers] in ``_header.py``)."""
+        rank's, with ``r``'s rank word: Note [Call headers] in ``distributed/header.py``)."""
         assert others is not None
         body = others[r].contiguous().reshape(-1)
         if inp.dtype != torch.uint8 or inp.numel() != body.numel() * body.element_size() + HEADER_BYTES:

@@ -6,10 +6,19 @@ import types
 
 import pytest
 import torch
+from cpshard.cli import main as cli_main
 
 import cpshard
-from cpshard import BshdPlan, Layout, ShardPlan, layout_for, register_layout_rule, shard, unshard
-from cpshard.cli import main as cli_main
+from cpshard import (
+    BshdPlan,
+    Layout,
+    ShardPlan,
+    layout_for,
+    register_layout_rule,
+    shard,
+    unregister_layout_rule,
+    unshard,
+)
 from reference import ref_shard
 
 
@@ -132,15 +141,17 @@ def test_layout_for_reads_the_layout_the_config_declares(field):
         layout_for(types.SimpleNamespace(**{field: "ring"}))
 
 
-def test_registered_layout_rule_wins(monkeypatch):
-    monkeypatch.setattr(cpshard.layout, "_RULES", list(cpshard.layout._RULES))
-
+def test_registered_layout_rule_wins():
     @register_layout_rule
     def ring_only(config):
         return "contiguous" if getattr(config, "name", "") == "my-kernel" else None
 
-    assert layout_for(types.SimpleNamespace(name="my-kernel")) is Layout.CONTIGUOUS
-    assert layout_for(types.SimpleNamespace(name="other")) is Layout.ZIGZAG
+    try:
+        assert layout_for(types.SimpleNamespace(name="my-kernel")) is Layout.CONTIGUOUS
+        assert layout_for(types.SimpleNamespace(name="other")) is Layout.ZIGZAG
+    finally:
+        unregister_layout_rule(ring_only)
+    assert layout_for(types.SimpleNamespace(name="my-kernel")) is Layout.ZIGZAG
 
 
 def test_cli_plan_prints_spec_picture(capsys):

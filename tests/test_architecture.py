@@ -1,81 +1,314 @@
-"""docs/ARCHITECTURE.md's import rules, read from the source: a module imports only from its own layer
-or below, and only ``distributed`` and ``spawn`` import ``torch.distributed``."""
+"""The house rules of ``docs/ARCHITECTURE.md``, read from the source's AST (function-level and
+``TYPE_CHECKING`` imports included): the import graph has no circle and follows the layers, only the
+communication layer calls collectives, the architecture page names every module, and no module
+grows past its size. Each rule is shown failing on a deliberate violation, so that a rule that can no
+longer fail is noticed."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "cpshard"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "cpshard"
+DOC = ROOT / "docs" / "ARCHITECTURE.md"
 
-LAYERS = {
-    0: {"_errors", "_types", "_deps", "_dtypes"},
-    1: {"layout", "_parse", "plan", "bshd", "_index", "_exchange", "_halo", "_indices", "_balance", "causal",
-        "_relayout", "pack", "_refine"},
-    2: {"ops", "padded"},
-    3: {"_agree", "_header", "distributed", "spawn"},
-    4: {"attention", "loss", "mtp", "verify", "scan", "_hybrid"},
-    5: {"cli", "plot", "__main__", "__init__", "megatron", "compat"},
+#: Subpackages by layer, bottom up (docs/ARCHITECTURE.md). A module imports from its own subpackage
+#: (the graph stays acyclic) or from a lower layer; subpackages that share a layer are independent.
+LAYERS: dict[str, int] = {
+    "base": 0,
+    "index": 1,
+    "plan": 2,
+    "ops": 3, "packing": 3,
+    "distributed": 4,
+    "loss": 5, "testing": 5,
+    "megatron": 6,
+    "compat": 7,
+    "tools": 8,
+    "": 9,  # the package's face: cpshard/__init__.py, __main__.py, _aliases.py
 }
-LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
-COMMUNICATORS = {"distributed", "spawn"}
+#: Where ``torch.distributed`` may be used: the collectives, and process-group creation in the launcher.
+COMMUNICATORS = ("cpshard.distributed.", "cpshard.testing.spawn")
+#: Lines a module may hold; past it, a module holds one idea and is listed here with it (or with what
+#: is under way).
+SIZE_LIMIT = 600
+LARGE = {
+    "cpshard.compat.verl": (900, "verl's drop-ins and patch(); being split into a package"),
+    "cpshard.tools.cli": (800, "argparse and the describe_* renderers; to be split"),
+    "cpshard.distributed.collectives": (760, "one idea: the collectives, each with its checks and autograd"),
+    "cpshard.packing.pack": (760, "the packing problem, search and bound; being reworked"),
+    "cpshard.plan.values": (640, "one idea: the THD plan value and what every plan kind shares"),
+}
 
 
-def _module(path: Path) -> str:
-    rel = path.relative_to(SRC)
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+# -- reading the source -------------------------------------------------------------------------
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, at any depth (function-level imports count)."""
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = list(path.relative_to(src.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(tree: ast.AST, name: str, is_package: bool, known: set[str]) -> set[str]:
+    """The cpshard modules a module imports, anywhere in it (inside functions and ``TYPE_CHECKING``
+    too): ``from cpshard.x import y`` names ``cpshard.x.y`` where that is a module, else ``cpshard.x``."""
+    package = name if is_package else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
     return out
 
 
-SOURCES = sorted(SRC.rglob("*.py"))
+def read_house(src: Path = SRC) -> tuple[dict[str, set[str]], dict[str, ast.AST], dict[str, int]]:
+    """``(graph, trees, lines)`` of every module under ``src``."""
+    paths = {module_name(p, src): p for p in sorted(src.rglob("*.py"))}
+    trees = {m: ast.parse(p.read_text()) for m, p in paths.items()}
+    known = set(paths)
+    graph = {m: imports(trees[m], m, paths[m].name == "__init__.py", known) for m in paths}
+    lines = {m: len(p.read_text().splitlines()) for m, p in paths.items()}
+    return graph, trees, lines
 
 
-def test_every_module_has_a_layer():
-    assert {_module(p) for p in SOURCES} <= set(LAYER_OF), "add new modules to docs/ARCHITECTURE.md and LAYERS"
+GRAPH, TREES, LINES = read_house()
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(SRC)))
-def test_imports_follow_the_layers(path: Path):
-    me = _module(path)
-    for name in _imports(path):
-        if name.startswith("torch.distributed"):
-            assert me in COMMUNICATORS, f"{path.name} imports {name}: only distributed.py and spawn.py may"
-        parts = name.split(".")
-        if parts[0] != "cpshard" or len(parts) < 2 or parts[1] not in LAYER_OF:
+# -- the rules, each a function of what was read ------------------------------------------------
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of imports (the strongly connected parts with more than one module, or a self-import)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1 or v in graph.get(v, ()):
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def subpackage(module: str) -> str:
+    """``cpshard.plan.values`` -> ``plan``; the package's own files -> ``""``."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] not in LAYERS:
+        return ""
+    return parts[1]
+
+
+def against_layers(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run up a layer, or sideways into another subpackage of the same layer."""
+    out = []
+    for me, targets in sorted(graph.items()):
+        mine = subpackage(me)
+        for other in sorted(targets):
+            theirs = subpackage(other)
+            if theirs != mine and LAYERS[theirs] >= LAYERS[mine]:
+                out.append(f"{me} ({mine or 'face'}, layer {LAYERS[mine]}) imports {other} "
+                           f"({theirs or 'face'}, layer {LAYERS[theirs]})")
+    return out
+
+
+def collective_uses(trees: dict[str, ast.AST]) -> list[str]:
+    """Uses of ``torch.distributed`` (an import, or ``torch.distributed.x`` by attribute) outside the
+    communication layer."""
+    out = []
+    for name, tree in sorted(trees.items()):
+        if name.startswith(COMMUNICATORS) or name in COMMUNICATORS:
             continue
-        other = parts[1]
-        assert LAYER_OF[other] <= LAYER_OF[me], f"{path.name} (layer {LAYER_OF[me]}) imports {other} " \
-                                                f"(layer {LAYER_OF[other]})"
+        for node in ast.walk(tree):
+            hit = ((isinstance(node, ast.Import) and any(a.name.startswith("torch.distributed") for a in node.names))
+                   or (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"))
+                   or (isinstance(node, ast.ImportFrom) and node.module == "torch"
+                       and any(a.name == "distributed" for a in node.names))
+                   or (isinstance(node, ast.Attribute) and node.attr == "distributed"
+                       and isinstance(node.value, ast.Name) and node.value.id == "torch"))
+            if hit:
+                out.append(f"{name} line {node.lineno}")  # type: ignore[attr-defined]
+    return out
 
 
-def test_no_module_calls_torch_distributed_by_attribute():
-    """``torch.distributed.x(...)`` without an import is a collective too."""
-    for path in SOURCES:
-        if _module(path) in COMMUNICATORS:
-            continue
-        uses = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
-                if isinstance(node, ast.Attribute) and node.attr == "distributed"
-                and isinstance(node.value, ast.Name) and node.value.id == "torch"]
-        assert not uses, f"{path.name} reaches torch.distributed at lines {uses}"
+def unnamed(modules: set[str], doc: str) -> list[str]:
+    """Modules the architecture page does not name (by their path under ``src/cpshard``, e.g.
+    ``plan/values.py``, or a package by its folder, e.g. ``plan/``)."""
+    out = []
+    for m in sorted(modules):
+        parts = m.split(".")[1:]
+        if not parts:
+            continue  # cpshard/__init__.py: the page is about it
+        package = any(other.startswith(m + ".") for other in modules)
+        path = "/".join(parts) + ("/" if package else ".py")
+        if not re.search(rf"(?<![\w/.]){re.escape(path)}", doc):
+            out.append(path)
+    return out
+
+
+def oversized(lines: dict[str, int]) -> list[str]:
+    """Modules over :data:`SIZE_LIMIT` lines that :data:`LARGE` does not list, or over what it allows."""
+    out = []
+    for name, n in sorted(lines.items()):
+        limit = LARGE.get(name, (SIZE_LIMIT, ""))[0]
+        if n > limit:
+            out.append(f"{name}: {n} lines > {limit}")
+    return out
+
+
+# -- the rules hold ------------------------------------------------------------------------------
+
+
+def test_every_module_is_in_a_layer():
+    assert {subpackage(m) for m in GRAPH} <= set(LAYERS)
+    folders = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(LAYERS) - {""}, "a new subpackage needs a layer here and in docs/ARCHITECTURE.md"
+
+
+def test_the_import_graph_has_no_circle():
+    assert cycles(GRAPH) == []
+
+
+def test_imports_follow_the_layers():
+    assert against_layers(GRAPH) == []
+
+
+def test_collectives_only_in_the_communication_layer():
+    assert collective_uses(TREES) == []
+
+
+def test_the_architecture_page_names_every_module():
+    assert unnamed(set(GRAPH), DOC.read_text()) == []
+
+
+def test_module_sizes():
+    assert oversized(LINES) == []
+    assert all(name in LINES for name in LARGE), "drop modules from LARGE that are gone"
+
+
+def test_the_index_service_names_no_plan():
+    """The index service sits below the plan values: it builds no plan object (module or names)."""
+    assert not {m for m in GRAPH["cpshard.plan.indices"] if m.startswith("cpshard.plan.")}
+    assert not any(m.startswith("cpshard.plan") for m in GRAPH["cpshard.index.route"])
+
+
+# -- ... and each one fails on a violation ------------------------------------------------------
+
+
+def test_a_function_level_import_is_read(tmp_path):
+    pkg = tmp_path / "cpshard"
+    (pkg / "plan").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "plan" / "__init__.py").write_text("")
+    (pkg / "plan" / "values.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from cpshard.plan import twins\n")
+    (pkg / "plan" / "twins.py").write_text("def f():\n    from cpshard.plan.values import Plan\n")
+    graph, _, _ = read_house(pkg)
+    assert graph["cpshard.plan.twins"] == {"cpshard.plan.values"}
+    assert graph["cpshard.plan.values"] == {"cpshard.plan.twins"}
+    assert cycles(graph) == [["cpshard.plan.twins", "cpshard.plan.values"]]
+
+
+def test_a_circle_is_found():
+    graph = {k: set(v) for k, v in GRAPH.items()}
+    graph["cpshard.plan.indices"].add("cpshard.plan.values")
+    found = cycles(graph)
+    assert len(found) == 1 and {"cpshard.plan.indices", "cpshard.plan.values"} <= set(found[0])
+
+
+def test_an_upward_import_is_found():
+    graph = {k: set(v) for k, v in GRAPH.items()}
+    graph["cpshard.plan.values"].add("cpshard.distributed.collectives")
+    graph["cpshard.ops.sharding"].add("cpshard.packing.pack")  # sideways, same layer
+    assert against_layers(graph) == [
+        "cpshard.ops.sharding (ops, layer 3) imports cpshard.packing.pack (packing, layer 3)",
+        "cpshard.plan.values (plan, layer 2) imports cpshard.distributed.collectives (distributed, layer 4)"]
+
+
+@pytest.mark.parametrize("code", ["import torch.distributed as dist", "from torch import distributed",
+                                  "from torch.distributed import all_reduce", "torch.distributed.barrier()"])
+def test_a_collective_outside_the_communication_layer_is_found(code):
+    trees = dict(TREES)
+    trees["cpshard.loss.reductions"] = ast.parse(code)
+    assert collective_uses(trees) == ["cpshard.loss.reductions line 1"]
+
+
+def test_an_unnamed_module_is_found():
+    doc = DOC.read_text().replace("plan/values.py", "plan/(the values)")
+    assert unnamed(set(GRAPH), doc) == ["plan/values.py"]
+
+
+def test_an_oversized_module_is_found():
+    assert oversized({**LINES, "cpshard.plan.bshd": SIZE_LIMIT + 1}) == [
+        f"cpshard.plan.bshd: {SIZE_LIMIT + 1} lines > {SIZE_LIMIT}"]
+    assert oversized({**LINES, "cpshard.tools.cli": 801}) == ["cpshard.tools.cli: 801 lines > 800"]
+
+
+# -- the paths users import ------------------------------------------------------------------------
+
+
+def test_the_old_paths_are_the_new_modules():
+    import cpshard
+    from cpshard import _aliases
+
+    for old, new in _aliases.MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert getattr(cpshard, old.rpartition(".")[2]) is importlib.import_module(new)
+    from cpshard.pack import packing_bound  # the module keeps its old path; cpshard.pack is the function
+    assert callable(cpshard.pack) and not isinstance(cpshard.pack, type(cpshard))
+    assert packing_bound is importlib.import_module("cpshard.packing.pack").packing_bound
+
+
+def test_public_paths_import_in_a_fresh_process():
+    code = ("import cpshard.distributed, cpshard.loss, cpshard.mtp, cpshard.megatron, cpshard.compat.verl, "
+            "cpshard.spawn, cpshard.attention, cpshard.scan, cpshard.cli, cpshard.verify; "
+            "from cpshard.mtp import mtp_loss; from cpshard.spawn import run_ranks; "
+            "from cpshard.distributed import gather; from cpshard.loss import token_mean; "
+            "print(cpshard.mtp.__name__, cpshard.spawn.__spec__.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["cpshard.loss.mtp", "cpshard.testing.spawn"]
 
 
 def test_the_plan_command_does_not_load_the_communication_layer():
-    code = ("import sys, cpshard.cli; print(sorted(m for m in sys.modules if m in "
-            "('cpshard.distributed', 'cpshard.attention', 'cpshard.spawn')))")
+    code = ("import sys, cpshard.tools.cli; print(sorted(m for m in sys.modules if m.startswith("
+            "('cpshard.distributed', 'cpshard.testing', 'cpshard.loss'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import ShardPlan
-from cpshard._balance import balanced_order, rank_work, work_lower_bound
+from cpshard.index.balance import balanced_order, rank_work, work_lower_bound
 from strategies import props
 
 

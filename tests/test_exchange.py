@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange
-from cpshard._exchange import all_to_all_in_process
+from cpshard.index.shift import all_to_all_in_process
 from reference import ref_bshd_shard, ref_shard
 
 

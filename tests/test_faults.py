@@ -1,5 +1,5 @@
 """Ranks that disagree about a call, checks off: a clear error on every rank, never a wrong result
-(the call headers, Note [Call headers] in ``_header.py``); what each rank sees and how long it takes.
+(the call headers, Note [Call headers] in ``distributed/header.py``); what each rank sees and how long it takes.
 
 The other faults (a rank killed, a rank raising before its collective, a tensor of the wrong length,
 different plans with check=True) are in ``tests/test_distributed.py``."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from cpshard.spawn import run_ranks
+
 from fault_cases import checks_differ_sizes
 from rank_suites import run_suite
 

@@ -14,15 +14,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpshard import BshdPlan, Layout, ShardPlan, _halo, shard
-from cpshard._exchange import all_to_all_in_process
+from cpshard import BshdPlan, Layout, ShardPlan, shard
+from cpshard.index import halo as _halo
+from cpshard.index.shift import all_to_all_in_process
 from cpshard.megatron import megatron_version, mtp_loss_impl, plan_for_mtp, process_mtp_loss
 from cpshard.megatron import mtp as megatron_mtp
 from cpshard.megatron._import import import_megatron
-from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
 from cpshard.plan import halo_exchange, shift_exchange
 from reference import ref_shard
 from strategies import props
@@ -595,8 +596,8 @@ def test_mtp_loss_impl_chooses_and_logs_once(caplog):
 
 
 def test_mtp_loss_impl_without_megatron(monkeypatch):
-    monkeypatch.setattr(megatron_mtp, "_module", None)
-    monkeypatch.setattr(megatron_mtp, "_module_error", "ModuleNotFoundError: No module named 'megatron'")
+    monkeypatch.setattr(megatron_mtp, "megatron_mtp_module",
+                        lambda: (None, "ModuleNotFoundError: No module named 'megatron'"))
     impl = mtp_loss_impl(1)
     assert impl.source == "cpshard" and "not importable" in impl.reason
     # and the drop-in still works, with cpshard's own autoscaler

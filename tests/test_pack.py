@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpshard import ShardPlan
-from cpshard.pack import Packing, pack, packing_bound
+from cpshard.packing.pack import Packing, pack, packing_bound
 
 
 def naive_work(plan: ShardPlan) -> list[int]:
@@ -213,7 +213,6 @@ def test_crowded_excess_is_below_every_split_into_micro_batches(items, extra):
     over every split of the sequences into micro-batches of at most ``C`` rows, and at least the
     fractional ``sum_i e_i P_i / C`` it replaced."""
     import numpy as np
-
     from cpshard.pack import _crowded
 
     e = np.array([float(x) for x, _ in items])
@@ -259,7 +258,7 @@ def test_the_package_exports_the_function():
 def _rescan(n, p, order, keep, cp):
     """Per-rank work of the padded sequences in ``order``, the total rounded up to ``keep`` rows: the
     extra rows pad the buffer's end, as the plan's extension of its last sequence does."""
-    from cpshard._balance import rank_work
+    from cpshard.index.balance import rank_work
 
     rows = sum(p[i] for i in order)
     extra = -rows % keep
@@ -274,7 +273,7 @@ def _rescan(n, p, order, keep, cp):
 def test_refinement_moves_score_exactly(groups_lens, cp, unit, data):
     import numpy as np
 
-    from cpshard._refine import Buffers
+    from cpshard.packing.refine import Buffers
 
     keep = np.lcm(unit, cp)
     n, groups = [], []
@@ -324,7 +323,7 @@ def test_refinement_descends_and_exchanges_to_exact_works():
 
     import numpy as np
 
-    from cpshard._refine import Buffers
+    from cpshard.packing.refine import Buffers
 
     rng = random.Random(7)
     n = [min(4000, int(rng.expovariate(1 / 600)) + 1) for _ in range(120)]
@@ -371,7 +370,7 @@ def test_whole_orders_score_exactly(groups_lens, cp, unit, data):
     the rescan."""
     import numpy as np
 
-    from cpshard._refine import Buffers
+    from cpshard.packing.refine import Buffers
 
     keep = int(np.lcm(unit, cp))
     n, groups = [], []
@@ -408,7 +407,7 @@ def test_group_exchanges_keep_groups_and_score_exactly(group):
 
     import numpy as np
 
-    from cpshard._refine import Buffers
+    from cpshard.packing.refine import Buffers
 
     rng = random.Random(group)
     n = [min(4000, int(rng.expovariate(1 / 500)) + 1) for _ in range(40 * group)]

@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from cpshard.spawn import CollectiveCounter
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, ShardPlan, shard, twin_plan
-from cpshard._relayout import apply_route, relayout_route, twin
-from cpshard.spawn import CollectiveCounter
+from cpshard.plan.twins import apply_route, relayout_route, twin
 from rank_suites import run_suite
 from strategies import props
 
@@ -269,7 +269,7 @@ def test_packed_seq_params_prebuilds_dev_s_route(monkeypatch):
         cp_partition_route: object = None
 
     monkeypatch.setattr(packed, "packed_seq_params_class", lambda: DevParams)
-    monkeypatch.setattr(route, "_route_class", lambda: _ThdCpRoute)
+    monkeypatch.setattr(route, "route_class", lambda: _ThdCpRoute)
     plan = ShardPlan.build([5, 3, 9], cp_size=2)
     psp = packed.packed_seq_params(plan, cp_rank=1)
     want = route.cp_partition_route(plan, 1, route_type=_ThdCpRoute)

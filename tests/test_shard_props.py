@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import cpshard
 from cpshard import ShardPlan, shard, unshard
-from cpshard.ops import unshard_by
+from cpshard.ops.sharding import unshard_by
 from reference import ref_locate, ref_rank_rows, ref_shard, ref_shift_seqs
 from strategies import (
     FORMS,

@@ -14,31 +14,46 @@ Public API (documented in the README):
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
 - :class:`Layout`, :class:`Padding`, :class:`Reorder`, :func:`alignment`, :func:`layout_for`,
-  :func:`register_layout_rule`.
+  :func:`register_layout_rule`, :func:`unregister_layout_rule`.
 - :func:`pack` / :class:`Packing`: a global batch split into micro-batches under a padded token budget,
   scored by every CP rank's causal work (``cpshard.pack``).
 - :func:`describe_plan` / :func:`describe_bshd`: the text ``cpshard plan`` prints (which rows each rank
   holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
-The package keeps pure index math (``layout``, ``_parse``, ``plan``, ``bshd``, ``_index``, ``_indices``,
-``_exchange``, ``_halo``, ``causal``) apart from data movement (``ops``, ``padded``) and from
-communication (``distributed``, the only module that communicates; ``_agree`` is its pure protocol);
-framework adapters live in ``cpshard.megatron`` and ``cpshard.compat``. ``docs/ARCHITECTURE.md`` draws
-the layers.
+The package is layered, one subpackage per layer (``docs/ARCHITECTURE.md``): ``base`` (errors, dtypes,
+layouts), ``index`` (pure index math over segments), ``plan`` (the plan values, their index service,
+twins, causal math), ``ops`` and ``packing`` (data movement, micro-batch packing), ``distributed`` (the
+only collectives), ``loss`` and ``testing`` (losses, the launcher and the reference computations),
+then ``megatron``, ``compat`` and ``tools`` (framework adapters, the CLI). The paths before the
+subpackages (``cpshard.mtp``, ``cpshard.spawn``, ...) still import (``_aliases``).
 """
 
-from cpshard import _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
-from cpshard._exchange import Exchange, ShiftExchange
-from cpshard._halo import HaloExchange
-from cpshard._relayout import twin_plan
-from cpshard.bshd import BshdPlan
-from cpshard.layout import GradReduction, Layout, Padding, Reorder, alignment, layout_for, register_layout_rule
-from cpshard.ops import shard, shift, unshard
-from cpshard.pack import Packing, pack  # eager: the function must shadow its module's name (pure, NumPy)
-from cpshard.padded import from_padded, to_padded
-from cpshard.plan import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
+from cpshard import _aliases
+from cpshard.base import deps as _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
+from cpshard.base.layout import (
+    GradReduction,
+    Layout,
+    Padding,
+    Reorder,
+    alignment,
+    layout_for,
+    register_layout_rule,
+    unregister_layout_rule,
+)
+from cpshard.index.halo import HaloExchange
+from cpshard.index.shift import Exchange, ShiftExchange
+from cpshard.ops.padded import from_padded, to_padded
+from cpshard.ops.sharding import shard, shift, unshard
+from cpshard.packing.pack import Packing, pack  # eager: the function must shadow its module's name (pure, NumPy)
+from cpshard.plan.bshd import BshdPlan
+from cpshard.plan.twins import twin_plan
+from cpshard.plan.values import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
 
 __version__ = "0.2.0.dev0"
+
+_aliases.install()  # the module paths before the subpackages (cpshard.mtp, cpshard.spawn, ...)
+
+_aliases.install()  # the module paths before the subpackages (cpshard.mtp, cpshard.spawn, ...)
 
 # The summary and the figure come from the CLI's modules (argparse, and matplotlib for the figure):
 # imported on first use, so that ``import cpshard`` stays the index math and data movement alone.
@@ -46,9 +61,11 @@ _LAZY = {"describe_plan": "cpshard.cli", "describe_bshd": "cpshard.cli", "draw_p
 
 
 def __getattr__(name: str) -> object:
+    import importlib
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if f"cpshard.{name}" in _aliases.MOVED:  # cpshard.layout, cpshard.spawn, ... as attributes too
+        return importlib.import_module(f"cpshard.{name}")
     raise AttributeError(f"module 'cpshard' has no attribute {name!r}")
 
 __all__ = [
@@ -78,5 +95,6 @@ __all__ = [
     "shift_exchange",
     "to_padded",
     "twin_plan",
+    "unregister_layout_rule",
     "unshard",
 ]

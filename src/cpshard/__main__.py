@@ -2,7 +2,7 @@
 
 import sys
 
-from cpshard.cli import main
+from cpshard.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

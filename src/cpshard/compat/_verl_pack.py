@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from cpshard._errors import check_int, fail
-from cpshard.layout import Layout, Padding
-from cpshard.pack import _group_rows, _problem, pack, plan_work
-from cpshard.plan import ShardPlan
+from cpshard.base.errors import check_int, fail
+from cpshard.base.layout import Layout, Padding
+from cpshard.packing.pack import _group_rows, _problem, pack, plan_work
+from cpshard.plan.values import ShardPlan
 
 __all__ = ["bind_site", "patch_sites", "positional", "rearrange_micro_batches", "verl_partition", "verl_partitioner"]
 
@@ -125,7 +125,7 @@ def _dp_agree(count: int, units: int, failed: bool, dp_group: Any) -> tuple[int,
     """``(largest count, fewest samples or groups, whether a rank failed)`` over the DP group: one
     ``all_reduce(MAX)`` of three ints, verl's one collective, so that a rank that cannot take the agreed
     count makes every rank raise (verl 0.9.1 agrees on its limits the same way), not one hang."""
-    from cpshard.distributed import max_over
+    from cpshard.distributed.collectives import max_over
 
     got = max_over(torch.tensor([count, -units, int(failed)], dtype=torch.long), dp_group).tolist()
     return int(got[0]), -int(got[1]), bool(got[2])
@@ -243,7 +243,7 @@ def rearrange_micro_batches(
         return ([[rest[j] for j in mb] for mb in packing.micro_batches[0]],
                 [sum(w) for w in packing.work[0]])
 
-    from cpshard.distributed import initialized
+    from cpshard.distributed.collectives import initialized
 
     agree = same_micro_num_in_dp and dp_group is not None and initialized()
     try:

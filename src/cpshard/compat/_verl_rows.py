@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpshard._dtypes import movable
-from cpshard._index import expand_np
-from cpshard.bshd import BshdPlan
-from cpshard.layout import Layout, alignment, fp8_alignment
-from cpshard.ops import shard
-from cpshard.plan import ShardPlan
+from cpshard.base.dtypes import movable
+from cpshard.base.layout import Layout, alignment, fp8_alignment
+from cpshard.index.segments import expand_np
+from cpshard.ops.sharding import shard
+from cpshard.plan.bshd import BshdPlan
+from cpshard.plan.values import ShardPlan
 
 __all__ = ["Rules", "bshd_rows", "rules_for", "thd_rows"]
 

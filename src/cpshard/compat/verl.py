@@ -41,21 +41,21 @@ from typing import Any
 
 import torch
 
-from cpshard._errors import check_int, check_tensor, fail
-from cpshard._parse import jagged_lengths
-from cpshard.bshd import BshdPlan
+from cpshard.base.errors import check_int, check_tensor, fail
+from cpshard.base.layout import Layout, alignment, fp8_total_alignment, total_problem
 from cpshard.compat import _verl_rows
 from cpshard.compat._verl_pack import bind_site as _bind_site
 from cpshard.compat._verl_pack import patch_sites as _patch_pack_sites
 from cpshard.compat._verl_pack import positional as _positional
 from cpshard.compat._verl_pack import rearrange_micro_batches
-from cpshard.distributed import gather, gather_tokens
-from cpshard.layout import Layout, alignment, fp8_total_alignment, total_problem
+from cpshard.distributed.collectives import gather, gather_tokens
 from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_params
 from cpshard.megatron.state import ParallelContext, parallel_context
-from cpshard.ops import as_flat, shard, unshard
-from cpshard.padded import to_padded
-from cpshard.plan import ShardPlan
+from cpshard.ops.padded import to_padded
+from cpshard.ops.sharding import as_flat, shard, unshard
+from cpshard.plan.args import jagged_lengths
+from cpshard.plan.bshd import BshdPlan
+from cpshard.plan.values import ShardPlan
 
 __all__ = [
     "VerlPatch",

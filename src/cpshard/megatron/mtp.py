@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from cpshard._errors import fail
-from cpshard.bshd import BshdPlan
-from cpshard.loss import masked_rows
+from cpshard.base.errors import fail
+from cpshard.loss.mtp import Counts, MtpLossAutoScaler, Normalization, mtp_loss
+from cpshard.loss.reductions import masked_rows
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.megatron.packed import offsets_of
 from cpshard.megatron.state import _group_read
-from cpshard.mtp import Counts, MtpLossAutoScaler, Normalization, mtp_loss
-from cpshard.plan import ShardPlan
+from cpshard.plan.bshd import BshdPlan
+from cpshard.plan.values import ShardPlan
 
-__all__ = ["MtpLossImpl", "mtp_loss_impl", "plan_for_mtp", "process_mtp_loss"]
+__all__ = ["MtpLossImpl", "megatron_mtp_module", "mtp_loss_impl", "plan_for_mtp", "process_mtp_loss"]
 
 _log = logging.getLogger("cpshard.megatron")
 _logged: set[tuple[str, str]] = set()
@@ -41,15 +41,16 @@ _module: Any = _NOT_LOADED
 _module_error = ""
 
 
-def _megatron_mtp() -> Any:
-    """megatron-core's ``multi_token_prediction`` module, or None (and why, in ``_module_error``)."""
+def megatron_mtp_module() -> tuple[Any, str]:
+    """``(module, why_not)``: megatron-core's ``multi_token_prediction`` module, or None and why it is
+    not importable; imported once. A test hook too: patched to stand in for an install without Megatron."""
     global _module, _module_error
     if _module is _NOT_LOADED:
         try:
             _module = import_megatron("transformer.multi_token_prediction")
         except Exception as exc:  # not installed, or an install this torch cannot import
             _module, _module_error = None, f"{type(exc).__name__}: {exc}"
-    return _module
+    return _module, _module_error
 
 
 def _group_size(cp_group: Any) -> int:
@@ -154,7 +155,7 @@ def process_mtp_loss(
         output_weight = weight.detach()
 
     shape = tuple(like.shape)
-    mod = _megatron_mtp()
+    mod, _ = megatron_mtp_module()
     fused = _fuses_linear_cross_entropy(mod, config)
     last: dict[str, torch.Tensor] = {}  # each depth's per-token loss, for the tracker's loss sum (dev)
 
@@ -269,10 +270,10 @@ def mtp_loss_impl(cp_size: int = 1) -> MtpLossImpl:
     zigzag; 0.16 has no ``process_mtp_loss``; 0.14/0.15 roll the whole packed buffer across
     sequences. Logs the choice once per distinct outcome (logger ``cpshard.megatron``).
     """
-    mod = _megatron_mtp()
+    mod, why_not = megatron_mtp_module()
     version = megatron_version()
     if mod is None:
-        choice = MtpLossImpl(process_mtp_loss, "cpshard", f"megatron-core is not importable ({_module_error})")
+        choice = MtpLossImpl(process_mtp_loss, "cpshard", f"megatron-core is not importable ({why_not})")
     elif not hasattr(mod, "process_mtp_loss"):
         choice = MtpLossImpl(process_mtp_loss, "cpshard", f"megatron-core {version} has no process_mtp_loss")
     elif not hasattr(mod, "_roll_tensor_packed_seq"):

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from cpshard._errors import check_int, fail
-from cpshard._parse import parse_seqlens
-from cpshard.layout import Layout
+from cpshard.base.errors import check_int, fail
+from cpshard.base.layout import Layout
 from cpshard.megatron._import import import_megatron, megatron_version
-from cpshard.plan import ShardPlan
+from cpshard.plan.args import parse_seqlens
+from cpshard.plan.values import ShardPlan
 
 __all__ = ["packed_seq_params", "packed_seq_params_class", "plan_from_packed_seq_params", "plan_from_padded",
            "supports_cp_partition_mode"]

@@ -24,16 +24,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard._errors import check_rank, fail
-from cpshard._index import to_device
-from cpshard._relayout import twin
-from cpshard.layout import Layout
-from cpshard.plan import ShardPlan
+from cpshard.base.errors import check_rank, fail
+from cpshard.base.layout import Layout
+from cpshard.index.segments import to_device
+from cpshard.plan.twins import twin
+from cpshard.plan.values import ShardPlan
 
-__all__ = ["cp_partition_route"]
+__all__ = ["cp_partition_route", "route_class"]
 
 
-def _route_class() -> Any:
+def route_class() -> Any:
+    """Megatron-LM dev's ``ThdCpRoute``, the class :func:`cp_partition_route` builds by default (a test
+    hook: a test without Megatron-LM dev patches this function to return a stand-in)."""
     from cpshard.megatron._import import import_megatron
     try:
         return import_megatron("megatron.core.context_parallel_layout").ThdCpRoute
@@ -63,7 +65,7 @@ def cp_partition_route(plan: ShardPlan, cp_rank: int, device: torch.device | str
     cp_rank = check_rank(cp_rank, plan.cp_size)
     zigzag = plan if plan.layout is Layout.ZIGZAG else twin(plan, Layout.ZIGZAG)
     contiguous = twin(zigzag, Layout.CONTIGUOUS)
-    cls = route_type if route_type is not None else _route_class()
+    cls = route_type if route_type is not None else route_class()
     rows, cp = math.prod(plan.local_shape), plan.cp_size
     tgt, inv, _ = zigzag.indices().permutation(contiguous)  # zigzag (s, j) -> contiguous (d, l), flat s * R + j
     span = max(rows, 1)

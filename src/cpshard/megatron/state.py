@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from cpshard._errors import check_int, fail
-from cpshard.distributed import read_group
-from cpshard.layout import Layout, layout_for
+from cpshard.base.errors import check_int, fail
+from cpshard.base.layout import Layout, layout_for
+from cpshard.distributed.collectives import read_group
 from cpshard.megatron._import import import_megatron, megatron_version
-from cpshard.plan import ShardPlan
+from cpshard.plan.values import ShardPlan
 
 __all__ = ["ParallelContext", "fp8_padding", "parallel_context", "plan_from_parallel_state"]
 

@@ -1,0 +1,320 @@
+"""Context-parallel layouts, their padding alignment, and the one place a model config picks a layout.
+
+Pure Python and NumPy; no tensors. See SPEC.md, "Padding" (the per-sequence alignment, and the padded
+lengths every plan builder derives from it: :func:`padded_lengths`) and "Layout choice"; also the names
+of the sequence order (``Reorder``) and of the gradient convention (``GradReduction``, SPEC.md "Losses
+and the gradient convention").
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from cpshard.base.errors import check_int, fail, parse_choice
+
+__all__ = ["GradReduction", "LayerLayouts", "Layout", "Padding", "Reorder", "alignment", "layer_layouts", "layout_for",
+           "padded_lengths", "register_layout_rule", "total_problem",
+           "unregister_layout_rule"]
+
+
+_C = TypeVar("_C", bound="_Choice")
+
+
+class _Choice(str, enum.Enum):
+    """A named choice: shown as its value in messages ("zigzag", not "Layout.ZIGZAG"), parsed from
+    itself or its value with a clear error naming the argument (:data:`_CHOICES`)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    @classmethod
+    def parse(cls: type[_C], value: Any, name: str | None = None) -> _C:
+        """Accept a member or its string value; anything else is a clear error."""
+        argument, what = _CHOICES[cls.__name__]
+        return parse_choice(cls, value, name or argument, what, f"cpshard.{cls.__name__}")
+
+
+# per choice: the argument it is passed as, and what a member is called in an error message
+_CHOICES = {"Layout": ("layout", "known layout"), "Padding": ("padding", "padding mode"),
+            "Reorder": ("reorder", "known order (or None: the caller's)"),
+            "GradReduction": ("grad_reduction", "gradient reduction")}
+
+
+class Layout(_Choice):
+    """How a padded THD buffer is divided among context-parallel ranks.
+
+    ``ZIGZAG`` cuts each sequence into ``2 * cp`` chunks; rank ``r`` holds chunks ``r`` and
+    ``2 * cp - 1 - r``, which balances causal-attention work. ``CONTIGUOUS`` gives rank ``r``
+    the ``r``-th consecutive ``1 / cp`` of the whole buffer, as attention kernels that address
+    rows through one rank-local offset need (DeepSeek-V4's ``dsv4_hybrid``). With ``cp = 1``
+    both are the identity.
+    """
+
+    ZIGZAG = "zigzag"
+    CONTIGUOUS = "contiguous"
+
+
+
+class Padding(_Choice):
+    """How much each sequence is padded (SPEC.md, "Padding").
+
+    ``ALIGNED`` (the default) pads every sequence to the alignment Megatron users run: ``tp``,
+    ``2 * cp * tp`` (zigzag) or ``cp * tp`` (contiguous). ``MINIMAL`` pads each sequence only as
+    far as its layout needs (``2 * cp`` for zigzag's chunks, nothing for contiguous) and extends
+    the last sequence so that every rank's row count still divides by ``tp``: far less padding for
+    short sequences, the same rows per rank, every shift and gather unchanged.
+    """
+
+    ALIGNED = "aligned"
+    MINIMAL = "minimal"
+
+
+
+class Reorder(_Choice):
+    """Which order a plan puts the sequences in (SPEC.md, "Balanced order").
+
+    ``BALANCED`` (contiguous layout): the order that spreads causal-attention work evenly over the
+    ranks, recorded in ``plan.order``; ``shard`` takes and ``unshard`` / ``gather`` return the
+    caller's order. ``None`` (the default where a ``reorder`` is asked for) keeps the caller's order.
+    """
+
+    BALANCED = "balanced"
+
+
+
+class GradReduction(_Choice):
+    """How the caller reduces parameter gradients over ranks after backward (SPEC.md, "Losses and the
+    gradient convention"; Note [Gradient convention] in ``cpshard/loss.py``).
+
+    ``MEAN`` (the default everywhere): gradients are averaged over the CP group, and over the DP
+    group too, as Megatron-core's DDP and FSDP (and PyTorch's DDP) do; a loss then carries the
+    factor ``cp`` (times ``dp`` where it is normalized over the DP group). ``SUM``: gradients are
+    summed over the CP group (and over the DP group where the loss is normalized over it), no
+    factor. Either way the reduced gradient equals the one computed on the whole micro-batch (or on
+    the DP group's micro-batches) in one process at ``cp = 1``.
+    """
+
+    MEAN = "mean"
+    SUM = "sum"
+
+
+
+def alignment(cp_size: int, tp_size: int, layout: Layout | str, padding: Padding | str = Padding.ALIGNED) -> int:
+    """Per-sequence padding multiple ``a`` before fp8 (SPEC.md, "Padding").
+
+    ``tp`` when ``cp == 1``; ``2 * cp * tp`` for zigzag (every sequence splits into ``2 * cp``
+    equal chunks and each rank's share must still split over ``tp`` for the sequence-parallel
+    scatter; the product, not ``cp * lcm(2, tp)``, is what Megatron users run); ``cp * tp`` for
+    contiguous. With ``padding="minimal"``: ``2 * cp`` for zigzag with ``cp > 1``, else 1 (the
+    total is then extended to a multiple of ``cp * tp`` through the last sequence).
+
+    >>> alignment(2, 1, "zigzag"), alignment(2, 2, "zigzag"), alignment(4, 2, "contiguous")
+    (4, 8, 8)
+    >>> alignment(2, 2, "zigzag", "minimal"), alignment(4, 2, "contiguous", "minimal")
+    (4, 1)
+    """
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
+    layout = Layout.parse(layout)
+    if Padding.parse(padding) is Padding.MINIMAL:
+        return 2 * cp_size if (layout is Layout.ZIGZAG and cp_size > 1) else 1
+    if cp_size == 1:
+        return tp_size
+    if layout is Layout.ZIGZAG:
+        return 2 * cp_size * tp_size
+    return cp_size * tp_size
+
+
+def fp8_alignment(base: int) -> int:
+    """Per-sequence multiple under fp8 padding: ``lcm(16, a)``."""
+    return math.lcm(16, base)
+
+
+def fp8_total_alignment(base: int) -> int:
+    """Multiple the whole THD buffer reaches under fp8 padding: ``a * 128`` (TransformerEngine)."""
+    return base * 128
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def sequence_unit(cp_size: int, tp_size: int, layout: Layout, fp8: bool, padding: Padding) -> int:
+    """The per-sequence multiple: :func:`alignment` for ``padding``, ``lcm(16, .)`` under fp8."""
+    unit = alignment(cp_size, tp_size, layout, padding)
+    return fp8_alignment(unit) if fp8 else unit
+
+
+def total_problem(total: int, extension: int, cp_size: int, tp_size: int, layout: Layout, fp8: bool) -> str | None:
+    """Why a padded batch of ``total`` rows, whose last sequence was extended by ``extension`` rows
+    past its own padding, breaks a plan invariant (SPEC.md, "Padding"); None when it keeps them all.
+
+    The invariants: ``cp`` equal shares, each a multiple of ``tp``; under zigzag with ``cp > 1`` the
+    extension keeps the last sequence a multiple of ``2 * cp``; under fp8 the total a multiple of
+    ``a * 128``. The one statement of the rule that :meth:`ShardPlan.build` (``total_len=``) and
+    the framework adapters share.
+    """
+    if total % cp_size or (total // cp_size) % tp_size:
+        return (f"a total of {total} rows must split into cp_size={cp_size} equal parts each divisible by "
+                f"tp_size={tp_size}")
+    if layout is Layout.ZIGZAG and cp_size > 1 and extension % (2 * cp_size):
+        return f"the last zigzag sequence must stay a multiple of 2 * cp_size = {2 * cp_size}"
+    if fp8 and total % fp8_total_alignment(alignment(cp_size, tp_size, layout)):
+        return f"with fp8 the total must divide by {fp8_total_alignment(alignment(cp_size, tp_size, layout))}"
+    return None
+
+
+def padded_lengths(
+    seqlens: tuple[int, ...],
+    cp_size: int,
+    tp_size: int,
+    layout: Layout,
+    fp8: bool,
+    min_local_rows: int | None = None,
+    length_bucket: int | None = None,
+    padding: Padding = Padding.ALIGNED,
+    total_len: int | None = None,
+) -> tuple[int, ...]:
+    """Padded lengths per SPEC.md, "Padding" (the arguments checked by the caller).
+
+    Each sequence is rounded up to :func:`sequence_unit`; the total must then split into ``cp``
+    shares of a multiple of ``tp`` rows (already so for aligned padding, reached through the last
+    sequence for minimal padding). The extensions (fp8 total, ``min_local_rows``, ``length_bucket``)
+    only lengthen the last sequence, each by a multiple of the per-sequence alignment, so every
+    invariant still holds; a target that would break one is rounded up to the nearest one that
+    keeps them all, and under fp8 every target is also kept a multiple of the fp8 total alignment.
+    ``total_len`` instead asks for exactly that many rows (another framework's target): it must be
+    at least the padded total and keep every invariant (:func:`total_problem`), else ``ValueError``.
+    """
+    unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
+    if max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
+        padded = (-(-np.array(seqlens, dtype=np.int64) // unit) * unit).tolist()
+    else:
+        padded = [-(-n // unit) * unit for n in seqlens]
+    keep = math.lcm(unit, cp_size * tp_size)
+    if fp8:
+        keep = math.lcm(keep, fp8_total_alignment(alignment(cp_size, tp_size, layout)))
+    if total_len is None:
+        total = round_up(sum(padded), keep)
+        if min_local_rows is not None:
+            total = max(total, round_up(min_local_rows * cp_size, keep))
+        if length_bucket is not None:
+            total = round_up(total, math.lcm(length_bucket, cp_size, keep))
+    else:
+        problem = None if total_len >= sum(padded) else f"is below the {sum(padded)} rows these lengths pad to"
+        problem = problem or total_problem(total_len, total_len - sum(padded), cp_size, tp_size, layout, fp8)
+        if problem:
+            fail("total_len", total_len, problem, "leave total_len=None for the smallest valid total")
+        total = total_len
+    padded[-1] += total - sum(padded)
+    return tuple(padded)
+
+
+def shared_alignment(padded: tuple[int, ...], unit: int) -> int:
+    """The ``alignment`` of a plan over lengths padded elsewhere: SPEC's per-sequence ``unit`` where it
+    divides every padded length, else the greatest common divisor of the lengths (another
+    framework's padding: a last sequence extended to its own target, say). A plan's alignment is
+    part of its value and is what a twin or a rebuilt plan keeps."""
+    if all(p % unit == 0 for p in padded):
+        return unit
+    return max(math.gcd(*padded), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout choice: one function from a model config to a layout, extensible by registration.
+
+_LayoutRule = Callable[[Any], "Layout | None"]
+_RULES: list[_LayoutRule] = []
+
+
+def register_layout_rule(rule: _LayoutRule) -> _LayoutRule:
+    """Register ``rule(config) -> Layout | None``; the first rule that answers decides.
+
+    Rules registered later are asked first, so a project can override the built-in choice.
+    Usable as a decorator.
+    """
+    _RULES.insert(0, rule)
+    return rule
+
+
+def unregister_layout_rule(rule: _LayoutRule) -> None:
+    """Remove ``rule``, registered with :func:`register_layout_rule` (a plugin's or a test's clean-up)."""
+    _RULES.remove(rule)
+
+
+@register_layout_rule
+def _declared(config: Any) -> Layout | None:
+    # What the config itself declares: Megatron-LM dev's TransformerConfig.cp_partition_mode, or
+    # attention_cp_layout (the name Megatron-LM main gives the attention layers' layout). Asked after
+    # the rules below: a dsv4_hybrid model is contiguous whatever the field says.
+    for name in ("cp_partition_mode", "attention_cp_layout"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return Layout.parse(value, f"config.{name}")
+    return None
+
+
+@register_layout_rule
+def _dsv4_hybrid(config: Any) -> Layout | None:
+    # DeepSeek-V4's hybrid attention addresses rows through one rank-local global_start:
+    # zigzag silently gives wrong attention there, so it needs the contiguous layout.
+    if getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid":
+        return Layout.CONTIGUOUS
+    return None
+
+
+def layout_for(config: Any) -> Layout:
+    """The context-parallel layout a model config needs (SPEC.md, "Layout choice").
+
+    ``CONTIGUOUS`` when ``config.experimental_attention_variant == "dsv4_hybrid"`` (or when a
+    registered rule says so), else the layout the config declares (Megatron-LM dev's
+    ``cp_partition_mode``, or ``attention_cp_layout``), else ``ZIGZAG``. Decide once per step and shard every tensor of
+    that step (tokens, labels, masks, router indices, value-head outputs) with the same plan.
+    """
+    for rule in _RULES:
+        choice = rule(config)
+        if choice is not None:
+            return Layout.parse(choice)
+    return Layout.ZIGZAG
+
+
+@dataclass(frozen=True)
+class LayerLayouts:
+    """The layout each kind of layer of a hybrid model runs on: softmax attention, and linear
+    attention or state-space layers (GatedDeltaNet, Mamba). Where they differ, the step builds one
+    plan for each, twins (``plan.twin(layouts.linear)``), and converts between them with
+    ``cpshard.distributed.relayout``."""
+
+    attention: Layout
+    linear: Layout
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the two kinds of layer need different layouts (a relayout between them)."""
+        return self.attention is not self.linear
+
+
+def layer_layouts(config: Any) -> LayerLayouts:
+    """Which layout a model's attention layers and its linear (recurrent) layers need.
+
+    Megatron-LM main names them on the config (``attention_cp_layout``, ``linear_cp_layout``); where
+    a name is absent that kind of layer takes :func:`layout_for`'s choice, so a model that is not
+    hybrid gets the same layout twice. Linear layers need each document's rows in order on
+    consecutive ranks (their state passes from rank to rank), so a config naming
+    ``linear_cp_layout="zigzag"`` is refused.
+    """
+    base = layout_for(config)
+    declared = {kind: getattr(config, f"{kind}_cp_layout", None) for kind in ("attention", "linear")}
+    attention, linear = (base if declared[kind] is None else Layout.parse(declared[kind], f"config.{kind}_cp_layout")
+                         for kind in ("attention", "linear"))
+    if declared["linear"] is not None and linear is Layout.ZIGZAG:
+        fail("config.linear_cp_layout", repr(declared["linear"]), "linear-attention and state-space layers pass "
+             "their state from rank to rank and need each document's rows in order (contiguous)",
+             "set linear_cp_layout='contiguous'")
+    return LayerLayouts(attention, linear)

@@ -1,0 +1,113 @@
+"""The agreement protocol of ``check=True`` and ``check_plan``: what each rank contributes to the one
+small all-gather, and what every rank concludes from everyone's contributions. Pure: the collective
+itself is ``cpshard.distributed``'s (the only module that communicates); the process-wide switch
+(``set_checks``, ``CPSHARD_CHECK``) lives here.
+
+Each rank contributes ten int64 words, after a ``CHECK`` call header (``distributed/header.py``: a peer that
+runs a data collective here instead, its checks off, is named rather than read as these words): its
+plan's fingerprint (eight, ``PlanIndices.fingerprint``),
+a digest of the call's arguments that every rank must pass alike, and whether its own input checks
+failed. Every rank then sees the same rows and raises the same error (or none), so nothing hangs:
+different plans first (the root cause of most other errors), then a rank's own error, then the ranks
+that rejected their input, then different arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from cpshard.base.errors import fail
+
+__all__ = ["checks_enabled", "contribution", "describe", "judge", "resolve_check", "set_checks"]
+
+_CHECKS = [os.environ.get("CPSHARD_CHECK", "").strip().lower() in ("1", "true", "yes", "on")]
+
+
+def set_checks(enabled: bool) -> bool:
+    """Turn the agreement checks of ``check=True`` on or off for every call that passes ``check=None``.
+
+    For debugging runs (the environment variable ``CPSHARD_CHECK=1`` does the same at import).
+    Returns the previous setting, so that a test or a debugging block can restore it.
+    """
+    if not isinstance(enabled, bool):
+        fail("enabled", repr(enabled), "must be a bool", "pass True or False", kind=TypeError)
+    previous, _CHECKS[0] = _CHECKS[0], enabled
+    return previous
+
+
+def checks_enabled() -> bool:
+    """Whether calls with ``check=None`` run the agreement checks (see :func:`set_checks`)."""
+    return _CHECKS[0]
+
+
+def resolve_check(check: Any) -> bool:
+    if check is None:
+        return _CHECKS[0]
+    if not isinstance(check, bool):
+        fail("check", repr(check), "must be True, False or None (the process-wide default)",
+             "pass check=True", kind=TypeError)
+    return check
+
+
+def describe(fp: Sequence[int]) -> str:
+    if fp[1] == 0:  # the zero fingerprint of a rank that passed no plan at all
+        return "no plan (see that rank's TypeError)"
+    kind = "BshdPlan" if fp[0] else "ShardPlan"
+    layout = "zigzag" if fp[3] == 0 else "contiguous"
+    return (f"{kind}(cp_size={fp[1]}, tp_size={fp[2]}, layout={layout!r}, num_seqs={fp[4]}, total_len={fp[5]}, "
+            f"digest={fp[6]:x})")
+
+
+def _digest(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+
+
+def contribution(plan: Any, error: Exception | None, call: dict[str, Any]) -> tuple[torch.Tensor, Exception | None]:
+    """This rank's ten words, and its error (a TypeError when ``plan`` is no plan at all: the rank still
+    takes part, with the zero fingerprint, so that the other ranks raise too)."""
+    from cpshard.plan.values import Plan
+    if isinstance(plan, Plan):
+        fingerprint = plan.indices().fingerprint()
+    else:
+        fingerprint = torch.zeros(8, dtype=torch.int64)
+        if error is None:
+            error = TypeError(f"plan={type(plan).__name__}: must be a ShardPlan or BshdPlan. "
+                              "Fix: build one with ShardPlan.build.")
+    extra = torch.tensor([_digest(sorted(call.items())) if error is None else 0, int(error is not None)])
+    return torch.cat([fingerprint, extra]), error
+
+
+def judge(rows: Sequence[tuple[int, ...]], rank: int, error: Exception | None, call: dict[str, Any]) -> None:
+    """Raise what every rank raises given every rank's contribution (``rows[r]`` is rank ``r``'s)."""
+    def ranks_by(key: Callable[[tuple[int, ...]], Any]) -> dict[Any, list[int]]:
+        groups: dict[Any, list[int]] = {}
+        for r, row in enumerate(rows):
+            groups.setdefault(key(row), []).append(r)
+        return groups
+
+    by_plan = ranks_by(lambda row: row[:8])
+    if len(by_plan) > 1:  # the root cause of most other errors: report it first, on every rank
+        listing = "; ".join(f"ranks {ranks} built {describe(fp)}" for fp, ranks in by_plan.items())
+        raise ValueError(
+            f"plan: the ranks of the context-parallel group built different plans (this is rank {rank}): {listing}. "
+            "Fix: build every rank's plan from the same batch lengths, sizes and layout (e.g. broadcast the "
+            "lengths from one rank), so that no rank mixes rows of different layouts.") from error
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[9]]
+    if failed:
+        raise ValueError(
+            f"ranks {failed} of the context-parallel group rejected their input (their errors say why; this is "
+            f"rank {rank}). Fix: correct the input on those ranks; every rank stopped before communicating data.")
+    by_call = ranks_by(lambda row: row[8])
+    if len(by_call) > 1:
+        mine_desc = ", ".join(f"{k}={v}" for k, v in call.items())
+        raise ValueError(
+            f"the ranks of the context-parallel group called with different arguments: ranks "
+            f"{' vs '.join(str(r) for r in by_call.values())} (this is rank {rank}, which passed {mine_desc}). "
+            "Fix: pass every rank the same dtype, row shape, shift and fill values for one step.")

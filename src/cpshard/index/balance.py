@@ -1,0 +1,432 @@
+"""Balanced contiguous order: permute a micro-batch's sequences so causal attention work is even.
+
+Pure index math on CPU int64 tensors and Python ints; no communication, no plan.
+
+Note [Causal work under the contiguous layout]
+----------------------------------------------
+Under the contiguous layout (SPEC, "Which rows a rank holds") the padded sequences are concatenated
+in some ``order`` (``order[j]`` is the sequence at buffer position ``j``) and rank ``r`` holds the
+global rows ``[r L, (r + 1) L)``, ``L = sum(padded) / cp``. A token at position ``p`` of its sequence
+attends to ``p + 1`` keys, pad rows do no work, so with ``tri(x) = x (x + 1) / 2`` the positions
+``[s, e)`` of a sequence of length ``n`` cost ``tri(min(e, n)) - tri(min(s, n))``.
+
+Let ``G(x)`` be the work of the first ``x`` rows of the buffer. If row ``x`` falls in the sequence at
+buffer position ``j`` (it starts at row ``S_j``), ``G(x) = sum_{t<j} tri(n_{o_t}) + tri(min(n_{o_j}, x - S_j))``:
+one ``cumsum`` over the batch and one ``searchsorted`` per rank boundary. Rank ``r``'s work is
+``G((r + 1) L) - G(r L)``; the total ``W = sum tri(n_i)`` does not depend on the order, so balancing
+means keeping the boundary values ``G(r L)`` close to ``r W / cp``.
+
+Worked example, lengths ``[5, 3]`` padded to ``[6, 4]``, ``cp = 2`` (``L = 5``)::
+
+    order (0, 1): rows  s0p0..s0p4 | s0pad s1p0 s1p1 s1p2 s1pad   work 15 | 6   max/mean 1.43
+    order (1, 0): rows  s1p0..s1pad s0p0 | s0p1..s0p4 s0pad        work 7 | 14   max/mean 1.33
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpshard.base.errors import fail
+
+__all__ = ["balanced_order", "rank_work", "work_lower_bound", "zigzag_works"]
+
+_I64 = torch.int64
+_FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
+_LARGE = 256  # past this many the descent gets an eighth of the budget
+_STEP_ROWS = 1 << 14  # beyond it, candidate rows a step (moves of the heaviest rank's sequences)
+_BUDGET = 1 << 18  # candidate rows (orders scored times B) per call
+_KICK = 2  # random swaps between descents
+_KICKS = 64  # at most this many kicked descents ...
+_PATIENCE = 8  # ... and no more once this many in a row found nothing better
+_EXACT = 7  # up to this many sequences every order is scored (7! = 5040)
+_GOOD = 1e-3  # stop once the largest rank is this close to the lower bound
+_BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
+
+
+def _tri(x: Any) -> Any:
+    """``x (x + 1) / 2`` of an int64 tensor or array (``pack`` and ``packing.refine`` share it)."""
+    return (x * (x + 1)) >> 1  # x (x + 1) is even and >= 0; the shift is many times faster than // 2
+
+
+def _check(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(n, P, L)`` as int64 tensors and the rows per rank, after checking SPEC's rules."""
+    if len(seqlens) != len(padded) or not seqlens:
+        fail("padded", f"{len(padded)} padded lengths for {len(seqlens)} sequences",
+             "must give one padded length per sequence, and at least one sequence",
+             "pass padded lengths aligned with seqlens")
+    if cp_size < 1:
+        fail("cp_size", cp_size, "must be >= 1", "pass the context-parallel size")
+    n = torch.tensor(list(seqlens), dtype=_I64)
+    p = torch.tensor(list(padded), dtype=_I64)
+    if bool((n < 0).any()) or bool((p < n).any()):
+        fail("padded", list(padded), "every padded length must be >= its sequence length >= 0",
+             "pad each sequence at its end (SPEC, Padding)")
+    total = int(p.sum())
+    if total % cp_size:
+        fail("padded", f"lengths summing to {total}", f"the total must divide by cp_size={cp_size}",
+             "extend the last sequence's padding (SPEC, Padding)")
+    return n, p, total // cp_size
+
+
+def _table(n: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``(3, B)``: padded length, work ``tri(n)`` and length of every sequence (what ``_works`` reads)."""
+    return torch.stack([p, _tri(n), n])
+
+
+def _works(table: torch.Tensor, local: int, cp_size: int, orders: torch.Tensor) -> torch.Tensor:
+    """``(K, cp)`` rank works of ``K`` orders ``(K, B)`` (Note [Causal work under the contiguous layout]).
+
+    A dozen tensor operations whatever ``K``: the descent scores all its candidates in one call.
+    """
+    k, b = orders.shape
+    flat = orders.reshape(-1)
+    p_o, w_o, n_o = (table[i].index_select(0, flat).view(k, b) for i in range(3))  # far faster than [orders]
+    end = torch.cumsum(p_o, 1)  # the row after each sequence
+    cuts = (torch.arange(cp_size + 1, dtype=_I64) * local).expand(k, -1).contiguous()
+    j = torch.searchsorted(end, cuts, right=True).clamp_(max=b - 1)  # the sequence each boundary cuts
+    head = (cuts - end.gather(1, j) + p_o.gather(1, j)).minimum(n_o.gather(1, j))
+    g = torch.cumsum(w_o, 1).gather(1, j) - w_o.gather(1, j) + _tri(head)  # G(r L), r = 0 .. cp
+    return g.diff(dim=1)
+
+
+def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int], cp_size: int) -> list[int]:
+    """Causal attention work of every rank when the padded sequences are concatenated in ``order``.
+
+    ``order[j]`` is the sequence at buffer position ``j`` (a permutation of ``range(B)``); rank ``r``
+    holds rows ``[r L, (r + 1) L)`` and its work is ``sum (position + 1)`` over its token rows
+    (Note [Causal work under the contiguous layout]). ``O(B + cp log B)``.
+
+    >>> rank_work([5, 3], [6, 4], [0, 1], 2), rank_work([5, 3], [6, 4], [1, 0], 2)
+    ([15, 6], [7, 14])
+    """
+    n, p, local = _check(seqlens, padded, cp_size)
+    if sorted(order) != list(range(len(n))):
+        fail("order", list(order), f"must be a permutation of range({len(n)})", "pass each sequence index once")
+    return _works(_table(n, p), local, cp_size, torch.tensor([list(order)], dtype=_I64))[0].tolist()
+
+
+def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
+    """``(B, cp)`` int64: each sequence's causal work on every rank under zigzag, for ``n`` tokens padded
+    to ``p`` (NumPy int64 arrays): rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``p / (2 cp)``
+    rows, and the first ``k`` chunks hold ``tri(min(n, k c))`` pairs; with ``cp = 1``, all of it.
+    Additive over sequences: the zigzag counterpart of Note [Causal work under the contiguous layout].
+
+    >>> zigzag_works(np.array([5, 3]), np.array([8, 4]), 2).tolist()  # SPEC's worked example
+    [[3, 12], [1, 5]]
+    """
+    if cp == 1:
+        return _tri(n)[:, None]
+    c = (p // (2 * cp))[:, None]
+    chunk = np.diff(_tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
+    return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
+
+
+def _move_maps(b: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``(2 K, B)`` index maps: insert the item at ``i[k]`` at ``j[k]``, then swap ``i[k]`` and ``j[k]``."""
+    t = torch.arange(b, dtype=_I64)
+    i, j = i[:, None], j[:, None]
+    ins = t + ((i < j) & (t >= i) & (t < j)).long() - ((i > j) & (t > j) & (t <= i)).long()
+    ins.scatter_(1, j, i)
+    swp = t.expand(i.shape[0], b).clone()
+    swp.scatter_(1, i, j).scatter_(1, j, i)
+    return torch.cat([ins, swp])
+
+
+@lru_cache(maxsize=32)
+def _all_moves(b: int) -> torch.Tensor:
+    """Every insertion and every swap of a batch of ``b`` (``2 b (b - 1)`` maps, a few duplicates)."""
+    t = torch.arange(b, dtype=_I64)
+    i, j = (x.reshape(-1) for x in torch.meshgrid(t, t, indexing="ij"))
+    keep = i != j
+    return _move_maps(b, i[keep], j[keep])
+
+
+@lru_cache(maxsize=_EXACT)
+def _permutations(b: int) -> torch.Tensor:
+    """``(b!, b)``: every order of ``b`` sequences, the given one first."""
+    return torch.tensor(list(itertools.permutations(range(b))), dtype=_I64)
+
+
+def _heavy_moves(table: torch.Tensor, local: int, order: torch.Tensor, heavy: int) -> torch.Tensor:
+    """Past ``_FULL_SEARCH``: insertions and swaps of the sequences touching rank ``heavy`` with evenly
+    spread positions, at most ``_STEP_ROWS`` candidate rows (both spread more thinly as ``B`` grows)."""
+    b = order.numel()
+    ends = torch.cumsum(table[0, order], 0)
+    first = int(torch.searchsorted(ends, torch.tensor(heavy * local), right=True))
+    last = int(torch.searchsorted(ends, torch.tensor((heavy + 1) * local - 1), right=True))
+    pos = torch.arange(first, min(last, b - 1) + 1, dtype=_I64)
+    pairs = max(16, _STEP_ROWS // (2 * b))
+    if pos.numel() * b > pairs:
+        keep = max(4, math.isqrt(pairs))
+        pos = pos[torch.linspace(0, pos.numel() - 1, min(pos.numel(), keep)).round().long()]
+    targets = torch.linspace(0, b - 1, min(b, max(2, pairs // pos.numel()))).round().long()
+    i, j = (x.reshape(-1) for x in torch.meshgrid(pos, targets, indexing="ij"))
+    keep_pair = i != j
+    return _move_maps(b, i[keep_pair], j[keep_pair])
+
+
+def _descend(table: torch.Tensor, local: int, cp_size: int, order: torch.Tensor, budget: int,
+             scored: bool = True) -> tuple[torch.Tensor, float, int]:
+    """Best-improvement descent on ``_score`` from ``order``: ``(order, its score, budget left)``.
+
+    Stops at a local optimum or once ``budget`` candidate rows (orders scored times ``B``) are spent.
+    ``scored=False`` skips scoring the start (a kicked order): the first step then always moves.
+    """
+    b = order.numel()
+    full = _all_moves(b) if b <= _FULL_SEARCH else None
+    w = _works(table, local, cp_size, order[None])[0] if scored or full is None else None
+    cur = _score(w[None])[0] if scored and w is not None else torch.tensor(float("inf"), dtype=torch.float64)
+    while budget > 0:
+        if full is not None:
+            moves = full
+        else:
+            assert w is not None  # scored above whenever full is None
+            moves = _heavy_moves(table, local, order, int(w.argmax()))
+        cands = order.index_select(0, moves.reshape(-1)).view(moves.shape)
+        works = _works(table, local, cp_size, cands)
+        budget -= cands.numel()
+        scores = _score(works)
+        k = int(scores.argmin())
+        if not scores[k] < cur:
+            break
+        cur, order, w = scores[k], cands[k], works[k]
+    return order, float(cur), budget
+
+
+def _kick(order: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``order`` with ``_KICK`` random pairs swapped: a step out of a local optimum."""
+    out = order.tolist()
+    for i, j in torch.randint(len(out), (_KICK, 2), generator=gen).tolist():
+        out[i], out[j] = out[j], out[i]
+    return torch.tensor(out, dtype=_I64)
+
+
+def _score(works: torch.Tensor) -> torch.Tensor:
+    """``(K,)`` float64 keys ordered as ``(max, sum of squares)`` of each row of ``works`` ``(K, cp)``.
+
+    ``max + sum(w^2) / (2 cp max^2)``: the fraction lies in ``(0, 1/2]`` and maxima are integers, so
+    the key orders first by the maximum, then by the sum of squares among equal maxima.
+    """
+    x = works.double()
+    mx = x.max(1).values
+    return mx + x.pow(2).sum(1) / (2 * works.shape[1] * mx.pow(2).clamp(min=1))
+
+
+def _lpt(n: list[int], p: list[int], local: int, cp_size: int) -> list[int]:
+    """Longest first, each to the least-loaded rank with room for its rows (else the emptiest rank).
+
+    Within a rank the longest sequence comes first and the shortest last, so when the ranks' row
+    counts miss ``L`` the boundary moves across a cheap head or a short tail.
+    """
+    work = [(0, r) for r in range(cp_size)]  # a heap of (work, rank)
+    rows = [0] * cp_size
+    bins: list[list[int]] = [[] for _ in range(cp_size)]
+    for i in sorted(range(len(n)), key=lambda i: -n[i]):
+        full = []
+        while work and rows[work[0][1]] + p[i] > local:
+            full.append(heapq.heappop(work))
+        if work:
+            w, r = heapq.heappop(work)
+        else:
+            w, r = min(full, key=lambda wr: rows[wr[1]])
+            full.remove((w, r))
+        rows[r] += p[i]
+        bins[r].append(i)
+        heapq.heappush(work, (w + n[i] * (n[i] + 1) // 2, r))
+        for item in full:
+            heapq.heappush(work, item)
+    return [i for b in bins for i in b]
+
+
+def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple[int, ...]:
+    """A permutation of the sequences that makes the largest rank's causal work close to the mean.
+
+    ``seqlens`` ``(B,)`` token counts, ``padded`` ``(B,)`` padded lengths (``sum(padded) % cp_size == 0``);
+    returns ``order`` with ``order[j]`` the sequence to put at buffer position ``j``. Deterministic,
+    never worse than the given order (``rank_work`` of ``range(B)``), and within ``work_lower_bound``
+    where the batch allows it.
+
+    Note [Balanced contiguous order]
+    --------------------------------
+    Only the boundary values ``G(r L)`` matter (Note [Causal work under the contiguous layout]), and
+    they move in steps: the order of the sequences inside a rank is free, what counts is which
+    sequences each rank holds whole and where the boundaries cut the straddlers. A long document must
+    straddle; its head (low positions) is cheap and its tail dear, so the rank holding the tail needs
+    cheap filler, and which short documents go where is a combinatorial choice. Hence a search, with
+    every candidate scored exactly and many at once (``_works``: a dozen tensor operations for ``K``
+    orders), by ``(max rank work, sum of squared rank works)`` (``_score``; the second term breaks
+    the plateaus where only a non-maximal rank improves).
+
+    - Up to ``_EXACT`` sequences every order is scored: the result is optimal.
+    - Otherwise two starts: the given order, and a longest-first greedy with row capacity (each
+      sequence goes to the least-loaded rank that still has ``P_i`` of its ``L`` rows free, else to
+      the emptiest rank; each rank lists its sequences longest first, so a boundary that misses lands
+      in a cheap head or a short tail). With hundreds of sequences the short ones are fine-grained
+      filler and the greedy alone is within a fraction of a percent of the mean.
+    - From each start, a best-improvement descent over every insertion (one sequence moved elsewhere)
+      and every swap, then, while budget remains, iterated local search: ``_KICK`` random swaps of the
+      best order so far (a fixed-seed generator, so the result is deterministic) and a new descent,
+      kept when not worse. It stops at ``_KICKS`` kicks, at ``_BUDGET`` candidate rows (orders scored
+      times ``B``: the cost is bounded whatever ``B``), or once the largest rank is within ``_GOOD``
+      of ``work_lower_bound``.
+    - Past ``_FULL_SEARCH`` sequences the given order is only scored, and each descent step moves
+      the sequences touching the heaviest rank to evenly spread positions (``_heavy_moves``, at most
+      ``_STEP_ROWS`` candidate rows); past ``_LARGE`` there are no kicks and an eighth of the budget.
+
+    The result is never worse than the given order (it is one of the candidates, and ties keep it).
+    What the search cannot reach is measured in ``benchmarks/balance.py`` against the lower bound.
+
+    >>> balanced_order([5, 3], [6, 4], 2)
+    (1, 0)
+    """
+    n, p, local = _check(seqlens, padded, cp_size)
+    b = n.numel()
+    given = tuple(range(b))
+    if cp_size == 1 or b == 1 or local == 0:
+        return given
+    table = _table(n, p)
+    if b <= _EXACT:
+        perms = _permutations(b)
+        return tuple(perms[int(_score(_works(table, local, cp_size, perms)).argmin())].tolist())
+    good = _bound(n, local, cp_size) * (1 + _GOOD) + 1  # a score below this is within _GOOD of optimal
+    small = b <= _FULL_SEARCH
+    budget = _BUDGET if b <= _LARGE else _BUDGET // 8
+    greedy = torch.tensor(_lpt(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
+    best = (float("inf"), greedy)
+    for start, search in ((torch.arange(b), small), (greedy, True)):
+        order, score, left = _descend(table, local, cp_size, start, budget if search else 0)
+        budget = left if search else budget
+        best = min(best, (score, order), key=lambda x: x[0])  # the first of equals: the given order
+    current, gen, stale = best, torch.Generator().manual_seed(0), 0
+    for _ in range(_KICKS if b <= _LARGE else 0):
+        if budget <= 0 or best[0] < good or stale >= _PATIENCE:
+            break
+        order, score, budget = _descend(table, local, cp_size, _kick(current[1], gen), budget, False)
+        stale = 0 if score < best[0] else stale + 1
+        if score <= current[0]:
+            current = (score, order)
+            best = min(best, current, key=lambda x: x[0])
+    return tuple(best[1].tolist())
+
+
+def work_lower_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> int:
+    """A causal work no order can bring the largest rank below (compare ``max(rank_work(...))`` to it).
+
+    The largest of: (1) ``ceil(W / cp)``, ``W = sum tri(n_i)``; (2) for every sequence,
+    ``min_{q in [1, L]} max_k work(piece k)``, its token pieces being ``[0, q)``, ``[q, q + L)``,
+    ``[q + L, q + 2 L)``, ... cut at ``n_i`` when its first ``q`` rows end a rank; (3) for the
+    ``_BOUND_DOCS`` longest sequences ``d``, ``min_q max_{windows}`` of
+    ``ceil((work of d in the window + filler(rows of the window not d's)) / ranks in the window)``
+    over the windows of consecutive ranks that ``d`` touches at offset ``q`` (offsets spanning more
+    than ``cp`` ranks excluded), ``filler`` from ``_filler_curve``.
+
+    Note [Why no order beats the bound]
+    -----------------------------------
+    (1) The largest rank holds at least the mean and, work being an integer, its ceiling. (2) In any
+    order, sequence ``i`` starts ``L - q`` rows into some rank for some ``q in [1, L]`` (boundaries
+    are ``L`` apart), so the ranks it touches hold exactly its pieces at that ``q``, and the largest
+    rank holds at least the heaviest piece; whatever ``q`` the order gives it, that is at least the
+    minimum over all ``q``. (3) The ranks ``a .. b`` that ``d`` touches form one interval of the
+    buffer, so besides ``d`` they hold only whole sequences and at most two partial ones (the
+    interval's two ends), filling exactly the rows ``d`` leaves free. A whole sequence costs
+    ``tri(n_i)`` for ``P_i`` rows, which no fractional mix at ``tri(n_i) / P_i`` a row undercuts for
+    the same rows; ``k`` rows of a partial sequence cost at least ``tri(k - pad)`` (positions ``0 ..``
+    are the cheapest, pad rows are free); taking the rows cheapest first among all of these is a
+    relaxation, so its cost bounds the window's filler from below, and the window's work divided by
+    its ranks bounds its largest rank. ``d``'s offset is again unknown, hence the minimum over ``q``.
+    Part (2) alone misses that a document filling most of two ranks leaves rows that must hold some
+    work; part (3) is what makes the bound tight on batches with one very long document. It still
+    relaxes the filler (every sequence may lend a head), so the best order can sit above it.
+
+    >>> work_lower_bound([5, 3], [6, 4], 2), work_lower_bound([8, 0], [8, 0], 2)
+    (11, 26)
+    """
+    n, p, local = _check(seqlens, padded, cp_size)
+    bound = _bound(n, local, cp_size)
+    if local == 0 or cp_size == 1:
+        return bound
+    for d in torch.argsort(n, descending=True, stable=True)[:_BOUND_DOCS].tolist():
+        bound = max(bound, _window_bound(n, p, local, cp_size, d))
+    return bound
+
+
+def _bound(n: torch.Tensor, local: int, cp_size: int) -> int:
+    """The mean and every sequence's heaviest piece (the first two parts of Note [Why no order beats the bound])."""
+    w = _tri(n)
+    bound = -(-int(w.sum()) // cp_size)
+    if local == 0:
+        return bound
+    q = torch.arange(1, local + 1, dtype=_I64)[:, None]
+    for length in n[w > bound].tolist():
+        k = torch.arange(0, -(-length // local) + 2, dtype=_I64)
+        lo = (q + (k - 1) * local).clamp(0, length)
+        hi = (q + k * local).clamp(max=length)
+        piece = (_tri(hi) - _tri(lo)).max(1).values
+        bound = max(bound, int(piece.min()))
+    return bound
+
+
+def _filler_curve(n: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cheapest way to fill rows from sequences ``n, p`` as a window of the buffer holds them:
+    whole sequences and at most two partial ones (Note [Why no order beats the bound]).
+
+    Relaxed to a mix of whole sequences, fractionally, at ``tri(n_i) / P_i`` a row, and two heads of
+    any sequence, free for their first ``max(P - n)`` rows, then ``1, 2, ...`` up to ``max(n)``; rows
+    are taken cheapest first. Returns the chunks sorted by cost a row: ``(rows, cost a row, rows up
+    to the chunk's end, cost up to its end)``, read by ``_filler_cost``.
+    """
+    longest = int(n.max()) if n.numel() else 0
+    pad = int((p - n).max()) if n.numel() else 0
+    whole = p > 0
+    marginal = torch.cat([torch.zeros(1, dtype=torch.float64), torch.arange(1, longest + 1, dtype=torch.float64),
+                          _tri(n[whole]).double() / p[whole].double()])
+    supply = torch.cat([torch.tensor([2 * pad], dtype=_I64), torch.full((longest,), 2, dtype=_I64), p[whole]])
+    marginal, by_cost = torch.sort(marginal, stable=True)
+    supply = supply[by_cost]
+    return supply, marginal, torch.cumsum(supply, 0), torch.cumsum(supply.double() * marginal, 0)
+
+
+def _filler_cost(curve: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                 rows: torch.Tensor) -> torch.Tensor:
+    """``(Q,)`` integer lower bounds on the work of ``rows`` ``(Q,)`` filler rows (``_filler_curve``)."""
+    supply, marginal, rows_end, cost_end = curve
+    rows = rows.clamp(min=0)
+    k = torch.searchsorted(rows_end, rows).clamp_(max=rows_end.numel() - 1)
+    cost = cost_end[k] + (rows - rows_end[k]).double() * marginal[k]
+    return (cost.floor().long() - 1).clamp_(min=0)  # one unit below: float rounding can never raise it
+
+
+def _window_bound(n: torch.Tensor, p: torch.Tensor, local: int, cp_size: int, d: int) -> int:
+    """The third part of Note [Why no order beats the bound], for sequence ``d``: the least over its
+    offsets of the heaviest window of consecutive ranks it touches, its own work there plus the
+    cheapest possible filler of the window's other rows, shared by the window's ranks."""
+    length, size = int(n[d]), int(p[d])
+    if size == 0:
+        return 0
+    keep = torch.arange(n.numel()) != d
+    curve = _filler_curve(n[keep], p[keep])
+    start = local - torch.arange(1, local + 1, dtype=_I64)[:, None]  # its first row inside its first rank
+    ranks = -(-(local - 1 + size) // local)
+    r = torch.arange(ranks, dtype=_I64)
+    lo = (r * local - start).clamp(0, size)  # the positions of d inside each rank it may touch
+    hi = ((r + 1) * local - start).clamp(0, size)
+    rows, work = hi - lo, _tri(hi.clamp(max=length)) - _tri(lo.clamp(max=length))
+    touched = rows > 0
+    best = torch.zeros(local, dtype=_I64)
+    for a in range(ranks):
+        for b in range(a, ranks):
+            width = b - a + 1
+            other = width * local - rows[:, a:b + 1].sum(1)
+            total = work[:, a:b + 1].sum(1) + _filler_cost(curve, other)
+            value = -(-total // width)
+            best = torch.where(touched[:, a] & touched[:, b], best.maximum(value), best)
+    spans = touched.sum(1)
+    return int(best[spans <= cp_size].min())

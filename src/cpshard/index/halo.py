@@ -1,0 +1,197 @@
+"""Pure index math for shifting sharded tensors by several shifts at once. No communication here.
+
+Note [Halo exchange for several shifts]
+---------------------------------------
+Multi-token prediction needs ``shard(shift(x, k))`` for every ``k`` in a set of shifts (labels and
+loss mask at depths ``1..N``, one more when labels come from ``input_ids``) while ``x`` exists only
+sharded. Take a rank's segment (Note [Which rows a rank holds] in ``index/segments.py``) of sequence ``i``,
+first position ``p0`` and length ``c``. Row ``j`` of it reads position ``p0 + j + k``: inside the
+segment while ``j + k < c``, otherwise position ``p0 + c + t`` with ``t = j + k - c < k``. So every
+shift ``k <= H`` reads only the segment itself and its **halo**, the ``H`` positions that follow it
+(``p0 + c .. p0 + c + H - 1``, cut at the sequence's length ``n_i``: positions past it are never
+read, their rows are ``fill``).
+
+One exchange of every segment's halo therefore serves every shift ``k <= H`` and every tensor: the
+halo rows held by another rank travel in one ``all_to_all_single`` (the tensors packed side by side
+as bytes), the others are local rows. Each shift is then one gather from ``cat([local, received])``
+plus the pad and fill rows.
+
+Why not the exchange of ``shift_sharded`` for ``k = H`` (Note [Sharded shift exchange]): it moves
+the positions that the *last* ``H`` rows of a segment read, ``p0 + max(c, H) .. p0 + c + H - 1``;
+when a segment is shorter than ``H`` (short sequences, many ranks) the first ``H - c`` halo positions
+that smaller shifts need are missing. The halo always holds all ``min(H, n_i - p0 - c)`` of them.
+
+Looking back (``k < 0``, a causal convolution's inputs) is the mirror image: the ``-min(shifts)``
+positions just before each segment (``p0 - 1``, ``p0 - 2``, ..., cut at the sequence's start) form a
+second halo, exchanged in the same collective. Every rank derives the whole exchange from the plan,
+for all ranks at once, so sender and receiver
+agree on the order without a metadata message: rank ``s`` sends rank ``d`` the halo rows ``d``
+needs from ``s`` in the order of their halo entries (segment, then offset ``t``). The work is over
+segments and halo rows (about ``2 B cp H`` under zigzag) plus a few passes over the rank's rows per
+shift.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpshard.base.dtypes import movable
+from cpshard.index import segments as _index
+
+__all__ = ["HaloExchange", "build_halo_exchange", "pack_rows", "unpack_rows"]
+
+
+@dataclass(frozen=True)
+class HaloExchange:
+    """One rank's part of shifting its rows by every shift in ``shifts`` with one exchange.
+
+    Row indices refer to the rank's rows flattened to ``(R,)`` (``R = prod(plan.local_shape)``);
+    ``base`` below is ``cat([local rows, received rows])``, ``(R + sum(recv_splits),)`` rows.
+
+    Attributes:
+        shifts: the shifts ``k`` (negative ones look back), in the order of the outputs (``S`` of them).
+        send_rows: ``(sum(send_splits),)`` local rows to send, grouped by destination rank.
+        send_splits: rows sent to each rank (``cp`` ints; 0 for this rank).
+        recv_splits: rows received from each rank.
+        source: ``(S, R)`` row of ``base`` each output row of each shift copies (0 on pad and fill
+            rows, which are overwritten).
+        pad_rows: rows past their sequence's length (``pad_value`` for every shift).
+        fill_rows: per shift, the token rows whose shifted source lies past the sequence's end.
+        total_remote: halo rows crossing ranks over the whole group (0: no collective is needed).
+    """
+
+    shifts: tuple[int, ...]
+    send_rows: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    source: torch.Tensor
+    pad_rows: torch.Tensor
+    fill_rows: tuple[torch.Tensor, ...]
+    total_remote: int
+
+    def to(self, device: torch.device) -> HaloExchange:
+        move = _index.to_device
+        return HaloExchange(self.shifts, move(self.send_rows, device), self.send_splits, self.recv_splits,
+                            move(self.source, device), move(self.pad_rows, device),
+                            tuple(move(f, device) for f in self.fill_rows), self.total_remote)
+
+    def apply(self, local: torch.Tensor, received: torch.Tensor | None, pad_value: Any, fill: Any) -> torch.Tensor:
+        """``(S, R, *trailing)``: ``local`` ``(R, *trailing)`` shifted by every shift.
+
+        ``received`` holds the rows other ranks sent (``None`` or empty when nothing crossed).
+        Values are checked by the caller; no gradient flows (labels and masks).
+        """
+        moved = movable(local, pad_value, fill)
+        if moved is not None:  # fp8, uintN: no index_fill; move the bits, fill with the values' bit patterns
+            carried, pad_bits, fill_bits = moved
+            got = None if received is None else received.view(carried.dtype)
+            return self.apply(carried, got, pad_bits, fill_bits).view(local.dtype)
+        base = local if received is None or received.shape[0] == 0 else torch.cat([local, received])
+        s, rows = self.source.shape
+        if base.shape[0] == 0:
+            out = local.new_zeros((s, rows, *local.shape[1:]))
+        else:
+            out = base.index_select(0, self.source.reshape(-1)).view(s, rows, *local.shape[1:])
+        if self.pad_rows.numel():
+            out.index_fill_(1, self.pad_rows, pad_value)
+        for shifted, fill_rows in zip(out, self.fill_rows):
+            if fill_rows.numel():
+                shifted.index_fill_(0, fill_rows, fill)
+        return out
+
+
+def build_halo_exchange(every: _index.AllSegments, segs: _index.Segments, seqlens: np.ndarray, rank: int,
+                        shifts: Sequence[int]) -> HaloExchange:
+    """The halo exchange of ``rank`` (whose segments are ``segs``) for ``shifts``, from every rank's
+    segments and the token counts ``seqlens`` (for BSHD: of the batch rows). Shifts may look ahead
+    (``k > 0``: the halo after each segment) and back (``k < 0``: the halo before it)."""
+    cp = len(every.offsets) - 1
+    shifts = tuple(int(k) for k in shifts)
+    ahead, back = max(max(shifts, default=0), 0), max(-min(shifts, default=0), 0)
+    seg_rank, seq, pos, length, first = every.rank, every.seq, every.pos, every.length, every.start
+    end = pos + length
+
+    # Halo entries of segment g: after it, offsets t -> position end[g] + t (that exist); before it,
+    # offsets t -> position pos[g] - 1 - t (>= 0). Only segments holding a token need any.
+    after = np.where(every.tokens > 0, np.clip(seqlens[seq] - end, 0, ahead), 0)
+    before = np.where(every.tokens > 0, np.minimum(pos, back), 0)
+    count = after + before
+    entry_seg = np.repeat(np.arange(seq.size), count)
+    entry_t = _index.expand_np(np.zeros_like(count), count)  # < after[g]: after; else before, t - after[g]
+    entry_start = np.cumsum(count) - count  # entry index of (g, 0)
+    is_after = entry_t < after[entry_seg]
+    want = np.where(is_after, end[entry_seg] + entry_t, pos[entry_seg] - 1 - (entry_t - after[entry_seg]))
+
+    holder = every.holder(seq[entry_seg], want)  # the segment holding (sequence, position)
+
+    dst_rank, src_rank = seg_rank[entry_seg], seg_rank[holder]
+    src_row = first[holder] + (want - pos[holder])
+    remote = src_rank != dst_rank
+    entries = entry_seg.size
+    entry_id = np.arange(entries)
+
+    incoming = np.flatnonzero(remote & (dst_rank == rank))
+    incoming = incoming[np.argsort(src_rank[incoming] * max(entries, 1) + entry_id[incoming], kind="stable")]
+    outgoing = np.flatnonzero(remote & (src_rank == rank))
+    outgoing = outgoing[np.argsort(dst_rank[outgoing] * max(entries, 1) + entry_id[outgoing], kind="stable")]
+
+    rows = segs.total
+    # Row of `base` holding each halo entry of this rank: a local row, or a received one after them.
+    entry_base = np.zeros(max(entries, 1), dtype=np.int64)
+    mine = np.flatnonzero((dst_rank == rank) & ~remote)
+    entry_base[mine] = src_row[mine]
+    entry_base[incoming] = rows + np.arange(incoming.size)
+
+    g = every.offsets[rank] + np.repeat(np.arange(segs.seq.size), segs.length)  # each row's segment among all
+    j = _index.expand_np(np.zeros_like(segs.length), segs.length)  # row inside its segment
+    c = length[g]
+    p = pos[g] + j
+    n = seqlens[seq[g]]
+    row = np.arange(rows)
+
+    k = np.array(shifts, dtype=np.int64).reshape(-1, 1)
+    pad = p >= n
+    fill = ~pad & ((p + k >= n) | (p + k < 0))
+    inside = (j + k >= 0) & (j + k < c)
+    # outside the segment: after it at offset j + k - c, before it at offset -(j + k) - 1
+    offset = np.where(j + k >= c, j + k - c, after[g] + (-(j + k) - 1))
+    halo_entry = np.clip(entry_start[g] + offset, 0, max(entries - 1, 0))
+    source = np.where(inside, row + k, entry_base[halo_entry])
+    source[pad | fill] = 0
+    t = torch.from_numpy
+    return HaloExchange(
+        shifts=shifts,
+        send_rows=t(src_row[outgoing]),
+        send_splits=tuple(np.bincount(dst_rank[outgoing], minlength=cp).tolist()),
+        recv_splits=tuple(np.bincount(src_rank[incoming], minlength=cp).tolist()),
+        source=t(np.ascontiguousarray(source)),
+        pad_rows=t(segs.pad_rows()),
+        fill_rows=tuple(t(np.flatnonzero(f)) for f in fill),
+        total_remote=int(remote.sum()),
+    )
+
+
+def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``(R, W)`` uint8: the rows of ``(R, *trailing)`` tensors as bytes, side by side (any dtypes)."""
+    rows = tensors[0].shape[0]
+    parts = [t.detach().contiguous().view(rows, math.prod(t.shape[1:])).view(torch.uint8) for t in tensors]
+    return torch.cat(parts, 1)
+
+
+def unpack_rows(packed: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of :func:`pack_rows`: ``packed.shape[0]`` rows typed and shaped as the rows of ``like``."""
+    rows, out, col = packed.shape[0], [], 0
+    for t in like:
+        width = t.element_size() * math.prod(t.shape[1:])
+        # a fresh copy, not .contiguous(): a one-row slice counts as contiguous but keeps the packed row
+        # stride, which view(dtype) refuses when the widths of mixed dtypes do not divide it
+        part = packed.new_empty((rows, width)).copy_(packed[:, col:col + width])
+        out.append(part.view(t.dtype).view(rows, *t.shape[1:]))
+        col += width
+    return out

@@ -1,0 +1,138 @@
+"""Pure index math for shifting a tensor that exists only sharded. No communication here.
+
+Note [Sharded shift exchange]
+-----------------------------
+``shift_sharded`` must produce ``shard(shift(x, k))`` from the ranks' shards of ``x``. In a rank's
+segment (Note [Which rows a rank holds] in ``index/segments.py``) of length ``c``, row ``j`` reads position
+``p0 + j + k`` of its sequence: when ``0 <= j + k < c`` that is row ``j + k`` of the same segment, on
+the same rank. Only the last ``k`` rows of a segment (looking ahead, ``k > 0``) or its first ``-k``
+rows (looking back, ``k < 0``) read elsewhere: from whichever segment holds that position, found by
+one ``searchsorted`` over all ranks' segments sorted by (sequence, position).
+If that segment sits on another rank the row travels, in one ``all_to_all_single``. Every rank
+derives the whole exchange from the plan alone, for all ranks at once, so sender and receiver agree
+on the order without any metadata message: the block rank ``s`` sends rank ``d`` holds the rows
+``d`` needs from ``s``, ordered by ``d``'s output row. The work is over segments and boundary rows
+(about ``2 B cp |k|``), plus one ``arange`` over the rank's rows; under zigzag only the chunk
+boundaries whose neighbouring chunk lies on another rank move data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cpshard.index import segments as _index
+
+__all__ = ["Exchange", "ShiftExchange", "all_to_all_in_process", "build_shift_exchange"]
+
+
+@dataclass(frozen=True)
+class ShiftExchange:
+    """One rank's part of a sharded shift. Indices are int64, on the CPU until moved (:meth:`to`).
+
+    Attributes:
+        source: ``(L,)`` local row each output row copies when its source is on this rank (0
+            elsewhere; those rows are overwritten).
+        send_rows: local rows to send, grouped by destination rank in rank order.
+        send_splits: rows sent to each rank (``cp`` ints; 0 for this rank).
+        recv_splits: rows received from each rank.
+        recv_rows: output rows that take the received rows, in receive order.
+        pad_rows, fill_rows: output rows set to ``pad_value`` / ``fill``.
+        total_remote: rows crossing ranks over the whole group (0: no collective is needed).
+    """
+
+    source: torch.Tensor
+    send_rows: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    recv_rows: torch.Tensor
+    pad_rows: torch.Tensor
+    fill_rows: torch.Tensor
+    total_remote: int
+
+    def to(self, device: torch.device) -> ShiftExchange:
+        move = {f: _index.to_device(getattr(self, f), device) for f in
+                ("source", "send_rows", "recv_rows", "pad_rows", "fill_rows")}
+        return ShiftExchange(send_splits=self.send_splits, recv_splits=self.recv_splits,
+                             total_remote=self.total_remote, **move)
+
+    def apply(self, local: torch.Tensor, received: torch.Tensor | None, pad_value: Any, fill: Any) -> torch.Tensor:
+        """This rank's shifted rows from its ``(L, ...)`` rows and the rows other ranks sent it
+        (``received``, in receive order; None when nothing crossed). No gradient bookkeeping: what
+        ``cpshard.distributed.shift_sharded``'s forward computes."""
+        out = local.index_select(0, self.source)
+        if received is not None and received.shape[0]:
+            out.index_copy_(0, self.recv_rows, received)
+        if self.pad_rows.numel():
+            out.index_fill_(0, self.pad_rows, pad_value)
+        if self.fill_rows.numel():
+            out.index_fill_(0, self.fill_rows, fill)
+        return out
+
+
+Exchange = ShiftExchange  # the name before 0.2 (CHANGELOG)
+
+
+def all_to_all_in_process(parts: Sequence[torch.Tensor], send_rows: Sequence[torch.Tensor],
+                          send_splits: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """What one ``all_to_all_single`` delivers, for every rank in one process: rank ``d`` receives
+    the concatenation over ``s`` of the rows of ``parts[s]`` that ``s`` sends ``d``
+    (``send_rows[s]`` grouped by destination, ``send_splits[s][d]`` of them). For tests, the CLI and
+    anyone who wants to see an exchange without processes."""
+    blocks = [list(part.index_select(0, rows).split(list(splits)))
+              for part, rows, splits in zip(parts, send_rows, send_splits)]
+    return [torch.cat([blocks[s][d] for s in range(len(parts))]) for d in range(len(parts))]
+
+
+def build_shift_exchange(every: _index.AllSegments, segs: _index.Segments, rank: int, shift: int) -> ShiftExchange:
+    """The exchange for ``rank`` (whose segments are ``segs``), from every rank's segments."""
+    cp = len(every.offsets) - 1
+    local = segs.total
+    seg_rank, seq, pos, length, first = every.rank, every.seq, every.pos, every.length, every.start
+    lo, hi = every.sourced(shift)
+
+    # Boundary rows: the rows of each segment with a source, whose source lies outside the segment:
+    # its last `shift` rows looking ahead, its first `-shift` rows looking back.
+    if shift >= 0:
+        first_row = np.maximum(np.maximum(length - shift, 0), lo)
+        count = np.maximum(hi - first_row, 0)
+    else:
+        first_row = lo
+        count = np.maximum(np.minimum(hi, -shift) - lo, 0)
+    seg_of = np.repeat(np.arange(seq.size), count)
+    j = _index.expand_np(first_row, count)
+    want = pos[seg_of] + j + shift  # position in the sequence each boundary row reads
+
+    holder = every.holder(seq[seg_of], want)  # the segment holding (sequence, position)
+
+    dst_rank, dst_row = seg_rank[seg_of], first[seg_of] + j
+    src_rank, src_row = seg_rank[holder], first[holder] + (want - pos[holder])
+    remote = src_rank != dst_rank
+
+    source = segs.expand(segs.start + shift)
+    if source.size:
+        np.clip(source, 0, local - 1, out=source)  # rows past a segment's end are fixed below or overwritten
+    here = (dst_rank == rank) & ~remote
+    source[dst_row[here]] = src_row[here]
+
+    width = max(local, 1)
+    incoming = np.flatnonzero(remote & (dst_rank == rank))
+    incoming = incoming[np.argsort(src_rank[incoming] * width + dst_row[incoming], kind="stable")]
+    outgoing = np.flatnonzero(remote & (src_rank == rank))
+    outgoing = outgoing[np.argsort(dst_rank[outgoing] * width + dst_row[outgoing], kind="stable")]
+
+    t = torch.from_numpy
+    return ShiftExchange(
+        source=t(source),
+        send_rows=t(src_row[outgoing]),
+        send_splits=tuple(np.bincount(dst_rank[outgoing], minlength=cp).tolist()),
+        recv_splits=tuple(np.bincount(src_rank[incoming], minlength=cp).tolist()),
+        recv_rows=t(dst_row[incoming]),
+        pad_rows=t(segs.pad_rows()),
+        fill_rows=t(segs.fill_rows(shift)),
+        total_remote=int(remote.sum()),
+    )

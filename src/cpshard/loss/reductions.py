@@ -1,0 +1,257 @@
+"""Losses that are exact under context parallelism, in one gradient convention.
+
+SPEC.md, "Losses and the gradient convention". Every function takes the rank's per-token values
+(``plan.local_shape``, or any shape with that many elements, such as Megatron's ``[1, L]``), the
+loss mask on the same rows and the plan, and returns this rank's share of the loss: a rank computes
+only its own rows, and the counts that normalize them are reduced over the CP group.
+
+Note [Gradient convention]
+--------------------------
+A loss computed on a rank's rows is exact when, after the gradient reduction the caller runs, every
+parameter gradient equals the one computed on the whole micro-batch at ``cp = 1``. With ``s_r`` the
+sum of rank ``r``'s masked per-token values and ``N`` the micro-batch's token count (summed over
+the CP group), the batch's token mean is ``sum_r s_r / N``, so:
+
+- ``grad_reduction="mean"`` (:class:`~cpshard.GradReduction`, the default): the caller averages
+  gradients over the CP group (and the DP group), as Megatron-core's DDP and FSDP do (their
+  gradient scaling ``1 / (dp * cp)``, ``megatron/core/distributed/distributed_data_parallel.py``);
+  rank ``r`` returns ``cp * s_r / N``, and ``cp * dp * s_r / N`` when ``N`` spans the DP group too
+  (``dp_group``, verl's global token mean over data-parallel ranks, ``agg_loss(dp_size=...)``).
+- ``grad_reduction="sum"``: the caller sums gradients over the CP group (and over the DP group
+  with ``dp_group``); rank ``r`` returns ``s_r / N``.
+
+The returned loss follows the same rule: averaged (``"mean"``) or summed (``"sum"``) over the ranks,
+it is the ``cp = 1`` loss. A rank-local normalization (``s_r / n_r`` with the rank's own count
+``n_r``) is exact only when every rank holds the same count, which causal-balanced layouts, masks
+and minimal padding rarely give: the error users report (Megatron-LM #7513, verl #5983).
+
+Counts are weights: ``sum(loss_mask)`` over token rows (0/1 for a plain mask). Pad rows never count,
+whatever the mask holds there. A zero count is replaced by one, so a rank, a sequence or a
+micro-batch without a labelled token contributes exactly zero loss and zero gradient, never NaN;
+per-token values on unlabelled rows (``inf``, ``NaN``) are never read into the sum.
+
+Communication: one ``all_reduce`` over the CP group per call (the count, or every sequence's count
+in one tensor), none at ``cp = 1`` and none for the sums (:func:`token_sum`,
+:func:`token_sum_and_count`); with ``dp_group``, one more small ``all_reduce`` over it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from cpshard.base.errors import check_tensor, fail
+from cpshard.base.layout import GradReduction
+from cpshard.distributed.collectives import group_rank, group_size, sum_over, sum_over_group
+from cpshard.index.segments import to_device
+from cpshard.plan.values import Plan
+
+__all__ = ["GradReduction", "masked_rows", "rank_of", "sequence_mean", "token_mean", "token_sum",
+           "token_sum_and_count"]
+
+_F64 = torch.float64
+
+rank_of = group_rank  # the caller's CP rank (0 at cp = 1 without a group); the name before 0.2 (CHANGELOG)
+
+
+def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values * mask`` where ``mask != 0``, exactly 0 elsewhere (so ``inf`` or ``NaN`` on unlabelled
+    rows reaches neither the sum nor the gradient)."""
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    if mask.dtype == torch.bool:
+        return torch.where(mask, values, zero)
+    return torch.where(mask != 0, values * mask.to(values.dtype), zero)
+
+
+def _rows(name: str, x: Any, plan: Plan) -> torch.Tensor:
+    x = check_tensor(name, x)
+    if x.is_nested or x.numel() != math.prod(plan.local_shape):
+        fail(name, f"tensor of shape {tuple(x.shape)}",
+             f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
+             "elements, e.g. Megatron's [1, L])", "pass this rank's rows, sharded with the same plan")
+    return x.reshape(plan.local_shape)
+
+
+class _Local:
+    """What every loss needs from a rank's rows, checked before any collective."""
+
+    def __init__(self, per_token: Any, loss_mask: Any, plan: Plan, group: Any, dp_group: Any,
+                 grad_reduction: Any) -> None:
+        self.reduction = GradReduction.parse(grad_reduction)
+        self.rank = group_rank(plan, group)
+        values = _rows("per_token", per_token, plan)
+        if not values.is_floating_point():
+            fail("per_token", f"a {values.dtype} tensor", "must be floating point (a per-token loss)",
+                 "pass the unreduced per-token loss, e.g. cross_entropy(..., reduction='none')", kind=TypeError)
+        mask = _rows("loss_mask", loss_mask, plan)
+        if mask.is_complex():
+            fail("loss_mask", f"a {mask.dtype} tensor", "must be bool, integer or real", "pass a 0/1 mask",
+                 kind=TypeError)
+        if mask.device != values.device:
+            fail("loss_mask", f"a tensor on {mask.device}", f"must be on per_token's device ({values.device})",
+                 "move it there once per step")
+        self.dp = 1
+        if dp_group is not None:
+            if dp_group is group:
+                fail("dp_group", "the CP group", "must be the data-parallel group (the ranks with this CP rank "
+                     "that hold other micro-batches), not the CP group", "pass your DP group, or None")
+            self.dp = group_size(dp_group, "dp_group")
+        tokens = to_device(plan.token_mask(self.rank), values.device)  # pad rows never count
+        self.mask = mask.detach() if mask.dtype == torch.bool else mask.detach().to(_F64)
+        self.mask = torch.where(tokens, self.mask, torch.zeros((), dtype=self.mask.dtype, device=values.device))
+        self.values = masked_rows(values, self.mask)
+        self.plan, self.group, self.dp_group = plan, group, dp_group
+
+    @property
+    def factor(self) -> int:
+        """``cp`` (times ``dp`` with ``dp_group``) under ``"mean"``, 1 under ``"sum"``."""
+        return self.plan.cp_size * self.dp if self.reduction is GradReduction.MEAN else 1
+
+    def over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+        return sum_over_group(counts, self.plan, self.group) if self.plan.cp_size > 1 else counts
+
+    def over_dp(self, counts: torch.Tensor) -> torch.Tensor:
+        return sum_over(counts, self.dp_group) if self.dp_group is not None else counts
+
+    def given(self, name: str, value: Any) -> torch.Tensor | None:
+        """A count the caller knows already, as a float64 scalar on the rows' device (``None``: not given)."""
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            return value.detach().reshape(()).to(device=self.values.device, dtype=_F64)
+        fix = f"pass {name} as the total over every rank and micro-batch it covers, or None to count here"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            fail(name, repr(value), "must be a number or a one-element tensor", fix, kind=TypeError)
+        if not float(value) >= 0:
+            fail(name, repr(value), "must be a count >= 0", fix)
+        return torch.tensor(float(value), dtype=_F64, device=self.values.device)
+
+    def divide(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """``factor * summed / count``, with a zero count taken as one (the sum is then zero too)."""
+        count = torch.where(count > 0, count, torch.ones_like(count)).to(summed.dtype)
+        return self.factor * summed / count
+
+
+def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
+               grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None,
+               num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of the mean over every labelled token of the micro-batch (Note [Gradient convention]).
+
+    Args:
+        per_token: the rank's per-token loss (floating), ``plan.local_shape`` or that many elements.
+        loss_mask: the same rows: bool, or 0/1 (other values are weights). Pad rows never count.
+        plan: the plan the micro-batch was sharded with (THD or BSHD, any layout, order or padding).
+        group: the CP group; ``None`` only when ``plan.cp_size == 1``.
+        grad_reduction: ``"mean"`` (default) or ``"sum"``: how you reduce gradients over the CP
+            (and DP) ranks after ``backward()``.
+        dp_group: the data-parallel group (the ranks with this CP rank that hold the other
+            micro-batches). Given, the mean runs over every labelled token of all of them (verl's
+            global ``token-mean``); ``None``: over this micro-batch only (each replica's own mean,
+            what Megatron's ``calculate_per_token_loss=False`` takes).
+        num_tokens: ``N`` when it is known before the step, e.g. verl's ``batch_num_tokens`` (every
+            labelled token of the mini-batch's micro-batches, over the DP group: gradient
+            accumulation then adds up to their mean): no collective at all. Pass ``dp_group`` too
+            when ``N`` spans DP ranks (only its size is read, for ``f``).
+
+    Returns:
+        A scalar: ``f * s_r / N`` (``s_r`` this rank's masked sum, ``N`` the token count of the
+        micro-batch, or of the DP group's micro-batches), ``f = cp`` (``cp * dp`` with
+        ``dp_group``) under ``"mean"`` and 1 under ``"sum"``.
+
+    After ``loss.backward()``: average the gradients over the CP and DP groups under ``"mean"``
+    (Megatron's DDP / FSDP do it), or sum them over the CP group (and the DP group, with
+    ``dp_group``) under ``"sum"``; then every gradient equals ``cp = 1``'s, and the loss reduced
+    the same way is ``cp = 1``'s loss.
+
+    One ``all_reduce`` of one count over ``group`` (none at ``cp = 1``); one more over ``dp_group``;
+    none with ``num_tokens``.
+    """
+    local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+    count = local.given("num_tokens", num_tokens)
+    if count is None:
+        count = local.over_dp(local.over_cp(local.mask.sum(dtype=_F64)))
+    return local.divide(local.values.sum(), count)
+
+
+def token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
+              grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None) -> torch.Tensor:
+    """This rank's share of the sum over every labelled token (verl's ``token-sum``). No communication.
+
+    Arguments as :func:`token_mean`. Returns ``f * s_r`` with ``f = cp`` (``cp * dp`` with
+    ``dp_group``: the sum over the DP group's micro-batches) under ``"mean"`` and 1 under ``"sum"``;
+    after ``backward()``, reduce gradients and the loss as :func:`token_mean` says.
+    """
+    local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+    return local.factor * local.values.sum()
+
+
+def token_sum_and_count(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan,
+                        group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron-core's per-token-loss form: ``(s_r, n_r)``, this rank's loss sum and own token count.
+
+    For a ``loss_func`` under ``calculate_per_token_loss=True``, which returns ``(loss_sum,
+    num_tokens, reporting)``: Megatron then sums gradients over DP x CP (its DDP scaling is 1) and
+    divides them by ``num_tokens`` summed over DP x CP (``finalize_model_grads``), so the count must
+    be the rank's own, not the CP group's (that would count every token ``cp`` times). No
+    communication, no factor: the gradient convention is Megatron's, a sum.
+
+    Args: as :func:`token_mean` (``group`` is only checked against ``plan``).
+
+    Returns:
+        ``(loss_sum, num_tokens)``: a scalar with gradient, and the count (the mask's sum over
+        token rows) as a ``torch.int`` scalar on ``per_token``'s device, Megatron's accumulator type.
+    """
+    local = _Local(per_token, loss_mask, plan, group, None, GradReduction.SUM)
+    return local.values.sum(), local.mask.sum(dtype=_F64).round().to(torch.int)
+
+
+_TOKEN_REDUCTIONS = ("mean", "sum")
+
+
+def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
+                  token_reduction: str = "mean", grad_reduction: GradReduction | str = GradReduction.MEAN,
+                  dp_group: Any = None, num_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of the mean over sequences of each sequence's token mean, though every
+    sequence's tokens sit on several ranks (verl's ``seq-mean-token-mean``; Note [Gradient convention]).
+
+    Each sequence's count is summed over the CP group first (one ``all_reduce`` of all ``B`` counts
+    together, whatever ``B``); only sequences with a labelled token take part in the mean, as
+    verl's ``agg_loss`` excludes fully masked ones.
+
+    Args:
+        per_token, loss_mask, plan, group, grad_reduction: as :func:`token_mean`.
+        token_reduction: ``"mean"`` (each sequence's token mean) or ``"sum"`` (its token sum: verl's
+            ``seq-mean-token-sum``).
+        dp_group: the data-parallel group: given, the mean runs over the sequences of every DP
+            rank's micro-batch (one more ``all_reduce`` over it, of one number).
+        num_seqs: ``S`` when it is known before the step (verl's ``global_batch_size``): no
+            ``all_reduce`` over ``dp_group`` (give it for ``f``), and none at all with
+            ``token_reduction="sum"``.
+
+    Returns:
+        A scalar: ``f * sum_i (s_ri / n_i) / S`` (``s_ri`` this rank's masked sum of sequence ``i``,
+        ``n_i`` its count over the CP group, 1 under ``token_reduction="sum"``; ``S`` the number of
+        sequences with ``n_i > 0``, over the DP group with ``dp_group``), ``f`` as in
+        :func:`token_mean`. After ``backward()`` reduce gradients and the loss as it says.
+    """
+    if token_reduction not in _TOKEN_REDUCTIONS:
+        fail("token_reduction", repr(token_reduction), "must be 'mean' (a sequence's token mean) or 'sum'",
+             "pass token_reduction='mean' or 'sum'")
+    local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+    device = local.values.device
+    seq = to_device(plan.sequence_ids(local.rank), device).reshape(-1)
+    b = plan.num_seqs
+    sums = local.values.new_zeros(b).index_add(0, seq, local.values.reshape(-1))
+    given = local.given("num_seqs", num_seqs)
+    if given is not None and token_reduction == "sum":
+        return local.divide(sums.sum(), given)
+    counts = local.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)))
+    labelled = counts > 0
+    if token_reduction == "mean":
+        sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
+    total = given if given is not None else local.over_dp(labelled.sum(dtype=_F64))
+    return local.divide(sums.sum(), total)
+

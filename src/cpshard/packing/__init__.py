@@ -1,0 +1,1 @@
+"""CP-aware micro-batch packing: the problem, the search and its exact refinement (``cpshard.pack``)."""

@@ -1,0 +1,145 @@
+"""The BSHD plan: context-parallel columns of a padded ``(B, S, ...)`` batch.
+
+Every sequence is padded to one length ``M``; each rank holds, in every row of the batch, the
+columns that the THD rules give a single sequence of length ``M`` (SPEC.md, "BSHD").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from cpshard.base.errors import check_int, fail
+from cpshard.base.layout import Layout, alignment
+from cpshard.index import segments as _index
+from cpshard.plan.args import parse_plan_args
+from cpshard.plan.indices import PlanIndices
+from cpshard.plan.values import Plan, check_value_fields
+
+__all__ = ["BshdPlan"]
+
+
+def bshd_alignment(num_seqs: int, cp_size: int, tp_size: int, layout: Layout, fp8: bool) -> int:
+    """The multiple ``M`` is rounded up to (SPEC.md, "BSHD"): the layout's, and under fp8 also
+    ``128 * tp * cp / gcd(B, 128 * tp * cp)``, so that ``B * M`` divides by ``128 * tp * cp``."""
+    unit = alignment(cp_size, tp_size, layout)
+    if fp8:
+        total = 128 * tp_size * cp_size
+        unit = math.lcm(unit, total // math.gcd(num_seqs, total))
+    return unit
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BshdPlan(Plan):
+    """Which columns of a padded batch each context-parallel rank holds.
+
+    ``BshdPlan.build([5, 3], cp_size=2)`` pads both rows to ``M = 8`` (zigzag, ``a = 4``); rank 0
+    holds columns ``[0, 1, 6, 7]`` of every row, rank 1 columns ``[2, 3, 4, 5]``::
+
+        row 0   : t0 t1 t2 t3 t4 .  .  .        rank 0: t0 t1 .  .      rank 1: t2 t3 t4 .
+        row 1   : t0 t1 t2 .  .  .  .  .        rank 0: t0 t1 .  .      rank 1: t2 .  .  .
+
+    The names are :class:`~cpshard.ShardPlan`'s: ``max_seqlen`` (``M``), ``total_len`` (``M``,
+    the padded sequence dimension), ``local_len`` (``M / cp``), ``local_shape`` (``(B, M / cp)``),
+    ``token_mask(cp_rank)`` (True on token columns), ``position_ids(cp_rank)`` (the global column).
+    """
+
+    seqlens_py: tuple[int, ...]
+    max_seqlen: int
+    cp_size: int
+    tp_size: int = 1
+    layout: Layout = Layout.ZIGZAG
+    fp8: bool = False
+    alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
+    _indices: PlanIndices = field(init=False, repr=False, compare=False)
+    _padded_input: ClassVar[bool] = True
+
+    @classmethod
+    def build(
+        cls,
+        seqlens: Sequence[int] | torch.Tensor,
+        *,
+        cp_size: int,
+        tp_size: int = 1,
+        layout: Layout | str = Layout.ZIGZAG,
+        fp8: bool = False,
+        max_seqlen: int | None = None,
+    ) -> BshdPlan:
+        """Plan a padded batch whose rows hold ``seqlens`` tokens.
+
+        ``M`` is ``max(seqlens)`` (or the forced ``max_seqlen``, which must not be shorter) rounded
+        up to the layout's alignment; with ``fp8`` also to ``128 * tp * cp / gcd(B, 128 * tp * cp)``
+        so that ``B * M`` divides by ``128 * tp * cp``.
+        """
+        lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
+        longest = max(lens)
+        if max_seqlen is not None:
+            max_seqlen = check_int("max_seqlen", max_seqlen, minimum=0)
+            if max_seqlen < longest:
+                fail("max_seqlen", max_seqlen, f"must be >= the longest sequence ({longest})",
+                     f"pass max_seqlen >= {longest} or leave it None")
+            longest = max_seqlen
+        unit = bshd_alignment(len(lens), cp_size, tp_size, layout, fp8)
+        return cls(lens, -(-longest // unit) * unit, cp_size, tp_size, layout, fp8)
+
+    def __post_init__(self) -> None:
+        check_value_fields(self, lambda cp, tp, layout, fp8: bshd_alignment(
+            len(self.seqlens_py), cp, tp, layout, fp8))
+        m = check_int("max_seqlen", self.max_seqlen, minimum=0)
+        object.__setattr__(self, "max_seqlen", m)
+        cp, tp = self.cp_size, self.tp_size
+        if m < max(self.seqlens_py):
+            fail("max_seqlen", m, f"must be >= every length (longest {max(self.seqlens_py)})",
+                 "build plans with BshdPlan.build")
+        if m * self.num_seqs >= 2**31:
+            fail("seqlens", f"a batch of {self.num_seqs} rows padded to {m}", "must hold fewer than 2**31 "
+                 "padded positions (cu_seqlens are int32)", "split the micro-batch")
+        step = 2 * cp if (self.layout is Layout.ZIGZAG and cp > 1) else cp
+        if m % step or (m // cp) % tp or m % self.alignment:
+            fail("max_seqlen", m, f"must divide by {step} and by alignment={self.alignment}, and leave a multiple "
+                 f"of tp_size={tp} per rank", "build plans with BshdPlan.build")
+
+    @property
+    def total_len(self) -> int:
+        """The padded sequence dimension, ``M`` (``cp_size * local_len``)."""
+        return self.max_seqlen
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """Leading shape of a rank's local tensor: ``(num_seqs, local_len)``."""
+        return (self.num_seqs, self.local_len)
+
+    def columns(self, cp_rank: int) -> torch.Tensor:
+        """``(M / cp,)`` int64: the global column each local column holds (the same in every row)."""
+        return self.position_ids(cp_rank)[0].clone()
+
+    def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments:
+        m = np.array([self.max_seqlen], dtype=np.int64)
+        return _index.repeat_segments(_index.rank_segments(m, m, self.cp_size, self.layout, cp_rank), lengths)
+
+    def _twin(self, target: Layout, order: str) -> BshdPlan:
+        if order != "same":
+            fail("order", repr(order), "applies to packed (THD) plans only: a BSHD batch has no buffer order",
+                 "drop order")
+        cp, m = self.cp_size, self.max_seqlen
+        if target is Layout.ZIGZAG and cp > 1 and m % (2 * cp):
+            fail("plan", f"a {self.layout.value} BSHD plan padded to {m} columns", f"a zigzag twin needs the padded "
+                 f"length to divide by 2 * cp_size = {2 * cp}", "build the plan with layout='zigzag' (its padding "
+                 "serves both layouts) and take its contiguous twin")
+        unit = bshd_alignment(self.num_seqs, cp, self.tp_size, target, self.fp8)
+        return dataclasses.replace(self, layout=target, alignment=unit if m % unit == 0 else math.gcd(unit, m))
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.seqlens_py, self.max_seqlen, self.cp_size, self.tp_size, self.layout.value, self.fp8,
+                self.alignment)
+
+    def __repr__(self) -> str:
+        fp8 = ", fp8=True" if self.fp8 else ""
+        return (f"BshdPlan(num_seqs={self.num_seqs}, max_seqlen={self.max_seqlen}, cp_size={self.cp_size}, "
+                f"tp_size={self.tp_size}, layout={self.layout.value!r}{fp8}, local_len={self.local_len})")

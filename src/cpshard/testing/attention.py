@@ -1,0 +1,103 @@
+"""Reference context-parallel attention: a rank's query rows against the whole batch's keys.
+
+The keys and values are all-gathered over the CP group by ``cpshard.distributed.all_gather_rows``
+(whose backward sums their gradients over the group); which keys each query sees, and the blocked
+arithmetic, are pure (``cpshard.causal``, Note [Reference CP attention]). It is a reference for
+checks, not a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from cpshard.base.errors import check_tensor, fail
+from cpshard.distributed.collectives import all_gather_rows, group_rank
+from cpshard.ops.sharding import check_plan_type
+from cpshard.plan.causal import (
+    attend_blocks,
+    attend_gathered,
+    attention_mask,
+    attention_work,
+    contiguous_twin,
+    naive_attention_mask,
+)
+from cpshard.plan.values import Plan
+
+__all__ = ["attend_blocks", "attend_gathered", "attention", "attention_mask", "attention_work", "contiguous_twin",
+           "naive_attention", "naive_attention_mask"]
+
+
+# -- the attention --------------------------------------------------------------------------
+
+
+def _check_qkv(q: Any, k: Any, v: Any, plan: Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lead = plan.local_shape
+    out = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        t = check_tensor(name, t)
+        if t.dim() != len(lead) + 2 or tuple(t.shape[:len(lead)]) != lead:
+            fail(name, f"tensor of shape {tuple(t.shape)}", f"must be plan.local_shape + (heads, head_dim) = "
+                 f"{lead} + (H, D)", "pass this rank's rows with the heads split out, e.g. x.view(L, H, D)")
+        out.append(t)
+    q, k, v = out
+    if q.shape != k.shape or k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
+        fail("k", f"q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}",
+             "q, k and v must have one shape and dtype (no grouped-query heads in the reference)",
+             "repeat the key/value heads to the query heads first")
+    if q.device != k.device or k.device != v.device:
+        fail("k", f"q on {q.device}, k on {k.device}, v on {v.device}", "must be on one device",
+             "move them to one device")
+    return q, k, v
+
+
+def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None, naive: bool) -> torch.Tensor:
+    check_plan_type(plan)
+    q, k, v = _check_qkv(q, k, v, plan)
+    rows = math.prod(plan.local_shape)
+    heads, dim = q.shape[-2:]
+    kv = torch.cat([k, v], -1).reshape(rows, heads, 2 * dim)
+    rank = group_rank(plan, group)
+    kv = all_gather_rows(kv, plan, group)
+    k_all, v_all = kv.split(dim, -1)  # (cp * R, H, D) each
+    out = attend_blocks(q.reshape(rows, heads, dim), k_all, v_all, contiguous_twin(plan) if naive else plan, rank,
+                        scale=scale)
+    return out.reshape(q.shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group: Any, *,
+              scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's query rows over the whole batch (Note [Reference CP attention]).
+
+    Args:
+        q, k, v: this rank's rows, ``plan.local_shape + (H, D)``: ``(L, H, D)`` for a
+            :class:`~cpshard.ShardPlan`, ``(B, M / cp, H, D)`` for a :class:`~cpshard.BshdPlan`;
+            one dtype and device. Rotary embeddings, if any, are already applied (with
+            ``plan.position_ids(cp_rank)``).
+        plan: the plan every rank of ``group`` sharded the batch with (any layout, any ``cp``).
+        group: the CP group; ``None`` only when ``plan.cp_size == 1``.
+        scale: the score scale; default ``1 / sqrt(D)``.
+
+    Returns:
+        ``plan.local_shape + (H, D)``: each token row's attention over the tokens at or before it
+        in its own sequence; zeros on pad rows.
+
+    Communication: one ``all_gather_single`` of this rank's keys and values in forward, one
+    ``all_reduce`` of the gathered gradient in backward; none at ``cp = 1``. Memory: the gathered
+    keys and values, plus one block of ``H * _BLOCK_SCORES`` scores (:func:`attend_blocks`), whatever
+    the batch.
+
+    Autograd: the gradient of each rank's ``k`` and ``v`` is summed over every rank's queries (see
+    the Note), so if the ranks' losses add up to the batch's, every gradient equals ``cp = 1``'s.
+    """
+    return _attend(q, k, v, plan, group, scale, naive=False)
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group: Any, *,
+                    scale: float | None = None) -> torch.Tensor:
+    """:func:`attention` with a layout-naive kernel's mask: it assumes rank ``s`` holds global rows
+    ``s * L .. (s + 1) * L - 1`` (:func:`contiguous_twin`). Right under the contiguous layout, wrong
+    under zigzag: kept to show that ``cpshard verify`` catches such a kernel. Same arguments."""
+    return _attend(q, k, v, plan, group, scale, naive=True)

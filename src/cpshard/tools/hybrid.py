@@ -1,0 +1,194 @@
+"""``cpshard verify --model hybrid``: a tiny hybrid decoder that changes layout inside the model.
+
+Its layers alternate the reference attention on a zigzag plan (``cpshard.attention``) and a linear
+block on the plan's contiguous twin (``cpshard.twin_plan``): a causal short convolution and the
+reference scan (``cpshard.scan.linear_scan``), with ``cpshard.distributed.relayout`` into the twin
+before the block and back after it. Loss, per-token log-probs and every parameter gradient are
+compared with ``cp = 1`` as in ``cpshard.verify`` (Note [How verify's ranks add up to cp = 1]), for
+every ``cp``, ``tp``, padding and twin order; the **layout-naive** variant, the linear block run on
+the zigzag rows as if they were the contiguous twin's (no relayout), must be caught.
+
+The convolution's look-back (the ``CONV - 1`` rows before each segment's first row, which live on
+the ranks before it under the contiguous layout) is ``shift_sharded(x, shift=-j)`` for ``j = 1 ..
+CONV - 1``: SPEC's look-back shift, one all-to-all each of only the rows that cross a rank boundary,
+differentiable; the layout-naive variant runs the same shifts believing the zigzag rows contiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cpshard.base.layout import Layout
+from cpshard.distributed.collectives import gather, max_over, relayout, shift_sharded, sum_over_group
+from cpshard.ops.sharding import shard, unshard
+from cpshard.plan.twins import twin
+from cpshard.plan.values import ShardPlan
+from cpshard.testing.attention import attention
+from cpshard.testing.scan import linear_scan, naive_linear_scan
+from cpshard.testing.spawn import run_ranks, world_group
+from cpshard.tools.model import DTYPES, HEADS, HIDDEN, VOCAB, Block, _batch, _rms_norm
+from cpshard.tools.results import TOLERANCE, Config, Outcome, Progress, Report, _check_args, compare
+
+__all__ = ["CONV", "HybridConfig", "HybridDecoder", "hybrid_step", "verify_hybrid"]
+
+CONV = 4  # the causal convolution's width: each row sees itself and the CONV - 1 rows before it
+PAIRS = 2  # (attention, linear) layer pairs
+
+
+@dataclass(frozen=True)
+class HybridConfig(Config):
+    """A verify configuration of the hybrid model: attention on the zigzag plan, the linear blocks on
+    its contiguous twin in ``reorder``'s order (``None``: the same order; ``"balanced"``);
+    ``attention="naive"``: the linear blocks on the zigzag rows, believed contiguous."""
+
+    @property
+    def name(self) -> str:
+        twin_order = "balanced twin" if self.reorder else "contiguous twin"
+        padding = "" if self.padding == "aligned" else f" {self.padding} padding"
+        naive = ", naive scan (zigzag rows)" if self.attention == "naive" else ""
+        return f"cp={self.cp} tp={self.tp} zigzag+{twin_order}{padding}{naive}"
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, plan: ShardPlan, rank: int, group: Any) -> torch.Tensor:
+    """Per document, ``y_t = sum_j weight[j] * x_{t - j}`` for ``j < CONV`` (rows before the document's
+    start count as 0), on ``x`` ``(L, C)`` laid out by ``plan``; 0 on pad rows. Each look-back is
+    ``shift_sharded(x, shift=-j)`` (``fill`` 0 before the start, 0 on pad rows)."""
+    tok = plan.token_mask(rank).to(x.device)
+    out = weight[0] * x * tok.to(x.dtype)[:, None]
+    for j in range(1, CONV):
+        out = out + weight[j] * shift_sharded(x, plan, group, shift=-j, fill=0, pad_value=0)
+    return out
+
+
+class LinearBlock(nn.Module):
+    """Pre-norm block: a gate ``a = sigmoid(.)``, a causal short convolution of the input, the
+    reference scan ``h_t = a_t h_{t-1} + conv_t``, an output projection."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden))
+        self.inp = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.conv = nn.Parameter(torch.randn(CONV, hidden) / CONV)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, plan: ShardPlan, rank: int, group: Any, naive: bool) -> torch.Tensor:
+        u, g = self.inp(_rms_norm(x, self.norm)).chunk(2, -1)
+        belief = twin(plan, Layout.CONTIGUOUS) if naive else plan
+        assert isinstance(belief, ShardPlan)
+        conv = causal_conv(u, self.conv, belief, rank, group)
+        scan = naive_linear_scan if naive else linear_scan
+        return x + self.out(scan(torch.sigmoid(g), conv, plan, group if plan.cp_size > 1 else None))
+
+
+class HybridDecoder(nn.Module):
+    """Embedding, ``PAIRS`` pairs of (attention :class:`~cpshard.verify.Block`, :class:`LinearBlock`),
+    the output layer. Deterministic initialisation (seed 0)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, HIDDEN)
+            self.attn = nn.ModuleList(Block(HIDDEN, HEADS) for _ in range(PAIRS))
+            self.linear = nn.ModuleList(LinearBlock(HIDDEN) for _ in range(PAIRS))
+            self.final_norm = nn.Parameter(torch.ones(HIDDEN))
+            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.to(dtype)
+
+
+def hybrid_step(model: HybridDecoder, batch: list[torch.Tensor], plan: ShardPlan, contiguous: ShardPlan,
+                rank: int, group: Any, naive: bool = False) -> Outcome:
+    """Forward and backward on this rank's rows: attention on ``plan`` (zigzag), linear blocks on its
+    twin ``contiguous`` (through ``relayout``), or on ``plan``'s rows themselves when ``naive``."""
+    start = time.perf_counter()
+    dtype = next(model.parameters()).dtype
+    ids, labels = shard(batch, plan, rank), shard(batch, plan, rank, shift=1)
+    mask, positions = plan.label_mask(rank, shift=1), plan.position_ids(rank)
+    model.zero_grad(set_to_none=True)
+    h = model.embed(ids)
+    for attn, lin in zip(model.attn, model.linear):
+        h = attn(h, positions, lambda q, k, v: attention(q, k, v, plan, group))
+        if naive:
+            h = lin(h, plan, rank, group, naive=True)
+        elif group is None:  # cp = 1: both layouts are the identity
+            h = lin(h, contiguous, rank, None, naive=False)
+        else:
+            h = relayout(lin(relayout(h, plan, contiguous, group), contiguous, rank, group, naive=False),
+                         contiguous, plan, group)
+    logp = F.log_softmax(model.head(_rms_norm(h, model.final_norm)), -1)
+    token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype))
+    count = sum_over_group(mask.sum().to(dtype), plan, group)
+    loss = -plan.cp_size * token_logp.sum() / count
+    loss.backward()
+    names = [n for n, _ in model.named_parameters()]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    flat = sum_over_group(torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)]), plan, group)
+    parts = (flat.double() / plan.cp_size).split([g.numel() for g in grads] + [1])
+    restored = (unshard([token_logp.detach()], plan) if group is None else gather(token_logp.detach(), plan, group))
+    return Outcome(loss=parts[-1][0], logprobs=restored.values().double(), mtp_loss=torch.zeros(0),
+                   grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-1], model.parameters())},
+                   seconds=time.perf_counter() - start)
+
+
+def _plans(lengths: Sequence[int], c: Config) -> tuple[ShardPlan, ShardPlan]:
+    plan = ShardPlan.build(lengths, cp_size=c.cp, tp_size=c.tp, padding=c.padding)
+    contiguous = twin(plan, Layout.CONTIGUOUS, "balanced" if c.reorder else "same")
+    assert isinstance(contiguous, ShardPlan)
+    return plan, contiguous
+
+
+def _run(lengths: tuple[int, ...], c: Config, dtype: torch.dtype, rank: int, group: Any) -> Outcome:
+    plan, contiguous = _plans(lengths, c)
+    return hybrid_step(HybridDecoder(dtype), _batch(lengths), plan, contiguous, rank, group,
+                       naive=c.attention == "naive")
+
+
+def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
+               progress: Progress) -> list[Outcome] | None:
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    outcomes = []
+    for c in configs:
+        got = _run(lengths, c, DTYPES[dtype_name], rank, world_group())
+        slowest = torch.tensor([got.seconds])
+        slowest = max_over(slowest, world_group())
+        outcomes.append(dataclasses.replace(got, seconds=float(slowest)))
+        if rank == 0:
+            progress.step(f"{c.name} {float(slowest):.1f} s")
+    return outcomes if rank == 0 else None
+
+
+def verify_hybrid(lengths: Sequence[int], *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
+                  dtype: str = "float64", paddings: Sequence[str] = ("aligned", "minimal"),
+                  reorders: Sequence[str | None] = (None, "balanced"), progress: bool = True,
+                  timeout: float = 600.0) -> Report:
+    """Every (cp, tp, padding, twin order) of the hybrid model against ``cp = 1``, on spawned gloo
+    groups, and the layout-naive scan at the smallest ``cp > 1``, which must be caught."""
+    start = time.perf_counter()
+    lens, cps, tps, _, paddings = _check_args(lengths, cps, tps, ["zigzag"], paddings, dtype, reorders)
+    configs = [HybridConfig(cp, tp, "zigzag", padding=p, reorder=r)
+               for cp in cps if cp > 1 for tp in tps for p in paddings for r in dict.fromkeys(reorders)]
+    naive = HybridConfig(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
+    torch_dtype = DTYPES[dtype]
+    bar = Progress(total=len(configs) + 2, enabled=progress)
+    want = _run(lens, HybridConfig(1, 1, "zigzag"), torch_dtype, 0, None)
+    bar.step(f"cp=1 reference {want.seconds:.1f} s")
+    outcomes: dict[Config, Outcome] = {}
+    for cp in sorted({c.cp for c in configs + [naive]}):
+        group_configs = [c for c in dict.fromkeys(configs + [naive]) if c.cp == cp]
+        outcomes.update(zip(group_configs, run_ranks(_rank_body, cp, lens, group_configs, dtype, bar,
+                                                     timeout=timeout)[0]))
+        bar.done += len(group_configs)
+    tol = TOLERANCE[torch_dtype]
+    results = [compare(c, outcomes[c], want, _plans(lens, c)[0], tol) for c in configs]
+    naive_result = compare(naive, outcomes[naive], want, _plans(lens, naive)[0], tol)
+    return Report(results, naive_result, lens, dtype, tol, time.perf_counter() - start, model="hybrid")
+

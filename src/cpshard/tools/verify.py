@@ -1,0 +1,400 @@
+"""``cpshard verify``: prove a context-parallel configuration end to end, on this machine.
+
+A tiny decoder-only transformer in plain PyTorch (embedding; layers of RMSNorm, rotary attention
+on the plan's position ids through :func:`cpshard.attention.attention`, and an MLP; multi-token
+prediction depths in Megatron's shape, scored by :func:`cpshard.mtp.mtp_loss`) runs forward and
+backward on a built-in batch of varied lengths (long, short, one token, shorter than any
+alignment, empty), first at ``cp = 1`` and then across real ``torch.distributed`` ranks for every
+requested ``cp``, ``tp`` alignment and layout (and, on request, minimal padding and the balanced
+contiguous order), using cpshard end to end: ``shard`` (tokens, labels),
+``shift_sharded_multi`` (each MTP depth's input ids), the reference attention, the MTP loss and
+``gather`` of the per-token log-probs. Each configuration's loss, per-token log-probs, MTP losses and
+every parameter gradient are compared with ``cp = 1``'s. The layout-naive attention under zigzag is
+run too, and must be caught.
+
+Note [How verify's ranks add up to cp = 1]
+------------------------------------------
+Every rank computes the loss of its own rows in Megatron's gradient convention (gradients averaged
+over DP x CP): ``cp * sum_local(nll * mask) / n_global``, with ``n_global`` the CP group's token
+count (one ``all_reduce``), and the MTP loss with ``normalization="mean"`` and global counts (Note
+[MTP token counts] in ``mtp.py``). The reference attention sends every rank the gradient of all
+ranks' queries with respect to its keys and values. So the mean over ranks of the losses, and of
+the parameter gradients (one ``all_reduce``, divided by ``cp``), equal ``cp = 1``'s; the log-probs
+are restored per sequence with ``gather``.
+
+Two ways to run: ``verify()`` spawns one gloo process group per ``cp`` (``cpshard.spawn.run_ranks``)
+and runs every configuration of that ``cp`` in it; :func:`verify_launched` runs inside a job that
+``torchrun`` started (env:// initialisation, ``cp`` = the world size, any backend), with the
+``cp = 1`` reference computed on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cpshard.base.errors import check_int, fail
+from cpshard.distributed.collectives import gather, max_over, shift_sharded_multi, sum_over_group
+from cpshard.loss.mtp import mtp_loss
+from cpshard.ops.sharding import shard, unshard
+from cpshard.plan.values import ShardPlan
+from cpshard.testing.attention import attention, attention_work, naive_attention
+from cpshard.testing.spawn import joined_group, run_ranks, world_group
+from cpshard.tools.model import DTYPES, MTP_DEPTHS, MTP_SCALE, TinyDecoder, _batch
+from cpshard.tools.results import (
+    MAX_TOKENS,
+    QUANTITIES,
+    TOLERANCE,
+    Config,
+    Outcome,
+    Progress,
+    Report,
+    Result,
+    _check_args,
+    compare,
+    configurations,
+)
+
+__all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Report", "Result", "TinyDecoder",
+           "estimate_seconds", "format_table", "scale_lengths", "verify", "verify_launched"]
+
+#: long, short, one token, shorter than the alignment of cp = 4 (2 * cp * tp = 8 or 16), empty
+DEFAULT_LENGTHS: tuple[int, ...] = (97, 23, 1, 5, 0, 40, 3)
+
+
+
+def scale_lengths(lengths: Sequence[int], tokens: int) -> list[int]:
+    """``lengths`` scaled down to sum to exactly ``tokens``, keeping the shape of their distribution.
+
+    Every length is multiplied by one factor ``f = tokens / sum(lengths)`` (so every ratio between
+    two lengths, every quantile relative to the mean, and the order are kept), then rounded so that
+    the sum is exact: down, then up for the largest remainders (each result within one token of
+    ``n * f``); an empty sequence stays empty and a non-empty one keeps at least one token (the
+    tokens that costs come off the longest lengths). Lengths that already fit are returned unchanged.
+
+    Example: ``scale_lengths([4000, 1000, 500, 0, 3], 1100) == [799, 200, 100, 0, 1]`` (``f = 0.1999``).
+    """
+    lens = ShardPlan.build(lengths, cp_size=1).seqlens_py
+    tokens = check_int("tokens", tokens, minimum=1)
+    total = sum(lens)
+    if total <= tokens:
+        return list(lens)
+    nonempty = sum(1 for n in lens if n)
+    if nonempty > tokens:
+        fail("tokens", tokens, f"is fewer than the batch's {nonempty} non-empty sequences (each keeps at least one "
+             "token)", f"scale to at least {nonempty} tokens, or verify a part of the batch")
+    exact = [n * tokens / total for n in lens]
+    out = [max(math.floor(x), 1 if n else 0) for x, n in zip(exact, lens)]
+    left = tokens - sum(out)
+    if left > 0:  # the largest remainders among the lengths not raised to one token
+        free = sorted((i for i, (x, n) in enumerate(zip(exact, lens)) if n and out[i] == math.floor(x)),
+                      key=lambda i: (math.floor(exact[i]) - exact[i], i))
+        for i in free[:left]:
+            out[i] += 1
+    while left < 0:  # raising short ones to one token overshot: take it from the longest (of ties, the
+        i = max(range(len(out)), key=lambda j: (out[j], -lens[j], -j))  # shortest, so that the order holds)
+        out[i] -= 1
+        left += 1
+    return out
+
+
+# -- one step -----------------------------------------------------------------------------------
+
+
+_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": attention, "naive": naive_attention}
+
+
+def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank: int, group: Any, *,
+         attend_fn: Callable[..., torch.Tensor] = attention, device: torch.device | None = None) -> Outcome:
+    """Forward and backward of ``model`` on this rank's rows of ``batch`` (Note [How verify's ranks add
+    up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``; ``attend_fn`` the CP attention
+    (:func:`cpshard.attention.attention`, or ``naive_attention`` to see it caught). Returns the
+    batch's values (the same on every rank); the model's ``.grad`` are left as this rank's own."""
+    start = time.perf_counter()
+    dev = device if device is not None else torch.device("cpu")
+    dtype = next(model.parameters()).dtype
+    ids = shard(batch, plan, cp_rank).to(dev)                       # (L,)
+    labels = shard(batch, plan, cp_rank, shift=1).to(dev)           # (L,) next token; 0 past the end
+    mask = plan.label_mask(cp_rank, shift=1).to(dev)                # (L,) True where a label exists
+    positions = plan.position_ids(cp_rank).to(dev)                  # (L,) for the rotary embedding
+    depths = tuple(range(1, MTP_DEPTHS + 1))
+    if group is None:
+        shifted = torch.stack([shard(batch, plan, cp_rank, shift=d) for d in depths]).to(dev)
+    else:  # what a trainer does when the ids exist only sharded: one exchange for every depth
+        shifted = shift_sharded_multi([ids], plan, group, shifts=depths)[0]
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend_fn(q, k, v, plan, group)
+
+    model.zero_grad(set_to_none=True)
+    chunks = model.hidden(ids, shifted, positions, attend)
+    mtp = mtp_loss(chunks, labels, mask.to(dtype), plan, group, output_layer=model.logits,
+                   loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), scaling_factor=MTP_SCALE)
+    logp = F.log_softmax(model.logits(mtp.hidden), -1)
+    token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype, device=dev))
+    count = sum_over_group(mask.sum().to(dtype), plan, group)
+    loss = -plan.cp_size * token_logp.sum() / count
+    loss.backward()
+
+    names = [n for n, _ in model.named_parameters()]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1), mtp.losses])
+    flat = sum_over_group(flat, plan, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
+    sizes = [g.numel() for g in grads]
+    parts = flat.split(sizes + [1, MTP_DEPTHS])
+    if group is None:
+        restored = unshard([token_logp.detach()], plan).values()
+    else:
+        restored = gather(token_logp.detach(), plan, group).values()
+    return Outcome(loss=parts[-2][0], logprobs=restored.double().cpu(), mtp_loss=parts[-1],
+                   grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-2], model.parameters())},
+                   seconds=time.perf_counter() - start)
+
+
+def _plan(lengths: Sequence[int], config: Config) -> ShardPlan:
+    return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout,
+                           padding=config.padding, reorder=config.reorder)
+
+
+def reference(lengths: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> Outcome:
+    """The ``cp = 1``, ``tp = 1`` outcome every configuration is compared with (no communication)."""
+    return step(TinyDecoder(dtype).to(device or "cpu"), _batch(lengths), _plan(lengths, Config(1, 1, "zigzag")), 0,
+                None, device=device)
+
+
+# -- how long a run takes ----------------------------------------------------------------------
+
+#: seconds to start one spawned rank (a Python process importing torch, and its gloo rendezvous) where
+#: this process cannot time its own start (see _startup_seconds)
+STARTUP_SECONDS = 5.0
+#: measured on a shared two-core machine (a long-tailed batch of 2000 tokens at cp = 2 and 4): a step across
+#: spawned ranks takes about twice its share of the cp = 1 time (the gathers, first calls building the
+#: plan's indices, ranks contending), and ranks that start together take about twice this process's start-up
+RANK_OVERHEAD = 2.0
+_ESTIMATE_RULE = ("each configuration: the cp=1 step's time times its busiest rank's share of the causal "
+                  "attention work, or 1/cores when ranks outnumber the cores, times 2 across ranks; plus the "
+                  "ranks' start-up")
+
+
+def _startup_seconds() -> float:
+    """How long this process took to start and import cpshard (a spawned rank does the same), plus a
+    second for the rendezvous; from /proc on Linux, else ``STARTUP_SECONDS``."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", encoding="ascii") as f:
+            age = float(f.read().split()[0]) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return STARTUP_SECONDS
+    return min(max(age, 1.0), 60.0) + 1.0
+
+
+_STARTED = _startup_seconds()  # at import: the start-up of a process that imports cpshard.verify
+
+
+def _cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[ShardPlan]], cpus: int, *,
+                     startup: float | None = None, overhead: float = RANK_OVERHEAD) -> float:
+    """A rough run time for the configurations after the ``cp = 1`` step, which took ``reference_seconds``.
+
+    The step's time is mostly the reference attention's, which scales with the causal work (the
+    (query, key) pairs scored). A configuration's ranks run at once, so it takes the cp=1 time times
+    its busiest rank's share of the work (:func:`cpshard.attention.attention_work`), but no less than
+    ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them), times ``overhead`` at
+    ``cp > 1`` (``RANK_OVERHEAD``); each spawned group of ``cp`` ranks adds ``startup * cp / min(cp,
+    cpus)`` seconds (default: ``RANK_OVERHEAD`` times this process's own start-up, timed).
+    ``plans_by_cp``: every configuration's plan by its ``cp``; configurations at ``cp = 1`` run in this
+    process and start nothing. A guide, not a promise: a loaded machine runs slower.
+    """
+    startup = RANK_OVERHEAD * _STARTED if startup is None else startup
+    total = 0.0
+    for cp, plans in plans_by_cp.items():
+        cores = max(1, min(cp, cpus))
+        if cp > 1:
+            total += startup * cp / cores
+        for plan in plans:
+            work = attention_work(plan)
+            share = max(work) / sum(work) if sum(work) else 1.0 / cp
+            total += reference_seconds * max(share, 1.0 / cores) * (overhead if cp > 1 else 1.0)
+    return total
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+# -- spawned gloo groups ----------------------------------------------------------------------
+
+
+def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
+               progress: Progress) -> list[Outcome] | None:
+    """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    group = world_group()
+    batch = _batch(lengths)
+    model = TinyDecoder(DTYPES[dtype_name])
+    outcomes = []
+    for config in configs:
+        outcome = step(model, batch, _plan(lengths, config), rank, group, attend_fn=_KERNELS[config.attention])
+        slowest = torch.tensor([outcome.seconds])
+        slowest = max_over(slowest, group)
+        outcomes.append(dataclasses.replace(outcome, seconds=float(slowest)))
+        if rank == 0:
+            progress.step(f"{config.name} {float(slowest):.1f} s")
+    return outcomes if rank == 0 else None
+
+
+def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
+           layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
+           paddings: Sequence[str] = ("aligned",), reorders: Sequence[str | None] = (None,), progress: bool = True,
+           timeout: float = 600.0, model: str = "decoder") -> Report:
+    """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
+
+    ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
+    configurations must then fail). The naive attention under zigzag is always run once more, at the
+    smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
+    ``model="hybrid"``: the hybrid decoder of ``cpshard.tools.hybrid`` instead (zigzag attention, a scan on
+    the contiguous twin; ``layouts`` and ``attention`` do not apply), whose naive scan must be caught.
+    """
+    if model == "hybrid":
+        from cpshard.tools.hybrid import verify_hybrid
+        return verify_hybrid(lengths, cps=cps, tps=tps, dtype=dtype, paddings=paddings, reorders=reorders,
+                             progress=progress, timeout=timeout)
+    if model != "decoder":
+        fail("model", repr(model), "must be 'decoder' or 'hybrid'", "pass model='hybrid' or leave the default")
+    start = time.perf_counter()
+    lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype, reorders)
+    if attention not in ("reference", "naive"):
+        fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
+    configs = [dataclasses.replace(c, attention=attention)
+               for c in configurations(cps, tps, layouts, paddings, reorders)]
+    naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
+    bar = Progress(total=len(configs) + 2, enabled=progress)
+    torch_dtype = DTYPES[dtype]
+    by_cp: dict[int, list[Config]] = {}
+    for c in dict.fromkeys(configs + [naive]):  # with attention="naive" the check is one of the configurations
+        by_cp.setdefault(c.cp, []).append(c)
+    bar.note(f"{sum(lens)} tokens, {sum(map(len, by_cp.values()))} configurations; the cp=1 reference step "
+             "first, then the estimate")
+    ref_start = time.perf_counter()
+    want = reference(lens, torch_dtype)
+    ref_seconds = time.perf_counter() - ref_start
+    bar.step(f"cp=1 reference {ref_seconds:.1f} s")
+    cpus = _cpus()
+    guess = estimate_seconds(ref_seconds, {cp: [_plan(lens, c) for c in cs] for cp, cs in by_cp.items()}, cpus)
+    bar.note(f"about {_duration(guess)} more on {cpus} CPU core{'s' if cpus > 1 else ''} ({_ESTIMATE_RULE})")
+    outcomes: dict[Config, Outcome] = {}
+    for cp, group_configs in by_cp.items():
+        if cp == 1:
+            for c in group_configs:
+                outcomes[c] = step(TinyDecoder(torch_dtype), _batch(lens), _plan(lens, c), 0, None,
+                                   attend_fn=_KERNELS[c.attention])
+                bar.step(c.name)
+            continue
+        got = run_ranks(_rank_body, cp, lens, group_configs, dtype, bar, timeout=timeout)[0]
+        bar.done += len(group_configs)
+        outcomes.update(zip(group_configs, got))
+    tol = TOLERANCE[torch_dtype]
+    results = [compare(c, outcomes[c], want, _plan(lens, c), tol) for c in configs]
+    naive_result = compare(naive, outcomes[naive], want, _plan(lens, naive), tol)
+    return Report(results, naive_result, lens, dtype, tol, time.perf_counter() - start)
+
+
+# -- under torchrun ---------------------------------------------------------------------------
+
+
+def launched() -> bool:
+    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | None = None,
+                    tps: Sequence[int] = (1, 2), layouts: Sequence[str] = ("zigzag", "contiguous"),
+                    dtype: str = "float64", attention: str = "reference", paddings: Sequence[str] = ("aligned",),
+                    reorders: Sequence[str | None] = (None,), progress: bool = True) -> Report | None:
+    """Every configuration at ``cp`` = the world size, inside a ``torchrun`` job (env:// initialisation).
+
+    ``backend``: ``"nccl"`` (each rank on ``cuda:LOCAL_RANK``) or ``"gloo"``; default nccl when CUDA
+    is available. Rank 0 computes the ``cp = 1`` reference itself and returns the report; the other
+    ranks return None. The process group is created and destroyed here.
+    """
+    world = int(os.environ["WORLD_SIZE"])
+    lens, _, tps, layouts, paddings = _check_args(lengths, [world], tps, layouts, paddings, dtype, reorders)
+    if world < 2:
+        fail("WORLD_SIZE", world, "must be >= 2 (a context-parallel group of one rank proves nothing)",
+             "run torchrun --nproc-per-node 2 (or more) -m cpshard verify")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        fail("backend", repr(backend), "must be 'nccl' or 'gloo'", "pass --backend nccl on GPUs, gloo on CPUs")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    with joined_group(backend) as (rank, group):
+        start = time.perf_counter()
+        torch_dtype = DTYPES[dtype]
+        configs = [dataclasses.replace(c, attention=attention)
+                   for c in configurations([world], tps, layouts, paddings, reorders)]
+        naive = Config(world, 1, "zigzag", "naive")
+        bar = Progress(total=len(configs) + 2, enabled=progress and rank == 0)
+        ref_start = time.perf_counter()
+        want = reference(lens, torch_dtype, device) if rank == 0 else None
+        ref_seconds = time.perf_counter() - ref_start
+        bar.step(f"cp=1 reference {ref_seconds:.1f} s")
+        guess = estimate_seconds(ref_seconds, {world: [_plan(lens, c) for c in configs + [naive]]}, world, startup=0.0)
+        bar.note(f"about {_duration(guess)} more ({_ESTIMATE_RULE}; on GPUs far less)")
+        model = TinyDecoder(torch_dtype).to(device)
+        batch = _batch(lens)
+        results: list[Result] = []
+        for c in configs + [naive]:
+            plan = _plan(lens, c)
+            got = step(model, batch, plan, rank, group, attend_fn=_KERNELS[c.attention], device=device)
+            bar.step(f"{c.name} {got.seconds:.1f} s")
+            if want is not None:
+                results.append(compare(c, got, want, plan, TOLERANCE[torch_dtype]))
+        if rank != 0:
+            return None
+        return Report(results[:-1], results[-1], lens, dtype, TOLERANCE[torch_dtype], time.perf_counter() - start)
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def format_table(report: Report) -> str:
+    """The table ``cpshard verify`` prints: one row per configuration, then the naive check."""
+    head = ["configuration", "loss", "logprobs", "mtp_loss", "grads", "padding", "attn max/mean", "seconds", ""]
+    rows = []
+    for r in report.results + ([report.naive] if report.naive is not None else []):
+        verdict = "ok" if r.ok else "MISMATCH"
+        if r is report.naive:
+            verdict = "MISMATCH (caught, as it must be)" if not r.ok else "NOT CAUGHT"
+        rows.append([r.config.name] + [f"{r.max_abs_diff[q]:.1e}" for q in QUANTITIES]
+                    + [f"{100 * r.padding_overhead:.1f}%", f"{r.attention_imbalance:.3f}", f"{r.seconds:.2f}", verdict])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) if i < len(head) - 1 else str(x)
+                       for i, (x, w) in enumerate(zip(line, widths))).rstrip() for line in [head] + rows]
+    lines.insert(1, "-" * len(lines[0]))
+    summary = (f"lengths {list(report.lengths)}, {report.dtype}, max |difference| from cp=1 "
+               f"(tolerance {report.tolerance:.0e} x max(1, |cp=1 value|)); {report.seconds:.1f} s")
+    naive = "scan on zigzag rows" if report.model == "hybrid" else "attention under zigzag"
+    verdict = (f"OK: every configuration equals cp=1, and the layout-naive {naive} was caught"
+               if report.ok else "FAILED: " + "; ".join(
+                   [f"{r.config.name} differs from cp=1" for r in report.results if not r.ok]
+                   + ([] if report.naive_kernel_caught else [f"the layout-naive {naive} was not caught"])))
+    return "\n".join([summary, ""] + lines + ["", verdict])
