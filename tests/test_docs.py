@@ -18,7 +18,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- excerpt: (?P<excerpt>\S+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 # the files that the suite runs, and where (a block may be an excerpt of these only)
 RUN_BY_THE_SUITE = {"examples/train_step.py": "tests/test_readme.py::test_the_training_step_example_runs"}
@@ -97,3 +97,13 @@ def test_every_docs_page_is_in_the_site_navigation():
     config = (ROOT / "mkdocs.yml").read_text()
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
     assert [p for p in pages if f": {p}" not in config] == []
+
+
+def test_the_changelog_is_by_version_and_names_this_one():
+    """Keep a Changelog: [Unreleased] on top, then versions newest first; the newest is the package's."""
+    import cpshard
+
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), flags=re.M)[1]
+    heads = re.findall(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), flags=re.M)
+    assert heads[0] == "Unreleased" and heads[1] == version == cpshard.__version__, (heads, version)
+    assert heads[1:] == sorted(heads[1:], key=lambda v: tuple(map(int, v.split("."))), reverse=True)

@@ -1,6 +1,6 @@
 """cpshard: context-parallel sharding of variable-length micro-batches from one plan.
 
-Public API (documented in the README):
+Public API (documented in docs/ and the README):
 
 - :class:`ShardPlan` / :class:`BshdPlan`: immutable plans for packed (THD) and padded (BSHD) batches,
   with the same names for the same things (``local_len``, ``total_len``, ``max_seqlen``,
@@ -38,7 +38,7 @@ from cpshard.pack import Packing, pack  # eager: the function must shadow its mo
 from cpshard.padded import from_padded, to_padded
 from cpshard.plan import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
 
-__version__ = "0.2.0.dev0"
+__version__ = "0.2.0"
 
 # The summary and the figure come from the CLI's modules (argparse, and matplotlib for the figure):
 # imported on first use, so that ``import cpshard`` stays the index math and data movement alone.
