@@ -20,11 +20,9 @@ Public API (documented in docs/ and the README):
 - :func:`describe_plan` / :func:`describe_bshd`: the text ``cpshard plan`` prints (which rows each rank
   holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
-The package keeps pure index math (``layout``, ``_parse``, ``plan``, ``bshd``, ``_index``, ``_indices``,
-``_exchange``, ``_halo``, ``causal``) apart from data movement (``ops``, ``padded``) and from
-communication (``distributed``, the only module that communicates; ``_agree`` is its pure protocol);
-framework adapters live in ``cpshard.megatron`` and ``cpshard.compat``. ``docs/ARCHITECTURE.md`` draws
-the layers.
+The package keeps pure index math apart from data movement and from communication
+(``cpshard.distributed`` is the only module that communicates); framework adapters live in
+``cpshard.megatron`` and ``cpshard.compat``. ``docs/ARCHITECTURE.md`` draws the layers.
 """
 
 from cpshard import _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
