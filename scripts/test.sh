@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the whole test suite; then the MTP tests once more with megatron-core
-# 0.16.0 first on the path (its GPTModel loop, no process_mtp_loss; see scripts/setup.sh); then the
-# README's install cases in a fresh torch-only environment (scripts/check_install.sh, about a minute, run
-# alongside the MTP tests; CPSHARD_INSTALL_CHECK=0 skips it). With arguments, only pytest runs, with them.
-# Without, the suite runs on two pytest-xdist workers where there are two cores or more (the gloo tests
-# together on one of them, tests/conftest.py); CPSHARD_TEST_WORKERS=N sets the number, 0 runs it in one process.
+# Set up (idempotent; scripts/setup.sh) and run the whole test suite; then the MTP tests once more with
+# megatron-core 0.16.0 first on the path (its GPTModel loop, no process_mtp_loss; see scripts/setup.sh);
+# the docs site, built with mkdocs --strict (tests/test_docs.py runs every Python block of README.md and
+# docs/ in the suite); and the README's install cases in a fresh torch-only environment
+# (scripts/check_install.sh, about a minute, run alongside the MTP tests and the docs build;
+# CPSHARD_INSTALL_CHECK=0 skips it). With arguments, only pytest runs, with them. Without, the suite runs
+# on two pytest-xdist workers where there are two cores or more (the gloo tests together on one of them,
+# tests/conftest.py); CPSHARD_TEST_WORKERS=N sets the number, 0 runs it in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -25,6 +27,8 @@ if [ -d .venv-mcore016/megatron ]; then
   PYTHONPATH=.venv-mcore016${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q tests/test_mtp.py \
     tests/test_mtp_distributed.py
 fi
+echo "--- the docs site (mkdocs build --strict: a broken link or a missing API reference fails) ---"
+.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)/site"
 if [ -n "$install_log" ]; then
   echo "--- the install cases (a fresh environment with torch only) ---"
   status=0

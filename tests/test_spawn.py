@@ -218,3 +218,40 @@ def test_the_counter_under_torch_compile():
         assert double(torch.ones(3)).tolist() == [3.0] * 3
     assert (counter.calls, counter.bytes) == ([], 0)
     assert not hasattr(CollectiveCounter.__dict__["__torch_dispatch__"], "__wrapped__")
+
+
+_SCRIPT = '''
+import torch.distributed as dist
+from cpshard.spawn import run_ranks
+
+
+def body(rank, world_size):
+    return rank
+{call}
+'''
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_the_main_guard_is_named_before_any_rank_starts(tmp_path, guarded):
+    """A script that calls run_ranks at its top level: Python's own error is about a "bootstrapping phase"
+    in every rank; run_ranks names the guard and the line instead, and starts nothing. Guarded, it runs."""
+    import subprocess
+
+    call = 'if __name__ == "__main__":\n    print(run_ranks(body, 2))' if guarded else "print(run_ranks(body, 2))"
+    script = tmp_path / "ranks.py"
+    script.write_text(_SCRIPT.format(call=call))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    if guarded:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "[0, 1]"
+    else:
+        assert done.returncode == 1
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"RuntimeError: run_ranks was called by the top-level code of {script} (line 8)")
+        assert 'Fix: put the call under `if __name__ == "__main__":`' in last
+        assert "bootstrapping" in last and "rank 0" not in done.stderr  # no rank started
+
+
+def test_a_call_from_a_function_of_the_main_script_is_not_refused(monkeypatch):
+    """Only the main script's top level is looked at: a call from a test (or any function) is not refused."""
+    assert spawn._unguarded_main_line() is None

@@ -1,6 +1,6 @@
 """cpshard: context-parallel sharding of variable-length micro-batches from one plan.
 
-Public API (documented in the README):
+Public API (documented in docs/ and the README):
 
 - :class:`ShardPlan` / :class:`BshdPlan`: immutable plans for packed (THD) and padded (BSHD) batches,
   with the same names for the same things (``local_len``, ``total_len``, ``max_seqlen``,
@@ -49,9 +49,7 @@ from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.twins import twin_plan
 from cpshard.plan.values import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
 
-__version__ = "0.2.0.dev0"
-
-_aliases.install()  # the module paths before the subpackages (cpshard.mtp, cpshard.spawn, ...)
+__version__ = "0.2.0"
 
 _aliases.install()  # the module paths before the subpackages (cpshard.mtp, cpshard.spawn, ...)
 

@@ -12,7 +12,9 @@ caller (with the rank named); a run that outlives ``timeout`` seconds is killed 
 ``set_default_context`` changes the default for every call, cpshard's own included (a test suite
 that forks its ranks from a server, as cpshard's does).
 
-``fn`` and its arguments must be picklable: define ``fn`` at module level in an importable module.
+``fn`` and its arguments must be picklable: define ``fn`` at module level in an importable module. A
+script calls ``run_ranks`` under ``if __name__ == "__main__":``: ``spawn`` imports the script again in
+every rank, and an unguarded call is refused before any process starts, naming the line.
 
 ``CollectiveCounter`` records, inside a rank, the c10d collectives a block issues (names in call
 order, bytes sent) with a plain dispatch mode: it costs one Python call per tensor operation in the
@@ -307,6 +309,49 @@ def set_default_context(context: Any) -> Any:
     return previous
 
 
+def _unguarded_main_line() -> tuple[str, int] | None:
+    """``(script, line)`` where the main script's top-level code calls this, outside an
+    ``if __name__ == "__main__":`` block; ``None`` when the call is guarded, or not made by a script's
+    top level (a function, a test runner, an interactive session)."""
+    import ast
+
+    main = sys.modules.get("__main__")
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and main is not None
+                                     and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None  # no file to read back (python -c, a notebook): nothing to re-import either
+    for node in tree.body:
+        if (isinstance(node, ast.If) and node.lineno <= line <= (node.end_lineno or node.lineno)
+                and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)):
+            return None
+    return path, line
+
+
+def _check_main_guard(ctx: Any) -> None:
+    """Under ``spawn`` and ``forkserver`` every rank imports the main script again; a script whose top level
+    calls ``run_ranks`` unguarded would start ranks from every rank (Python's "bootstrapping phase" error in
+    each, and ranks that exit without reporting). Named here, before any process starts."""
+    method = getattr(ctx, "get_start_method", lambda: None)()
+    if method not in ("spawn", "forkserver"):
+        return
+    where = _unguarded_main_line()
+    if where is not None:
+        raise RuntimeError(
+            f"run_ranks was called by the top-level code of {where[0]} (line {where[1]}), outside an "
+            f"`if __name__ == \"__main__\":` block. Under the {method!r} start method every rank imports that "
+            "script again, runs its top level and would start ranks of its own (Python's \"bootstrapping "
+            "phase\" error). Fix: put the call under `if __name__ == \"__main__\":` (and keep the rank "
+            "function at module level, so that the ranks can import it)")
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
               collective_timeout: float = 60.0, start_method: str | None = None) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each in its own process.
@@ -322,6 +367,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     starts fastest but copies this process's state (unsafe once it runs threads).
     """
     ctx = _default_context if start_method is None else _start_context(start_method)
+    _check_main_guard(ctx)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout),
@@ -355,7 +401,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
                         and r not in out and r not in failures]
                 for r in dead:
-                    failures[r] = (time.time(), f"rank {r} exited with code {procs[r].exitcode} without reporting")
+                    failures[r] = (time.time(), f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                                   " (its own error, if any, is on stderr above; under 'spawn' a rank that "
+                                   "cannot import the calling script, or the module of its function, dies so)")
                 if dead and settle is None:
                     settle = time.monotonic() + 3.0
                 continue
