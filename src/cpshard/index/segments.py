@@ -169,6 +169,27 @@ def rank_segments(padded: np.ndarray, seqlens: np.ndarray, cp_size: int, layout:
     return Segments.of(ids, lo - starts, hi - lo, local, seqlens)
 
 
+def held_segments(padded: np.ndarray, cp_size: int, layout: Layout) -> int:
+    """How many non-empty segments every rank's lists hold together, for sequences padded to ``padded``
+    (:func:`rank_segments` of every rank, those of positive length counted), in closed form: no
+    segment is built. A padded sequence of ``P > 0`` rows gives ``2 cp`` chunks of ``P / (2 cp) > 0``
+    rows under zigzag (``cp > 1``), one segment at ``cp = 1``, and under contiguous one per rank its
+    rows ``[S, S + P)`` meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows.
+
+    >>> held_segments(np.array([6, 4, 0]), 2, Layout.CONTIGUOUS), held_segments(np.array([8, 0]), 2, Layout.ZIGZAG)
+    (3, 4)
+    """
+    filled = padded > 0
+    if cp_size == 1:
+        return int(filled.sum())
+    if layout is Layout.ZIGZAG:
+        return 2 * cp_size * int(filled.sum())
+    local = int(padded.sum()) // cp_size
+    starts = (np.cumsum(padded) - padded)[filled]
+    ends = starts + padded[filled]
+    return int((-(-ends // local) - starts // local).sum())
+
+
 def repeat_segments(single: Segments, seqlens: np.ndarray) -> Segments:
     """BSHD: the segments of one sequence of length ``M``, repeated for every batch row (row ``b``
     holding ``seqlens[b]`` tokens)."""

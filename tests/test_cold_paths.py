@@ -1,0 +1,66 @@
+"""Cold index paths: what a plan's index service answers without building every rank's segments.
+
+The count of held segments (``PlanIndices.held``, the closed form ``_index.held_segments``) is what
+``runs`` asks before it decides to build the restore's runs; it must equal the count of the
+non-empty segments the ranks' lists really hold (``rank_segments`` is itself checked against the
+per-row reference in ``test_shard_props``)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpshard import BshdPlan, ShardPlan, unshard
+from strategies import props
+
+
+def _counted(plan) -> int:
+    ix = plan.indices()
+    return sum(int((ix.segments(r).length > 0).sum()) for r in range(plan.cp_size))
+
+
+@given(lens=st.lists(st.integers(0, 300) | st.integers(0, 5), min_size=1, max_size=24), cp=st.integers(1, 9),
+       tp=st.integers(1, 3), layout=st.sampled_from(["zigzag", "contiguous"]),
+       padding=st.sampled_from(["aligned", "minimal"]), extra=st.integers(0, 3), reorder=st.booleans())
+@props(150)
+def test_held_segments_in_closed_form_count_the_built_ones(lens, cp, tp, layout, padding, extra, reorder):
+    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=padding,
+                           min_local_rows=extra or None,
+                           reorder="balanced" if reorder and layout == "contiguous" else None)
+    assert plan.indices().held() == _counted(plan)
+
+
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=8), cp=st.integers(1, 5),
+       layout=st.sampled_from(["zigzag", "contiguous"]))
+@props(60)
+def test_held_segments_of_a_bshd_plan(lens, cp, layout):
+    plan = BshdPlan.build(lens, cp_size=cp, layout=layout)
+    assert plan.indices().held() == _counted(plan)
+
+
+def test_a_restore_of_short_pieces_builds_no_segments_of_every_rank():
+    """100,000 short sequences at cp = 64 hold 12.8M zigzag chunks: deciding that the runs are too
+    short to use, and gathering by the closed-form index, builds none of them, and the result is the
+    one the segments give (the small plan below checks the same path against the segments)."""
+    lens = [1 + (7 * i) % 64 for i in range(100_000)]
+    for layout in ("zigzag", "contiguous"):
+        plan = ShardPlan.build(lens, cp_size=64, layout=layout)
+        ix = plan.indices()
+        assert ix.runs() is None
+        parts = [torch.arange(plan.local_len, dtype=torch.int32) + r * plan.local_len for r in range(64)]
+        got = unshard(parts, plan).values()
+        assert got.numel() == sum(lens)
+        kept = ix.kept()
+        assert "every" not in kept and "segments" not in kept and "restore" not in kept, kept
+        # the gathered rows are the tokens' rows of the rank-concatenated buffer: spot-check against segments
+        small = ShardPlan.build(lens[:50], cp_size=64, layout=layout)
+        want = []
+        for r in range(64):
+            seg = small.indices().segments(r)
+            for s, p, n, t, start in zip(seg.seq.tolist(), seg.pos.tolist(), seg.length.tolist(),
+                                         seg.tokens.tolist(), seg.start.tolist()):
+                want += [(s, p + j, r * small.local_len + start + j) for j in range(t)]
+        want = [row for _, _, row in sorted(want)]
+        parts = [torch.arange(small.local_len, dtype=torch.int32) + r * small.local_len for r in range(64)]
+        assert unshard(parts, small).values().tolist() == want
