@@ -1,6 +1,11 @@
 """Balanced contiguous order: permute a micro-batch's sequences so causal attention work is even.
 
-Pure index math on CPU int64 tensors and Python ints; no communication, no plan.
+Pure index math on NumPy int64 arrays and Python ints; no communication, no plan. NumPy, not torch,
+like the rest of the host-side index math (plans, packing, refinement): one array library, whose
+calls run on the calling thread, so the cost does not depend on ``torch.set_num_threads`` or
+``OMP_NUM_THREADS`` (torch's kernels fork and join its thread pool on arrays past a few thousand
+elements, which the descent's candidate matrices are; ``benchmarks/scale.py`` prints the rows). Only
+the kicks' random swaps draw from a seeded ``torch.Generator``, a handful of scalars per kick.
 
 Note [Causal work under the contiguous layout]
 ----------------------------------------------
@@ -38,7 +43,7 @@ from cpshard.base.errors import fail
 
 __all__ = ["balanced_order", "rank_work", "work_lower_bound", "zigzag_works"]
 
-_I64 = torch.int64
+_I64 = np.dtype(np.int64)
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
 _LARGE = 256  # past this many the descent gets an eighth of the budget
 _STEP_ROWS = 1 << 14  # beyond it, candidate rows a step (moves of the heaviest rank's sequences)
@@ -52,20 +57,20 @@ _BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
 
 
 def _tri(x: Any) -> Any:
-    """``x (x + 1) / 2`` of an int64 tensor or array (``pack`` and ``packing.refine`` share it)."""
+    """``x (x + 1) / 2`` of an int64 array (``pack`` and ``packing.refine`` share it)."""
     return (x * (x + 1)) >> 1  # x (x + 1) is even and >= 0; the shift is many times faster than // 2
 
 
-def _check(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(n, P, L)`` as int64 tensors and the rows per rank, after checking SPEC's rules."""
+def _check(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(n, P, L)`` as int64 arrays and the rows per rank, after checking SPEC's rules."""
     if len(seqlens) != len(padded) or not seqlens:
         fail("padded", f"{len(padded)} padded lengths for {len(seqlens)} sequences",
              "must give one padded length per sequence, and at least one sequence",
              "pass padded lengths aligned with seqlens")
     if cp_size < 1:
         fail("cp_size", cp_size, "must be >= 1", "pass the context-parallel size")
-    n = torch.tensor(list(seqlens), dtype=_I64)
-    p = torch.tensor(list(padded), dtype=_I64)
+    n = np.array(list(seqlens), dtype=_I64)
+    p = np.array(list(padded), dtype=_I64)
     if bool((n < 0).any()) or bool((p < n).any()):
         fail("padded", list(padded), "every padded length must be >= its sequence length >= 0",
              "pad each sequence at its end (SPEC, Padding)")
@@ -76,25 +81,31 @@ def _check(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple
     return n, p, total // cp_size
 
 
-def _table(n: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _table(n: np.ndarray, p: np.ndarray) -> np.ndarray:
     """``(3, B)``: padded length, work ``tri(n)`` and length of every sequence (what ``_works`` reads)."""
-    return torch.stack([p, _tri(n), n])
+    return np.stack([p, _tri(n), n])
 
 
-def _works(table: torch.Tensor, local: int, cp_size: int, orders: torch.Tensor) -> torch.Tensor:
+def _works(table: np.ndarray, local: int, cp_size: int, orders: np.ndarray) -> np.ndarray:
     """``(K, cp)`` rank works of ``K`` orders ``(K, B)`` (Note [Causal work under the contiguous layout]).
 
-    A dozen tensor operations whatever ``K``: the descent scores all its candidates in one call.
+    A dozen array operations whatever ``K``: the descent scores all its candidates in one call. The
+    boundary search is one ``searchsorted`` over every order's ends, each row offset by ``k * span``
+    (``span`` past the buffer's rows), so the rows' keys never interleave.
     """
     k, b = orders.shape
-    flat = orders.reshape(-1)
-    p_o, w_o, n_o = (table[i].index_select(0, flat).view(k, b) for i in range(3))  # far faster than [orders]
-    end = torch.cumsum(p_o, 1)  # the row after each sequence
-    cuts = (torch.arange(cp_size + 1, dtype=_I64) * local).expand(k, -1).contiguous()
-    j = torch.searchsorted(end, cuts, right=True).clamp_(max=b - 1)  # the sequence each boundary cuts
-    head = (cuts - end.gather(1, j) + p_o.gather(1, j)).minimum(n_o.gather(1, j))
-    g = torch.cumsum(w_o, 1).gather(1, j) - w_o.gather(1, j) + _tri(head)  # G(r L), r = 0 .. cp
-    return g.diff(dim=1)
+    p_o, w_o, n_o = table[0][orders], table[1][orders], table[2][orders]
+    end = np.cumsum(p_o, 1)  # the row after each sequence
+    span = int(end[0, -1]) + 1 if k else 1  # every order holds the same rows
+    offset = np.arange(k, dtype=_I64)[:, None] * span
+    cuts = np.arange(cp_size + 1, dtype=_I64)[None, :] * local
+    j = np.searchsorted((end + offset).reshape(-1), (cuts + offset).reshape(-1), side="right").reshape(k, -1)
+    j -= np.arange(k, dtype=_I64)[:, None] * b
+    np.minimum(j, b - 1, out=j)  # the sequence each boundary cuts
+    head = np.minimum(cuts - np.take_along_axis(end, j, 1) + np.take_along_axis(p_o, j, 1),
+                      np.take_along_axis(n_o, j, 1))
+    g = np.take_along_axis(np.cumsum(w_o, 1) - w_o, j, 1) + _tri(head)  # G(r L), r = 0 .. cp
+    return np.diff(g, axis=1)
 
 
 def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int], cp_size: int) -> list[int]:
@@ -110,7 +121,7 @@ def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int
     n, p, local = _check(seqlens, padded, cp_size)
     if sorted(order) != list(range(len(n))):
         fail("order", list(order), f"must be a permutation of range({len(n)})", "pass each sequence index once")
-    return _works(_table(n, p), local, cp_size, torch.tensor([list(order)], dtype=_I64))[0].tolist()
+    return _works(_table(n, p), local, cp_size, np.array([list(order)], dtype=_I64))[0].tolist()
 
 
 def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
@@ -129,95 +140,119 @@ def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
     return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
 
 
-def _move_maps(b: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+def _move_maps(b: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
     """``(2 K, B)`` index maps: insert the item at ``i[k]`` at ``j[k]``, then swap ``i[k]`` and ``j[k]``."""
-    t = torch.arange(b, dtype=_I64)
+    t = np.arange(b, dtype=_I64)
+    rows = np.arange(i.size)
     i, j = i[:, None], j[:, None]
-    ins = t + ((i < j) & (t >= i) & (t < j)).long() - ((i > j) & (t > j) & (t <= i)).long()
-    ins.scatter_(1, j, i)
-    swp = t.expand(i.shape[0], b).clone()
-    swp.scatter_(1, i, j).scatter_(1, j, i)
-    return torch.cat([ins, swp])
+    ins = t + ((i < j) & (t >= i) & (t < j)) - ((i > j) & (t > j) & (t <= i))
+    ins[rows, j[:, 0]] = i[:, 0]
+    swp = np.repeat(t[None, :], i.shape[0], axis=0)
+    swp[rows, i[:, 0]] = j[:, 0]
+    swp[rows, j[:, 0]] = i[:, 0]
+    return np.concatenate([ins, swp])
 
 
 @lru_cache(maxsize=32)
-def _all_moves(b: int) -> torch.Tensor:
+def _all_moves(b: int) -> np.ndarray:
     """Every insertion and every swap of a batch of ``b`` (``2 b (b - 1)`` maps, a few duplicates)."""
-    t = torch.arange(b, dtype=_I64)
-    i, j = (x.reshape(-1) for x in torch.meshgrid(t, t, indexing="ij"))
+    t = np.arange(b, dtype=_I64)
+    i, j = (x.reshape(-1) for x in np.meshgrid(t, t, indexing="ij"))
     keep = i != j
-    return _move_maps(b, i[keep], j[keep])
+    out = _move_maps(b, i[keep], j[keep])
+    out.flags.writeable = False
+    return out
 
 
 @lru_cache(maxsize=_EXACT)
-def _permutations(b: int) -> torch.Tensor:
+def _permutations(b: int) -> np.ndarray:
     """``(b!, b)``: every order of ``b`` sequences, the given one first."""
-    return torch.tensor(list(itertools.permutations(range(b))), dtype=_I64)
+    out = np.array(list(itertools.permutations(range(b))), dtype=_I64).reshape(-1, b)
+    out.flags.writeable = False
+    return out
 
 
-def _heavy_moves(table: torch.Tensor, local: int, order: torch.Tensor, heavy: int) -> torch.Tensor:
+def _spread(last: int, steps: int) -> np.ndarray:
+    """``steps`` evenly spread integers from 0 to ``last``: torch's float32 ``linspace(0, last, steps)``
+    rounded half to even, restated exactly (the first half counted up from 0, the rest down from
+    ``last``, in float32), so that the descent visits the positions it always did."""
+    if steps == 1:
+        return np.zeros(1, dtype=_I64)
+    step = np.float32(last) / np.float32(steps - 1)
+    idx = np.arange(steps)
+    up = np.float32(0) + step * idx.astype(np.float32)
+    down = np.float32(last) - step * (steps - 1 - idx).astype(np.float32)
+    return np.where(idx < steps // 2, up, down).round().astype(_I64)
+
+
+def _heavy_moves(table: np.ndarray, local: int, order: np.ndarray, heavy: int) -> np.ndarray:
     """Past ``_FULL_SEARCH``: insertions and swaps of the sequences touching rank ``heavy`` with evenly
     spread positions, at most ``_STEP_ROWS`` candidate rows (both spread more thinly as ``B`` grows)."""
-    b = order.numel()
-    ends = torch.cumsum(table[0, order], 0)
-    first = int(torch.searchsorted(ends, torch.tensor(heavy * local), right=True))
-    last = int(torch.searchsorted(ends, torch.tensor((heavy + 1) * local - 1), right=True))
-    pos = torch.arange(first, min(last, b - 1) + 1, dtype=_I64)
+    b = order.size
+    ends = np.cumsum(table[0][order])
+    first = int(np.searchsorted(ends, heavy * local, side="right"))
+    last = int(np.searchsorted(ends, (heavy + 1) * local - 1, side="right"))
+    pos = np.arange(first, min(last, b - 1) + 1, dtype=_I64)
     pairs = max(16, _STEP_ROWS // (2 * b))
-    if pos.numel() * b > pairs:
+    if pos.size * b > pairs:
         keep = max(4, math.isqrt(pairs))
-        pos = pos[torch.linspace(0, pos.numel() - 1, min(pos.numel(), keep)).round().long()]
-    targets = torch.linspace(0, b - 1, min(b, max(2, pairs // pos.numel()))).round().long()
-    i, j = (x.reshape(-1) for x in torch.meshgrid(pos, targets, indexing="ij"))
+        pos = pos[_spread(pos.size - 1, min(pos.size, keep))]
+    targets = _spread(b - 1, min(b, max(2, pairs // pos.size)))
+    i, j = (x.reshape(-1) for x in np.meshgrid(pos, targets, indexing="ij"))
     keep_pair = i != j
     return _move_maps(b, i[keep_pair], j[keep_pair])
 
 
-def _descend(table: torch.Tensor, local: int, cp_size: int, order: torch.Tensor, budget: int,
-             scored: bool = True) -> tuple[torch.Tensor, float, int]:
+def _descend(table: np.ndarray, local: int, cp_size: int, order: np.ndarray, budget: int,
+             scored: bool = True) -> tuple[np.ndarray, float, int]:
     """Best-improvement descent on ``_score`` from ``order``: ``(order, its score, budget left)``.
 
     Stops at a local optimum or once ``budget`` candidate rows (orders scored times ``B``) are spent.
     ``scored=False`` skips scoring the start (a kicked order): the first step then always moves.
     """
-    b = order.numel()
+    b = order.size
     full = _all_moves(b) if b <= _FULL_SEARCH else None
     w = _works(table, local, cp_size, order[None])[0] if scored or full is None else None
-    cur = _score(w[None])[0] if scored and w is not None else torch.tensor(float("inf"), dtype=torch.float64)
+    cur = float(_score(w[None])[0]) if scored and w is not None else float("inf")
     while budget > 0:
         if full is not None:
             moves = full
         else:
             assert w is not None  # scored above whenever full is None
             moves = _heavy_moves(table, local, order, int(w.argmax()))
-        cands = order.index_select(0, moves.reshape(-1)).view(moves.shape)
+        cands = order[moves]
         works = _works(table, local, cp_size, cands)
-        budget -= cands.numel()
+        budget -= cands.size
         scores = _score(works)
         k = int(scores.argmin())
         if not scores[k] < cur:
             break
-        cur, order, w = scores[k], cands[k], works[k]
-    return order, float(cur), budget
+        cur, order, w = float(scores[k]), cands[k], works[k]
+    return order, cur, budget
 
 
-def _kick(order: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """``order`` with ``_KICK`` random pairs swapped: a step out of a local optimum."""
-    out = order.tolist()
-    for i, j in torch.randint(len(out), (_KICK, 2), generator=gen).tolist():
+def _kick(order: np.ndarray, gen: torch.Generator) -> np.ndarray:
+    """``order`` with ``_KICK`` random pairs swapped: a step out of a local optimum (``gen`` draws the
+    pairs: a seeded torch generator, a few scalars, so the kicks are the ones they always were)."""
+    out = order.copy()
+    for i, j in torch.randint(out.size, (_KICK, 2), generator=gen).tolist():
         out[i], out[j] = out[j], out[i]
-    return torch.tensor(out, dtype=_I64)
+    return out
 
 
-def _score(works: torch.Tensor) -> torch.Tensor:
+def _score(works: np.ndarray) -> np.ndarray:
     """``(K,)`` float64 keys ordered as ``(max, sum of squares)`` of each row of ``works`` ``(K, cp)``.
 
     ``max + sum(w^2) / (2 cp max^2)``: the fraction lies in ``(0, 1/2]`` and maxima are integers, so
     the key orders first by the maximum, then by the sum of squares among equal maxima.
     """
-    x = works.double()
-    mx = x.max(1).values
-    return mx + x.pow(2).sum(1) / (2 * works.shape[1] * mx.pow(2).clamp(min=1))
+    x = works.astype(np.float64)
+    mx = x.max(1)
+    sq = x * x
+    total = sq[:, 0].copy()
+    for r in range(1, x.shape[1]):  # rank by rank: the same sum whatever the array library's reduction
+        total += sq[:, r]
+    return mx + total / (2 * works.shape[1] * np.maximum(mx * mx, 1))
 
 
 def _lpt(n: list[int], p: list[int], local: int, cp_size: int) -> list[int]:
@@ -288,7 +323,7 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     (1, 0)
     """
     n, p, local = _check(seqlens, padded, cp_size)
-    b = n.numel()
+    b = n.size
     given = tuple(range(b))
     if cp_size == 1 or b == 1 or local == 0:
         return given
@@ -299,9 +334,9 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     good = _bound(n, local, cp_size) * (1 + _GOOD) + 1  # a score below this is within _GOOD of optimal
     small = b <= _FULL_SEARCH
     budget = _BUDGET if b <= _LARGE else _BUDGET // 8
-    greedy = torch.tensor(_lpt(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
+    greedy = np.array(_lpt(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
     best = (float("inf"), greedy)
-    for start, search in ((torch.arange(b), small), (greedy, True)):
+    for start, search in ((np.arange(b, dtype=_I64), small), (greedy, True)):
         order, score, left = _descend(table, local, cp_size, start, budget if search else 0)
         budget = left if search else budget
         best = min(best, (score, order), key=lambda x: x[0])  # the first of equals: the given order
@@ -353,28 +388,28 @@ def work_lower_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int
     bound = _bound(n, local, cp_size)
     if local == 0 or cp_size == 1:
         return bound
-    for d in torch.argsort(n, descending=True, stable=True)[:_BOUND_DOCS].tolist():
+    for d in np.argsort(-n, kind="stable")[:_BOUND_DOCS].tolist():
         bound = max(bound, _window_bound(n, p, local, cp_size, d))
     return bound
 
 
-def _bound(n: torch.Tensor, local: int, cp_size: int) -> int:
+def _bound(n: np.ndarray, local: int, cp_size: int) -> int:
     """The mean and every sequence's heaviest piece (the first two parts of Note [Why no order beats the bound])."""
     w = _tri(n)
     bound = -(-int(w.sum()) // cp_size)
     if local == 0:
         return bound
-    q = torch.arange(1, local + 1, dtype=_I64)[:, None]
+    q = np.arange(1, local + 1, dtype=_I64)[:, None]
     for length in n[w > bound].tolist():
-        k = torch.arange(0, -(-length // local) + 2, dtype=_I64)
-        lo = (q + (k - 1) * local).clamp(0, length)
-        hi = (q + k * local).clamp(max=length)
-        piece = (_tri(hi) - _tri(lo)).max(1).values
+        k = np.arange(0, -(-length // local) + 2, dtype=_I64)
+        lo = (q + (k - 1) * local).clip(0, length)
+        hi = np.minimum(q + k * local, length)
+        piece = (_tri(hi) - _tri(lo)).max(1)
         bound = max(bound, int(piece.min()))
     return bound
 
 
-def _filler_curve(n: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _filler_curve(n: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The cheapest way to fill rows from sequences ``n, p`` as a window of the buffer holds them:
     whole sequences and at most two partial ones (Note [Why no order beats the bound]).
 
@@ -383,50 +418,49 @@ def _filler_curve(n: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch
     are taken cheapest first. Returns the chunks sorted by cost a row: ``(rows, cost a row, rows up
     to the chunk's end, cost up to its end)``, read by ``_filler_cost``.
     """
-    longest = int(n.max()) if n.numel() else 0
-    pad = int((p - n).max()) if n.numel() else 0
+    longest = int(n.max()) if n.size else 0
+    pad = int((p - n).max()) if n.size else 0
     whole = p > 0
-    marginal = torch.cat([torch.zeros(1, dtype=torch.float64), torch.arange(1, longest + 1, dtype=torch.float64),
-                          _tri(n[whole]).double() / p[whole].double()])
-    supply = torch.cat([torch.tensor([2 * pad], dtype=_I64), torch.full((longest,), 2, dtype=_I64), p[whole]])
-    marginal, by_cost = torch.sort(marginal, stable=True)
-    supply = supply[by_cost]
-    return supply, marginal, torch.cumsum(supply, 0), torch.cumsum(supply.double() * marginal, 0)
+    marginal = np.concatenate([np.zeros(1), np.arange(1, longest + 1, dtype=np.float64),
+                               _tri(n[whole]).astype(np.float64) / p[whole].astype(np.float64)])
+    supply = np.concatenate([np.array([2 * pad], dtype=_I64), np.full(longest, 2, dtype=_I64), p[whole]])
+    by_cost = np.argsort(marginal, kind="stable")
+    marginal, supply = marginal[by_cost], supply[by_cost]
+    return supply, marginal, np.cumsum(supply), np.cumsum(supply.astype(np.float64) * marginal)
 
 
-def _filler_cost(curve: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                 rows: torch.Tensor) -> torch.Tensor:
+def _filler_cost(curve: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray) -> np.ndarray:
     """``(Q,)`` integer lower bounds on the work of ``rows`` ``(Q,)`` filler rows (``_filler_curve``)."""
     supply, marginal, rows_end, cost_end = curve
-    rows = rows.clamp(min=0)
-    k = torch.searchsorted(rows_end, rows).clamp_(max=rows_end.numel() - 1)
-    cost = cost_end[k] + (rows - rows_end[k]).double() * marginal[k]
-    return (cost.floor().long() - 1).clamp_(min=0)  # one unit below: float rounding can never raise it
+    rows = np.maximum(rows, 0)
+    k = np.minimum(np.searchsorted(rows_end, rows), rows_end.size - 1)
+    cost = cost_end[k] + (rows - rows_end[k]).astype(np.float64) * marginal[k]
+    return np.maximum(np.floor(cost).astype(_I64) - 1, 0)  # one unit below: float rounding can never raise it
 
 
-def _window_bound(n: torch.Tensor, p: torch.Tensor, local: int, cp_size: int, d: int) -> int:
+def _window_bound(n: np.ndarray, p: np.ndarray, local: int, cp_size: int, d: int) -> int:
     """The third part of Note [Why no order beats the bound], for sequence ``d``: the least over its
     offsets of the heaviest window of consecutive ranks it touches, its own work there plus the
     cheapest possible filler of the window's other rows, shared by the window's ranks."""
     length, size = int(n[d]), int(p[d])
     if size == 0:
         return 0
-    keep = torch.arange(n.numel()) != d
+    keep = np.arange(n.size) != d
     curve = _filler_curve(n[keep], p[keep])
-    start = local - torch.arange(1, local + 1, dtype=_I64)[:, None]  # its first row inside its first rank
+    start = local - np.arange(1, local + 1, dtype=_I64)[:, None]  # its first row inside its first rank
     ranks = -(-(local - 1 + size) // local)
-    r = torch.arange(ranks, dtype=_I64)
-    lo = (r * local - start).clamp(0, size)  # the positions of d inside each rank it may touch
-    hi = ((r + 1) * local - start).clamp(0, size)
-    rows, work = hi - lo, _tri(hi.clamp(max=length)) - _tri(lo.clamp(max=length))
+    r = np.arange(ranks, dtype=_I64)
+    lo = (r * local - start).clip(0, size)  # the positions of d inside each rank it may touch
+    hi = ((r + 1) * local - start).clip(0, size)
+    rows, work = hi - lo, _tri(np.minimum(hi, length)) - _tri(np.minimum(lo, length))
     touched = rows > 0
-    best = torch.zeros(local, dtype=_I64)
+    best = np.zeros(local, dtype=_I64)
     for a in range(ranks):
         for b in range(a, ranks):
             width = b - a + 1
             other = width * local - rows[:, a:b + 1].sum(1)
             total = work[:, a:b + 1].sum(1) + _filler_cost(curve, other)
             value = -(-total // width)
-            best = torch.where(touched[:, a] & touched[:, b], best.maximum(value), best)
+            best = np.where(touched[:, a] & touched[:, b], np.maximum(best, value), best)
     spans = touched.sum(1)
     return int(best[spans <= cp_size].min())

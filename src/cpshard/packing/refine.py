@@ -66,10 +66,8 @@ import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
 
-from cpshard.index.balance import _lpt, _tri
-from cpshard.index.balance import _score as _score_tensor
+from cpshard.index.balance import _lpt, _score, _tri
 
 __all__ = ["Buffers", "assign"]
 
@@ -82,11 +80,6 @@ _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent
 
 # a round's candidates: micro-batches u and v, the gain of each, applying candidate c, candidates scored
 _Round = tuple[np.ndarray, np.ndarray, np.ndarray, Callable[[int], None], int]
-
-
-def _score(works: np.ndarray) -> np.ndarray:
-    """``_balance._score`` (the largest rank, then the sum of squares) of ``(Q, cp)`` works, as an array."""
-    return _score_tensor(torch.from_numpy(works)).numpy()
 
 
 class Buffers:
