@@ -163,3 +163,13 @@ def test_worked_example():
 def test_errors_name_the_rule(args, match):
     with pytest.raises(ValueError, match=match):
         rank_work(*args)
+
+
+@given(last=st.integers(0, 5000), data=st.data())
+@props(200)
+def test_spread_positions_are_torchs_rounded_linspace(last, data):
+    """The descent's spread positions (``_spread``, NumPy) are exactly the ones torch's float32
+    ``linspace`` gave when the balancer ran on torch: the same orders whatever the array library."""
+    from cpshard._balance import _spread
+    steps = data.draw(st.integers(1, last + 1))
+    assert _spread(last, steps).tolist() == torch.linspace(0, last, steps).round().long().tolist()
