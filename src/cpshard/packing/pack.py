@@ -78,6 +78,7 @@ from cpshard.plan.values import ShardPlan
 __all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
 
 _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
+_MOVE_CELLS = 1 << 20  # a step scores moves of at most this many (sequence, micro-batch) pairs: the heaviest first
 _ORDER_BUDGET = 1 << 12  # candidate orders the first descent scores, per micro-batch (Note [Refining a packing])
 _EXCHANGE_ROUNDS = 8  # exchange rounds at most ...
 _EXCHANGE_BUDGET = 1 << 12  # ... and candidate swaps they score, per micro-batch
@@ -342,16 +343,36 @@ def _lengths(seqlens: Any) -> list[int]:
 
 
 def _ffd_count(p: np.ndarray, capacity: int) -> int:
-    """First-fit decreasing on the padded lengths: the bins it opens."""
-    free: list[int] = []
-    for size in sorted(p.tolist(), reverse=True):
-        for b, room in enumerate(free):
-            if size <= room:
-                free[b] = room - size
-                break
-        else:
-            free.append(capacity - size)
-    return max(1, len(free))
+    """First-fit decreasing on the padded lengths: the bins it opens.
+
+    Equal sizes at once: first fit puts a run of ``k`` items of size ``s`` into the open bins from the
+    left, each bin taking ``floor(room / s)`` of them until the run ends, and opens new bins of
+    ``floor(C / s)`` for the rest, so a run costs a few array operations over the open bins, not ``k``
+    scans of them (``O(distinct sizes x bins)`` element operations instead of ``O(n x bins)`` Python
+    steps). The count is first fit's, item by item.
+    """
+    sizes, runs = np.unique(p, return_counts=True)
+    room = np.zeros(0, dtype=np.int64)  # the open bins' free rows, in the order they opened
+    for s, k in zip(sizes[::-1].tolist(), runs[::-1].tolist()):
+        if s == 0:  # fits the first bin, or opens one
+            if not room.size:
+                room = np.array([capacity], dtype=np.int64)
+            continue
+        take = room // s
+        placed = np.cumsum(take)
+        if placed.size and placed[-1] >= k:
+            last = int(np.searchsorted(placed, k))  # the bin where the run ends
+            take[last] -= int(placed[last]) - k
+            take[last + 1:] = 0
+            room -= take * s
+            continue
+        room -= take * s
+        left = k - (int(placed[-1]) if placed.size else 0)
+        per = capacity // s
+        full, rest = divmod(left, per)
+        room = np.concatenate([room, np.full(full, capacity - per * s, dtype=np.int64),
+                               np.array([capacity - rest * s] if rest else [], dtype=np.int64)])
+    return max(1, room.size)
 
 
 def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int, group: int = 1) -> list[int]:
@@ -512,6 +533,9 @@ class _Search:
             cur = (int(times.max()), int((times ** 2).sum()))
             slow = int(times.argmax())
             seqs = np.flatnonzero(self.owner[self.where] == slow)
+            most = max(16, _MOVE_CELLS // self.owner.size)  # the step's memory and time stay O(_MOVE_CELLS)
+            if seqs.size > most:  # only past it (a large batch): the heaviest units, in index order
+                seqs = np.sort(seqs[np.argsort(-self.vec[seqs].max(1), kind="stable")[:most]])
             a = self.where[seqs]
             best: tuple[tuple[int, int], int, int, int] | None = None
             # moves i -> b (a: the micro-batch each loses a sequence from)
