@@ -1,6 +1,6 @@
 """Benchmark: micro-batch packing against verl's partition (issue 19).
 
-Run (CPU, one process, one torch thread)::
+Run (CPU, one process, one torch thread unless ``--threads``)::
 
     .venv/bin/python benchmarks/pack.py            # 20 global batches per configuration
     .venv/bin/python benchmarks/pack.py --quick    # 3 global batches, fewer timing repeats
@@ -105,13 +105,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 global batches, fewer timing repeats")
     parser.add_argument("--batches", type=int, default=None, help="global batches per configuration (default 20)")
     parser.add_argument("--no-large", action="store_true", help="skip the 1024-sequence timing")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch.set_num_threads first (default 1; 0 keeps torch's default)")
     args = parser.parse_args()
     batches = args.batches or (3 if args.quick else 20)
     repeats = 1 if args.quick else 3
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dp = 2
     source = "verl's get_seqlen_balanced_partitions" if VERL else "a re-statement (verl not installed)"
-    print(f"{batches} global batches a configuration, dp={dp}, max_tokens={MAX_TOKENS}; verl's partition: {source}")
+    print(f"{batches} global batches a configuration, dp={dp}, max_tokens={MAX_TOKENS}; verl's partition: {source}; "
+          f"{torch.get_num_threads()} torch threads")
     header = (f"{'batch':>8} {'cp':>3} {'tp':>3} {'layout':>10} {'verl':>6} {'verl+bal':>9} {'pack':>6} "
               f"{'pack+bal':>9} {'bound':>6} {'vs bal':>7} {'vs bnd':>7} {'mb verl/pack':>13} "
               f"{'rows/max verl/pack':>19} {'ms':>7} {'/verl':>6}")
