@@ -255,6 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--large", action="store_true", help="add 16k sequences")
     parser.add_argument("--huge", action="store_true", help="add 16k and 64k sequences")
+    parser.add_argument("--sizes", type=int, nargs="+", help="these sequence counts instead (a smoke run: --sizes 64)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads first (0: torch's default)")
     parser.add_argument("--only", choices=["index", "pack", "dropin", "threads"], action="append",
@@ -268,7 +269,7 @@ def main() -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    sizes = [1024, 4096] + ([16384] if args.large or args.huge else []) + ([65536] if args.huge else [])
+    sizes = args.sizes or [1024, 4096] + ([16384] if args.large or args.huge else []) + ([65536] if args.huge else [])
     cps = [2, 8, 64]
     want = set(args.only or ["index", "pack", "dropin", "threads"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; "

@@ -26,6 +26,7 @@ CASES = [
     ("verl.py", ["--quick", "--repeats", "1"], ["postprocess_thd_engine contiguous", "verl/cpshard"]),
     ("pack.py", ["--quick", "--batches", "1", "--no-large"], ["verl+bal", "pack+bal", "bound"]),
     ("collective_counter.py", ["--quick"], ["import + first counted op", "baseline/new", "all_reduce"]),
+    ("scale.py", ["--sizes", "64", "--repeats", "1", "--only", "index", "--only", "pack"], ["unshard cold", "/verl"]),
 ]
 
 
