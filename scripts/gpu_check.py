@@ -94,8 +94,8 @@ def shard_part(dev: torch.device) -> list[dict[str, Any]]:
 
 def relayout_and_mtp_part(dev: torch.device) -> list[dict[str, Any]]:
     from cpshard import ShardPlan, halo_exchange, shard, twin_plan
-    from cpshard._exchange import all_to_all_in_process
-    from cpshard._relayout import apply_route
+    from cpshard.index.shift import all_to_all_in_process
+    from cpshard.plan.twins import apply_route
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(1, 3000 if dev.type == "cuda" else 300, (64 if dev.type == "cuda" else 8,),
                          generator=gen).tolist()
@@ -127,8 +127,9 @@ def relayout_and_mtp_part(dev: torch.device) -> list[dict[str, Any]]:
 def header_part(dev: torch.device) -> dict[str, Any]:
     from _timing import host_syncs
 
-    from cpshard import ShardPlan, distributed
-    from cpshard.distributed import _Stamp
+    from cpshard import ShardPlan
+    from cpshard.distributed import collectives as distributed
+    from cpshard.distributed.collectives import _Stamp
     size = 8
     plan = ShardPlan.build([4096] * (64 if dev.type == "cuda" else 2), cp_size=size)
     local = torch.randn(plan.local_len, 128, device=dev)
@@ -162,8 +163,9 @@ def header_part(dev: torch.device) -> dict[str, Any]:
 
 def wrong_header() -> None:
     """A peer's header that differs from this rank's: the device assertion must fire (this process dies)."""
-    from cpshard import ShardPlan, distributed
-    from cpshard.distributed import _Stamp
+    from cpshard import ShardPlan
+    from cpshard.distributed import collectives as distributed
+    from cpshard.distributed.collectives import _Stamp
     dev = torch.device("cuda")
     plan = ShardPlan.build([64] * 4, cp_size=2)
     local = torch.randn(plan.local_len, 4, device=dev)

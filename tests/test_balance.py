@@ -170,6 +170,6 @@ def test_errors_name_the_rule(args, match):
 def test_spread_positions_are_torchs_rounded_linspace(last, data):
     """The descent's spread positions (``_spread``, NumPy) are exactly the ones torch's float32
     ``linspace`` gave when the balancer ran on torch: the same orders whatever the array library."""
-    from cpshard._balance import _spread
+    from cpshard.index.balance import _spread
     steps = data.draw(st.integers(1, last + 1))
     assert _spread(last, steps).tolist() == torch.linspace(0, last, steps).round().long().tolist()

@@ -1,6 +1,6 @@
 """Cold index paths: what a plan's index service answers without building every rank's segments.
 
-The count of held segments (``PlanIndices.held``, the closed form ``_index.held_segments``) is what
+The count of held segments (``PlanIndices.held``, the closed form ``cpshard.index.segments.held_segments``) is what
 ``runs`` asks before it decides to build the restore's runs; it must equal the count of the
 non-empty segments the ranks' lists really hold (``rank_segments`` is itself checked against the
 per-row reference in ``test_shard_props``)."""

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import pack
-from cpshard.pack import _ffd_count
+from cpshard.packing.pack import _ffd_count
 from strategies import props
 
 
