@@ -17,11 +17,26 @@ Per world size and batch, for the all-gather of ``gather`` and the all-to-all of
 
 Per call, every rank does ``barrier(); t0; call; t1``; a call's time is the max over ranks, the table
 the median over repeats. "+bytes" is what the header adds to the bytes one rank sends per call.
+
+Then the losses' protection (Note [Stamped reductions] in ``_header.py``, Note [Failure in a loss] in
+``loss/reductions.py``), per world size, for ``token_mean`` (one count) and ``sequence_mean`` (64 sequences'
+counts), float64, checks off unless named:
+
+- "bare": the same loss with an unprotected count sum (the arithmetic of ``cpshard.loss``, one plain
+  ``all_reduce`` of the counts): what the losses cost before;
+- "stamped": the public call (its count sum led by the trailer, checked on arrival);
+- "checked": the public call with ``check=True`` (the agreement's all-gather first).
+
+The three run interleaved (one call of each per round, the median over rounds), so that a busy
+machine's drift reaches them alike.
+
+"+bytes" is what the trailer adds to the bytes one rank sends per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -85,6 +100,52 @@ def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, i
     return out if rank == 0 else []
 
 
+def _loss_body(rank: int, world: int, repeats: int) -> list[tuple[str, int, float, float, float]]:
+    from cpshard import ShardPlan
+    from cpshard.loss import masked_rows, sequence_mean, token_mean
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(1)
+    lens = (torch.rand(64, generator=g) * 512 + 1).long().tolist()
+    plan = ShardPlan.build(lens, cp_size=world)
+    values = torch.rand(plan.local_len, dtype=torch.float64, generator=g)
+    mask = plan.label_mask(rank)
+    tokens = plan.token_mask(rank)
+    seq = plan.sequence_ids(rank)
+
+    def bare_token_mean() -> torch.Tensor:  # the loss without protection: a plain all_reduce of the count
+        m = torch.where(tokens, mask, False)
+        count = m.sum(dtype=torch.float64)
+        dist.all_reduce(count, group=group)
+        return world * masked_rows(values, m).sum() / count.clamp(min=1)
+
+    def bare_sequence_mean() -> torch.Tensor:
+        m = torch.where(tokens, mask, False)
+        v = masked_rows(values, m)
+        sums = v.new_zeros(plan.num_seqs).index_add(0, seq, v)
+        counts = torch.zeros(plan.num_seqs, dtype=torch.float64).index_add(0, seq, m.double())
+        dist.all_reduce(counts, group=group)
+        labelled = counts > 0
+        return world * (sums / counts.clamp(min=1)).sum() / labelled.sum().clamp(min=1)
+
+    out = []
+    for name, bare, public, values_sent in (
+            ("token_mean", bare_token_mean, lambda c: token_mean(values, mask, plan, group, check=c), 1),
+            ("sequence_mean", bare_sequence_mean, lambda c: sequence_mean(values, mask, plan, group, check=c), 64)):
+        assert torch.allclose(bare(), public(False))  # the same loss, the protection aside
+        from cpshard.spawn import CollectiveCounter
+        with CollectiveCounter() as counter:
+            public(False)
+        added = counter.bytes - 8 * values_sent
+        # interleaved, one call of each per round: a busy machine's drift hits the three alike
+        runs: list[list[float]] = [[], [], []]
+        for _ in range(repeats):
+            for i, fn in enumerate((bare, lambda public=public: public(False), lambda public=public: public(True))):
+                runs[i].append(timed(fn, 1))
+        out.append((name, added, *(statistics.median(r) for r in runs)))
+    return out if rank == 0 else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 ranks, 16k tokens")
@@ -103,6 +164,13 @@ def main() -> None:
             for name, added, bare, headed, call, checked in rows:
                 print(f"{world:>5} {tokens:>7} {name:<14} {added:>6} {bare:>8.3f} {headed:>9.3f} {headed / bare:>6.2f} "
                       f"{call:>8.3f} {checked:>10.3f} {checked / call:>6.2f}")
+    print()
+    print(f"{'ranks':>5} {'loss':<14} {'+bytes':>6} {'bare ms':>8} {'stamped ms':>10} {'ratio':>6} {'checked ms':>10} "
+          f"{'ratio':>6}")
+    for world in worlds:
+        for name, added, bare, stamped, checked in run_ranks(_loss_body, world, repeats, timeout=600)[0]:
+            print(f"{world:>5} {name:<14} {added:>6} {bare:>8.3f} {stamped:>10.3f} {stamped / bare:>6.2f} "
+                  f"{checked:>10.3f} {checked / bare:>6.2f}")
 
 
 if __name__ == "__main__":

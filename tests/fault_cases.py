@@ -79,3 +79,131 @@ def checks_differ_sizes(rank: int, world: int) -> list[tuple[Any, ...]]:
     plan = ShardPlan.build([500, 300], cp_size=world)
     local = shard(torch.arange(800.0), plan, rank)
     return [_seen(lambda: gather(local, plan, _world(), check=rank == 0).values())]
+
+
+# -- every other collective: losses, sums, the scan's state gather, the attention's key/value gather ----
+
+
+def _loss_inputs(plan: Any, rank: int, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    n = plan.local_len if rows is None else rows
+    return torch.arange(n, dtype=torch.float64) + 1, plan.token_mask(rank)[:n] if rows is None else torch.ones(n)
+
+
+def loss_plans_differ(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks off: plans of one local length ([5, 3] and [8, 4]: 6 rows a rank), zigzag against
+    contiguous, another plan of as many sequences, another grad_reduction: no rank returns a share."""
+    from cpshard.distributed import sum_over_group
+    from cpshard.loss import sequence_mean, token_mean
+
+    group = _world()
+    plan = ShardPlan.build([5, 3] if rank == 0 else [8, 4], cp_size=world)
+    v, m = _loss_inputs(plan, rank)
+    layout = ShardPlan.build([5, 3], cp_size=world, layout="zigzag" if rank == 0 else "contiguous")
+    lv, lm = _loss_inputs(layout, rank)
+    same = ShardPlan.build([5, 3], cp_size=world)
+    sv, sm = _loss_inputs(same, rank)
+    return [_seen(lambda: token_mean(v, m, plan, group, check=False)),
+            _seen(lambda: token_mean(lv, lm, layout, group, check=False)),
+            _seen(lambda: sequence_mean(v, m, plan, group, check=False)),
+            _seen(lambda: token_mean(sv, sm, same, group, grad_reduction="mean" if rank == 0 else "sum", check=False)),
+            _seen(lambda: sum_over_group(torch.ones(3), plan, group, check=False))]
+
+
+def loss_checks_on(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """set_checks(True): other plans (also of another number of sequences, whose count sums differ in
+    size), bad input on rank 1, a loss without a collective of its own: every rank raises at once."""
+    from cpshard.distributed import set_checks
+    from cpshard.loss import sequence_mean, token_mean, token_sum
+
+    group = _world()
+    previous = set_checks(True)
+    try:
+        plan = ShardPlan.build([5, 3] if rank == 0 else [8, 4], cp_size=world)
+        v, m = _loss_inputs(plan, rank)
+        seqs = ShardPlan.build([5, 3] if rank == 0 else [4, 4, 4], cp_size=world)
+        qv, qm = _loss_inputs(seqs, rank)
+        same = ShardPlan.build([5, 3], cp_size=world)
+        sv, sm = _loss_inputs(same, rank)
+        bad = sv[:-1] if rank == 1 else sv
+        return [_seen(lambda: token_mean(v, m, plan, group)),
+                _seen(lambda: sequence_mean(qv, qm, seqs, group)),
+                _seen(lambda: token_mean(bad, sm, same, group)),
+                _seen(lambda: sequence_mean(bad, sm, same, group, dp_group=None)),
+                _seen(lambda: token_sum(v, m, plan, group))]
+    finally:
+        set_checks(previous)
+
+
+def loss_unchecked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks off: rank 1's num_tokens is negative (no collective: it raises alone, rank 0 returns);
+    then the group is usable."""
+    from cpshard.loss import token_mean
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    v, m = _loss_inputs(plan, rank)
+    return [_seen(lambda: token_mean(v, m, plan, group, num_tokens=torch.tensor(-5.0) if rank == 1 else 7.0,
+                                     check=False)),
+            _seen(lambda: float(token_mean(v, m, plan, group, check=False)))]
+
+
+def loss_dp(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """cp = 1 on every rank, the world as the DP group: with checks on, rank 1's bad input reaches rank
+    0 through the DP count; different losses over one DP group (token_mean against sequence_mean)
+    raise on both, checks off."""
+    from cpshard.loss import sequence_mean, token_mean
+
+    dp = _world()
+    plan = ShardPlan.build([5, 3] if rank == 0 else [2, 6, 1], cp_size=1)
+    v, m = _loss_inputs(plan, 0)
+    bad = v[:-1] if rank == 1 else v
+    other = token_mean if rank == 0 else sequence_mean
+    return [_seen(lambda: token_mean(bad, m, plan, None, dp_group=dp, check=True)),
+            _seen(lambda: other(v, m, plan, None, dp_group=dp)),
+            _seen(lambda: float(token_mean(v, m, plan, None, dp_group=dp)))]
+
+
+def scan_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """linear_scan with checks on: another dtype (float32 / float64) or trailing shape on rank 1, or
+    rank 1's rows the wrong length: every rank raises before the state gather (gloo aborted before)."""
+    from cpshard.distributed import set_checks
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([9, 5], cp_size=world, layout="contiguous")
+    a = torch.full((plan.local_len, 2), 0.5, dtype=torch.float64)
+    previous = set_checks(True)
+    try:
+        return [_seen(lambda: linear_scan(a.float() if rank == 1 else a, a.float() if rank == 1 else a, plan, group)),
+                _seen(lambda: linear_scan(a[:, :1] if rank == 1 else a, a[:, :1] if rank == 1 else a, plan, group)),
+                _seen(lambda: linear_scan(a[1:] if rank == 1 else a, a[1:] if rank == 1 else a, plan, group)),
+                _seen(lambda: linear_scan(a, a, plan, group).shape)]
+    finally:
+        set_checks(previous)
+
+
+def pad_rank_backward(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """The attention's backward where rank 1's rows are all pad rows (lengths [1]): every rank joins
+    the key/value-gradient all_reduce (rank 1 skipped it before, and rank 0 waited); then the scan."""
+    from cpshard.attention import attention
+
+    group = _world()
+    plan = ShardPlan.build([1], cp_size=world)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(plan.local_len, 2, 4, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+
+    def step() -> tuple[float, float]:
+        out = attention(q, k, v, plan, group)
+        (out + q).sum().backward()
+        return float(k.grad.abs().sum()), float(v.grad.abs().sum())
+    return [_seen(step)]
+
+
+def sequence_counts_differ_sizes(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks off, sequence_mean over 2 sequences on rank 0 and 3 on rank 1: count sums of different
+    sizes (measured, not designed: gloo aborts a rank; with checks on, loss_checks_on)."""
+    from cpshard.loss import sequence_mean
+
+    plan = ShardPlan.build([5, 3] if rank == 0 else [4, 4, 4], cp_size=world)
+    v, m = _loss_inputs(plan, rank)
+    return [_seen(lambda: sequence_mean(v, m, plan, _world(), check=False))]

@@ -9,25 +9,37 @@ from __future__ import annotations
 import time
 
 import pytest
-from cpshard.spawn import run_ranks
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fault_cases import checks_differ_sizes
+from cpshard import ShardPlan
+from cpshard.spawn import run_ranks
+from fault_cases import checks_differ_sizes, sequence_counts_differ_sizes
 from rank_suites import run_suite
 
 _CASES = ("plans_differ", "dtypes_differ", "shifts_differ", "checks_differ")
 
 
-@pytest.fixture(scope="module")
-def seen():
+def _timed_suite(cases):
     start = time.monotonic()
-    out = run_suite("fault_cases", _CASES, 2, timeout=200, collective_timeout=60)
+    out = run_suite("fault_cases", cases, 2, timeout=200, collective_timeout=60)
     return out, time.monotonic() - start
 
 
-def _raised(seen, name):
+def _per_rank(seen, name):
     out, elapsed = seen
     assert elapsed < 100  # one group for every case, far below the 60 s collective timeout per case
-    per_rank = [ranks[name] for ranks in out]
+    return [ranks[name] for ranks in out]
+
+
+@pytest.fixture(scope="module")
+def seen():
+    return _timed_suite(_CASES)
+
+
+def _raised(seen, name):
+    per_rank = _per_rank(seen, name)
     for rank, calls in enumerate(per_rank):
         for what in calls:
             assert what[0] == "raised" and what[1] == "ValueError", (rank, what)  # never a result
@@ -72,3 +84,123 @@ def test_messages_of_different_sizes_abort_the_rank_that_receives_more():
         run_ranks(checks_differ_sizes, 2, timeout=100, collective_timeout=60)
     assert time.monotonic() - start < 50
 
+
+
+# -- every other collective: losses, sums, the scan, the attention (Note [Stamped reductions]) ----------
+
+_OTHERS = ("loss_plans_differ", "loss_checks_on", "loss_unchecked", "loss_dp", "scan_checked",
+           "pad_rank_backward")
+
+
+@pytest.fixture(scope="module")
+def others():
+    return _timed_suite(_OTHERS)
+
+
+def _raised_at_once(what, kind="ValueError"):
+    assert what[0] == "raised" and what[1] == kind, what  # never a result
+    assert what[3] < 20, what  # at once, not at a timeout
+    return what[2]
+
+
+def test_losses_of_ranks_that_disagree_raise_on_every_rank_checks_off(others):
+    """[5, 3] on rank 0 and [8, 4] on rank 1 returned 0.667 and 1.333 before; zigzag against
+    contiguous, another grad_reduction and a bare sum_over_group returned values too."""
+    for rank, calls in enumerate(_per_rank(others, "loss_plans_differ")):
+        ops = ("token_mean", "token_mean", "sequence_mean", "token_mean", "sum_over_group")
+        for what, op in zip(calls, ops):
+            msg = _raised_at_once(what)
+            assert msg.startswith(f"{op}: the ranks of the group disagree about this reduction (this is rank {rank})")
+            assert "Fix: " in msg and "check=True" in msg
+
+
+def test_losses_with_checks_on_raise_on_every_rank_before_any_sum(others):
+    (a0, b0, c0, d0, e0), (a1, b1, c1, d1, e1) = _per_rank(others, "loss_checks_on")
+    for what in (a0, a1, e0, e1):  # token_mean, token_sum (no collective of its own): the agreement names both
+        msg = _raised_at_once(what)
+        assert "built different plans" in msg and "ShardPlan(cp_size=2" in msg and "num_seqs=2" in msg
+    for what in (b0, b1):  # sequence_mean, 2 sequences against 3: sizes differ, caught before the sum
+        msg = _raised_at_once(what)
+        assert "built different plans" in msg and "num_seqs=3" in msg and "num_seqs=2" in msg
+    for what in (c1, d1):  # rank 1's own error
+        assert _raised_at_once(what).startswith("per_token=tensor of shape (5,)")
+    for what in (c0, d0):  # rank 0 no longer waits for rank 1 in the all_reduce
+        assert "ranks [1] of the context-parallel group rejected their input" in _raised_at_once(what)
+
+
+def test_a_count_refused_on_one_rank_checks_off(others):
+    """num_tokens given: no collective, so rank 1 raises alone and rank 0 returns; the group stays usable."""
+    (c0, d0), (c1, d1) = _per_rank(others, "loss_unchecked")
+    assert c0[0] == "ok" and _raised_at_once(c1).startswith("num_tokens=tensor(-5.0): must be a count >= 0")
+    # the ranks' shares average to the batch's token mean
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    rows = [(torch.arange(6, dtype=torch.float64) + 1)[plan.token_mask(r)] for r in range(2)]
+    assert d0[0] == d1[0] == "ok" and (d0[1] + d1[1]) / 2 == float(torch.cat(rows).mean())
+
+
+def test_the_dp_count_carries_a_failure_and_the_loss_kind(others):
+    (b0, c0, d0), (b1, c1, d1) = _per_rank(others, "loss_dp")
+    # checks on: rank 1 its own error, rank 0 hears it in the DP count (with checks off it waits there)
+    assert _raised_at_once(b1).startswith("per_token=")
+    assert _raised_at_once(b0).startswith("token_mean over dp_group: a rank of the group rejected its input")
+    assert _raised_at_once(c0).startswith("token_mean over dp_group: the ranks of the group disagree")
+    assert _raised_at_once(c1).startswith("sequence_mean over dp_group: the ranks of the group disagree")
+    assert d0[0] == d1[0] == "ok" and d0[1] != d1[1]  # each DP rank its own share of one mean
+
+
+def test_the_scan_with_checks_on_raises_on_every_rank_not_aborts(others):
+    rows_a_rank = ShardPlan.build([9, 5], cp_size=2, layout="contiguous").local_len
+    for rank, (dtype, shape, rows, fine) in enumerate(_per_rank(others, "scan_checked")):
+        assert "called with different arguments" in _raised_at_once(dtype) and "torch.float" in dtype[2]
+        assert "called with different arguments" in _raised_at_once(shape) and "row shape" in shape[2]
+        msg = _raised_at_once(rows)
+        if rank == 1:
+            assert msg.startswith(f"a=tensor of shape ({rows_a_rank - 1}, 2)"), msg
+        else:
+            assert "ranks [1] of the context-parallel group rejected their input" in msg
+        assert fine == ("ok", (rows_a_rank, 2))
+
+
+def test_a_rank_of_pad_rows_joins_the_attention_backward(others):
+    """Lengths [1] at cp = 2: rank 1 holds only pad rows; before, its backward skipped the key/value
+    all_reduce and rank 0 waited in it until rank 1 exited."""
+    (r0,), (r1,) = _per_rank(others, "pad_rank_backward")
+    assert r0[0] == r1[0] == "ok"
+    # the one token attends only to itself: out = v there, so d/dv = 1 on its 2 x 4 values and d/dk = 0
+    # (the cp = 1 gradients); rank 1's rows are pad rows and get none
+    assert r0[1] == (0.0, 8.0) and r1[1] == (0.0, 0.0)
+
+
+def test_count_sums_of_different_sizes_never_return():
+    """Measured, not designed: sequence_mean over another number of sequences per rank, checks off
+    (before: rank 0 returned 0.8333 and rank 1 waited). The trailer leads the counts, so a rank that
+    returns from the sum raises; gloo aborts the one that receives more; run_ranks names it at once."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)^rank \d of 2 failed:\n(rank \d exited with code -6 without reporting"
+                                           r"|.*ValueError: sequence_mean: the ranks of the group disagree)"):
+        run_ranks(sequence_counts_differ_sizes, 2, timeout=100, collective_timeout=60)
+    assert time.monotonic() - start < 50
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([torch.float64, torch.float32, torch.int64]), st.integers(2, 64),
+       st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1), st.sampled_from(["sum", "max"]), st.data())
+def test_a_stamped_reduction_reads_alike_only_when_every_rank_stamped_alike(dtype, ranks, word, other, reduce, data):
+    """Note [Stamped reductions], against the reduction done exactly in Python: with every rank's
+    trailer alike, every rank reads "alike" (and the sums stay exact in the dtype); with any rank's
+    word another, every rank reads "differs" (but for a 48-bit collision); a failure word wins."""
+    from cpshard.distributed.header import trailer, trailer_mismatch
+
+    odd = data.draw(st.integers(0, ranks - 1))
+    words = [other if r == odd else word for r in range(ranks)]
+    trailers = [trailer(w, dtype, ranks, reduce, False) for w in words]
+    exact = [sum(col) if reduce == "sum" else max(col) for col in zip(*trailers)]
+    reduced = torch.tensor(exact, dtype=dtype)
+    assert reduced.tolist() == exact  # every partial sum an exact integer of the dtype
+    same = [trailer_mismatch(reduced.tolist(), trailers[r], ranks, reduce) for r in range(ranks)]
+    alike = trailer(word, dtype, ranks, reduce, False) == trailer(other, dtype, ranks, reduce, False)
+    assert same == [None if alike else "differs"] * ranks
+    assert alike == ((word ^ other) & (2**48 - 1) == 0)  # the digest's 48 bits, all of them read
+    trailers[odd] = trailer(other, dtype, ranks, reduce, True)
+    failed = [sum(col) if reduce == "sum" else max(col) for col in zip(*trailers)]
+    assert all(trailer_mismatch(failed, t, ranks, reduce) == "failed" for t in trailers)

@@ -227,3 +227,18 @@ def test_counts_known_before_the_step():
         sequence_mean(x, m, plan, None, num_seqs="5")
     with pytest.raises(TypeError, match=r"num_tokens=True"):
         token_mean(x, m, plan, None, num_tokens=True)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(-5.0), torch.tensor(float("nan")), -5, float("nan")])
+def test_a_count_given_as_a_tensor_is_checked_like_a_number(value):
+    """``num_tokens=torch.tensor(-5.)`` (and NaN) returned the raw sum before; the plain int was refused."""
+    plan = ShardPlan.build([3, 2], cp_size=1)
+    x, m = torch.arange(5, dtype=F64), torch.ones(5)
+    with pytest.raises(ValueError, match=r"^num_tokens=(tensor\()?(-5|nan)(\.0)?\)?: must be a count >= 0\. Fix: "):
+        token_mean(x, m, plan, None, num_tokens=value)
+    with pytest.raises(ValueError, match=r"^num_seqs=.*must be a count >= 0"):
+        sequence_mean(x, m, plan, None, num_seqs=value)
+    meta = torch.tensor(3.0, device="meta")
+    with pytest.raises(TypeError, match=r"^num_tokens=.*must be a number or a one-element tensor"):
+        token_mean(x, m, plan, None, num_tokens=meta)
+    assert float(token_mean(x, m, plan, None, num_tokens=torch.tensor(5.0))) == float(x.sum()) / 5

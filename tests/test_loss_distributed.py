@@ -295,7 +295,8 @@ def _collectives(rank, world):
                 with CollectiveCounter() as counter:
                     fn(x, m, plan, grp)
                 seen[(b, cp, name)] = (list(counter.calls), counter.bytes)
-    # bad input raises before any collective, naming the argument
+    # bad input raises before any collective, naming the argument (checks off; with checks on the
+    # agreement carries it: tests/test_faults.py)
     plan = ShardPlan.build([5, 3, 9], cp_size=world)
     x, m = torch.zeros(plan.local_len, dtype=F64), plan.label_mask(rank)
     calls = [("per_token", lambda: token_mean(x[1:], m, plan, group)),
@@ -415,6 +416,7 @@ def suites():
 
 
 SUBCASES = CASES * (len(LOSSES) * 2 + 2)
+TRAILER = 8 * 5  # bytes: a stamped float64 sum over 4 ranks
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -433,8 +435,10 @@ def test_a_rank_local_token_mean_is_wrong(cp):
 def test_one_small_all_reduce_per_call():
     for seen in (r["_collectives"] for r in suites()):
         for b in (4, 64):
-            assert seen[(b, 4, "token_mean")] == (["allreduce"], 8)  # one float64 count
-            assert seen[(b, 4, "sequence_mean")] == (["allreduce"], 8 * b)  # every sequence's count at once
+            # one float64 count, after the trailer that stamps the sum (Note [Stamped reductions]): the
+            # failure word and two 24-bit chunks of the call's digest with their squares, 5 words at cp = 4
+            assert seen[(b, 4, "token_mean")] == (["allreduce"], 8 + TRAILER)
+            assert seen[(b, 4, "sequence_mean")] == (["allreduce"], 8 * b + TRAILER)  # every sequence's count
             assert seen[(b, 4, "token_sum")] == ([], 0)
             assert seen[(b, 4, "token_sum_and_count")] == ([], 0)
             for name in ("token_mean", "sequence_mean", "token_sum", "token_sum_and_count"):

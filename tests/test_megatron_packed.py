@@ -262,3 +262,14 @@ def test_plan_from_parallel_state_takes_layout_and_fp8_from_the_config():
     assert plan_from_parallel_state([5, 3], config=plain, pg_collection=pgs) == \
         ShardPlan.build([5, 3], cp_size=2, tp_size=2)
     assert plan_from_parallel_state([5, 3], pg_collection=pgs, layout="contiguous").layout.value == "contiguous"
+
+
+def test_offsets_must_be_whole_numbers():
+    """``[0, 8.5, 12]`` was truncated to ``[0, 8, 12]`` before."""
+    psp = types.SimpleNamespace(cu_seqlens_q=[0, 8.5, 12], cu_seqlens_q_padded=None)
+    with pytest.raises(TypeError, match=r"^psp\.cu_seqlens_q\[1\]=8\.5: must be an integer offset\. Fix: "):
+        plan_from_packed_seq_params(psp, cp_size=2)
+    with pytest.raises(TypeError, match=r"^psp\.cu_seqlens_q=12: must be a 1-D integer tensor or a sequence"):
+        plan_from_packed_seq_params(types.SimpleNamespace(cu_seqlens_q=12, cu_seqlens_q_padded=None), cp_size=2)
+    whole = types.SimpleNamespace(cu_seqlens_q=[0, 8, 12], cu_seqlens_q_padded=None)
+    assert plan_from_packed_seq_params(whole, cp_size=2) == ShardPlan.build([8, 4], cp_size=2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -435,3 +436,30 @@ def test_group_exchanges_keep_groups_and_score_exactly(group):
         assert buf.works[b].tolist() == _rescan(n, p, order, keep, cp)
     owner = {i: b for b, o in enumerate(orders) for i in o}
     assert all(owner[k * group + j] == owner[k * group] for k in range(len(n) // group) for j in range(group))
+
+
+def test_input_is_refused_at_the_entry_naming_the_argument():
+    """Huge integers, overflowing work, meta lengths and negative seeds: a clear error before any
+    arithmetic (before: a negative total work and lower_bound, a raw OverflowError, a 32 GiB
+    allocation and MemoryError, 'cannot be called on meta tensors', NumPy's seed message)."""
+    cases = [
+        (([2_000_000_000] * 5,), {"max_tokens": 2**31 - 2, "cp_size": 1}, ValueError,
+         r"^seqlens=5 sequences of causal work 10000000005000000000: must have a work below 2\*\*62"),
+        (([2**63, 3],), {"max_tokens": 16, "cp_size": 2}, ValueError,
+         r"^seqlens\[0\]=9223372036854775808: must be below"),
+        (([5, 3],), {"max_tokens": 2**63, "cp_size": 2}, ValueError, r"^max_tokens=9223372036854775808: must be below"),
+        (([5, 3],), {"max_tokens": 2**40, "cp_size": 2**31}, ValueError, r"^cp_size=2147483648: with tp_size=1"),
+        ((torch.tensor([5, 3], device="meta"),), {"max_tokens": 16, "cp_size": 2}, ValueError,
+         r"^seqlens=a tensor on the meta device"),
+        (([5, 3],), {"max_tokens": 16, "cp_size": 2, "seed": -1}, ValueError, r"^seed=-1: must be >= 0"),
+        (([5, 3],), {"max_tokens": 16, "cp_size": 2, "seed": 2**32}, ValueError, r"^seed=4294967296: must be <="),
+    ]
+    for args, kw, kind, pattern in cases:
+        with pytest.raises(kind, match=pattern):
+            pack(*args, **kw)
+        if "seed" not in kw:
+            with pytest.raises(kind, match=pattern):
+                packing_bound(*args, **{k: v for k, v in kw.items() if k != "seed"})
+    # the largest batch it takes: lengths just below 2**31, work just below 2**62
+    p = pack([2**31 - 2] * 1, max_tokens=2**31 - 1, cp_size=1)
+    assert p.total_work == (2**31 - 2) * (2**31 - 1) // 2 and p.lower_bound > 0

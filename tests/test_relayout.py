@@ -276,3 +276,15 @@ def test_packed_seq_params_prebuilds_dev_s_route(monkeypatch):
     got = psp.cp_partition_route
     assert isinstance(got, _ThdCpRoute) and got.zigzag_split_sizes == want.zigzag_split_sizes
     assert packed.packed_seq_params(plan).cp_partition_route is None  # no rank given: nothing prebuilt
+
+
+def test_apply_route_names_a_rank_of_another_dtype_or_row_shape():
+    """A raw RuntimeError of index_copy_ before."""
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    dst = twin_plan(plan, "contiguous")
+    x = torch.arange(8.0)
+    with pytest.raises(TypeError, match=r"^locals_\[1\]=a torch.float64 tensor of shape \(6,\): must have "
+                                        r"locals_\[0\]'s dtype and trailing shape \(torch.float32, \(\)\)"):
+        apply_route([shard(x, plan, 0), shard(x, plan, 1).double()], plan, dst)
+    with pytest.raises(TypeError, match=r"^locals_\[1\]=.*trailing shape"):
+        apply_route([shard(x, plan, 0), shard(x[:, None].repeat(1, 2), plan, 1)], plan, dst)

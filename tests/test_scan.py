@@ -149,3 +149,22 @@ def test_verify_hybrid_equals_cp1_and_catches_the_naive_scan():
     assert [r.ok for r in report.results] == [True, True] and report.naive_kernel_caught and report.ok
     assert report.naive.max_abs_diff["logprobs"] > 1e-3
     assert "layout-naive scan on zigzag rows was caught" in format_table(report)
+
+
+def test_verify_hybrid_on_the_smallest_batch_runs_and_names_why_the_naive_scan_is_skipped():
+    """``verify --model hybrid --lengths 2,1 --cp 2 --tp 2`` waited out the 60 s backend timeout (the
+    attention's backward on a rank of pad rows), and at ``--tp 1`` passed every configuration, then
+    failed with "naive scan not caught": on this batch it reads no labelled row wrong."""
+    from cpshard import ShardPlan
+    from cpshard.tools.hybrid import naive_scan_shown, verify_hybrid
+    from cpshard.verify import format_table
+
+    assert not naive_scan_shown(ShardPlan.build([2, 1], cp_size=2))
+    assert naive_scan_shown(ShardPlan.build([37, 1, 0, 12, 5], cp_size=2))
+    report = verify_hybrid([2, 1], cps=[2], tps=[1, 2], paddings=["aligned"], reorders=[None], progress=False,
+                           timeout=120)
+    assert [r.ok for r in report.results] == [True, True] and report.ok and report.naive is None
+    table = format_table(report)
+    assert "the layout-naive scan on zigzag rows is not run: on this batch at cp=2" in table
+    assert table.endswith("OK: every configuration equals cp=1, and the layout-naive scan on zigzag rows cannot be "
+                          "shown wrong on this batch (see above)")

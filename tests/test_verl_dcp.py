@@ -95,3 +95,19 @@ def test_patch_leaves_a_changed_site_alone(monkeypatch, caplog):
         assert module._local_padding_mask is changed
         assert not any("dynamic_cp_scheduler" in name for name in p.replaced)
     assert "takes (seq_lens, cp_size, cp_rank), not verl main's" in caplog.text
+
+
+def test_a_given_plan_is_checked_against_every_size():
+    """``plan=`` built for tp_size=1 or without min_local_rows returned its 6 rows where the call
+    asks 16; seq_lens=5 gave "'int' object is not iterable"."""
+    args = {"cp_size": 2, "cp_rank": 0, "tp_size": 2, "min_local_rows": 16}
+    assert cv.local_padding_mask([5, 3], **args).shape == (16,)
+    with pytest.raises(ValueError, match=r"^plan=ShardPlan\(.*tp_size=1.*\): is for tp_size=1, not tp_size=2"):
+        cv.local_padding_mask([5, 3], plan=cv.thd_plan([5, 3], tp_size=1, cp_size=2), **args)
+    with pytest.raises(ValueError, match=r"^plan=.*: has 8 rows a rank, fewer than min_local_rows=16"):
+        cv.local_padding_mask([5, 3], plan=cv.thd_plan([5, 3], tp_size=2, cp_size=2), **args)
+    same = cv.thd_plan([5, 3], tp_size=2, cp_size=2, min_local_rows=16)
+    assert torch.equal(cv.local_padding_mask([5, 3], plan=same, **args), cv.local_padding_mask([5, 3], **args))
+    with pytest.raises(TypeError, match=r"^seq_lens=5: must be a sequence of ints or a 1-D integer tensor\. "
+                                        r"Fix: pass e\.g\. seq_lens=\[5, 3\]"):
+        cv.local_padding_mask(5, **args)

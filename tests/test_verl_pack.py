@@ -241,3 +241,72 @@ def test_patch_leaves_a_site_with_other_parameters_alone(monkeypatch, caplog):
         assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.replaced
     assert "verl.workers.engine.utils.rearrange_micro_batches takes (data, max_token_len), not verl 0.9.1's" \
         in caplog.text
+
+
+def _failing_rank(rank, world, cases):
+    return [_failing_case(rank, case) for case in cases]
+
+
+def _failing_case(rank, case):
+    """Rank 1 raises before the count agreement (``case``); rank 0's batch is fine. What each rank
+    saw: ("ok", indices) or ("raised", type name, message, seconds)."""
+    import time
+
+    import torch.distributed as dist
+
+    batch, kw = _batch([30, 20, 10, 5]), {}
+    if rank == 1:
+        mask = batch["attention_mask"]
+        if case == "group size":
+            batch = _batch([30, 20, 10])
+            kw = {"force_group_size": 2}
+        elif case == "nan mask":
+            batch["attention_mask"] = mask.double().masked_fill(mask == 0, float("nan"))
+        elif case == "1-D mask":
+            batch = tensordict.TensorDict({"input_ids": batch["input_ids"][0], "attention_mask": mask[0]},
+                                          batch_size=[])
+        elif case == "float mask":  # verl accepts a floating 0/1 mask: not an error
+            batch["attention_mask"] = mask.float()
+        elif case == "seed":
+            kw = {"seed": -1}
+    start = time.monotonic()
+    try:
+        _, idx = cv.rearrange_micro_batches(batch, 64, dp_group=dist.group.WORLD, cp_size=2, tp_size=1, **kw)
+    except (ValueError, TypeError) as exc:
+        return ("raised", type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", idx)
+
+
+_FAILING = {"group size": r"^force_group_size=2: must divide the batch size \(3\)",
+            "nan mask": r"^batch\['attention_mask'\]=a torch.float64 mask holding nan: must hold only 0 and 1",
+            "1-D mask": r"^batch\['attention_mask'\]=tensor of shape \(30,\): must be a 2-D",
+            "seed": r"^seed=-1: must be >= 0"}
+
+
+def test_a_rank_that_raises_before_the_count_agreement_does_not_leave_its_peers_waiting():
+    """Before: the peer stayed in the all_reduce until the failing rank exited (an error that is not a
+    ValueError, or one raised before the agreement); a float 0/1 mask was refused naming seqlens."""
+    import re
+
+    from cpshard.spawn import run_ranks
+
+    cases = [*_FAILING, "float mask"]
+    seen = run_ranks(_failing_rank, 2, cases, timeout=240, collective_timeout=60)
+    for i, case in enumerate(cases):
+        peer_saw, rank_saw = seen[0][i], seen[1][i]
+        if case == "float mask":
+            assert peer_saw[0] == rank_saw[0] == "ok" and peer_saw[1] == rank_saw[1]
+            continue
+        (_, _, peer, peer_s), (_, _, mine, mine_s) = peer_saw, rank_saw
+        assert re.match(_FAILING[case], mine), mine
+        assert peer.startswith("dp_group=a DP group: another DP rank could not pack its batch"), peer
+        assert peer_s < 20 and mine_s < 20  # each call, timed in its rank: far below the collective timeout
+
+
+def test_batch_errors_name_the_mask_and_the_batch():
+    with pytest.raises(ValueError, match=r"^batch=0 samples: must hold at least one sample"):
+        cv.rearrange_micro_batches(tensordict.TensorDict({"input_ids": torch.zeros(0, 4, dtype=torch.long),
+                                                          "attention_mask": torch.zeros(0, 4)}, batch_size=[0]), 64)
+    floats = _batch([30, 20, 10, 5])
+    floats["attention_mask"] = floats["attention_mask"].float()
+    assert cv.rearrange_micro_batches(floats, 64)[1] == cv.rearrange_micro_batches(_batch([30, 20, 10, 5]), 64)[1]

@@ -106,11 +106,25 @@ def verl_partition(lens: Sequence[int], dp: int, max_tokens: int) -> list[list[l
 
 
 def _lengths(batch: Any) -> list[int]:
-    """Token counts per sample, read as verl reads them (nested ``input_ids``, else the attention mask)."""
+    """Token counts per sample, read as verl reads them (nested ``input_ids``, else the attention mask:
+    bool, integer or floating 0/1, ``(batch, seq)``)."""
     input_ids = batch["input_ids"]
     if isinstance(input_ids, torch.Tensor) and input_ids.is_nested:
-        return input_ids.offsets().diff().tolist()  # type: ignore[attr-defined]
-    return batch["attention_mask"].sum(dim=1).tolist()
+        lens = input_ids.offsets().diff().tolist()  # type: ignore[attr-defined]
+    else:
+        mask = batch["attention_mask"]
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            shown = f"tensor of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            fail("batch['attention_mask']", shown, "must be a 2-D (batch, sequence) tensor of 0/1",
+                 "pass verl's padded batch, or input_ids as a jagged nested tensor", kind=TypeError)
+        if mask.is_complex() or (mask.dtype != torch.bool and not ((mask == 0) | (mask == 1)).all()):
+            bad = mask[~((mask == 0) | (mask == 1))][:1].tolist() if not mask.is_complex() else [mask.dtype]
+            fail("batch['attention_mask']", f"a {mask.dtype} mask holding {bad[0]}", "must hold only 0 and 1 (1 on "
+                 "a sample's tokens)", "pass verl's attention mask (bool, integer or floating 0/1)")
+        lens = (mask != 0).sum(dim=1).tolist()
+    if not lens:
+        fail("batch", "0 samples", "must hold at least one sample", "call it with a non-empty batch")
+    return lens
 
 
 def _select(batch: Any, indices: list[int]) -> Any:
@@ -201,13 +215,36 @@ def rearrange_micro_batches(
     The count: :func:`cpshard.pack`'s for this rank's lengths; with ``dp_group`` and
     ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, in one
     ``all_reduce(MAX)`` of three integers (the count, the fewest samples, whether a rank failed), so
-    that when a rank cannot take the agreed count or pack its batch every rank raises a ``ValueError``
-    and none waits in a collective. ``force_group_size``: every that many consecutive
+    that when a rank cannot take the agreed count, or raises anything before the agreement (its batch,
+    its mask, its arguments), every rank raises (that rank its own error, the others a ``ValueError``
+    naming the DP group) and none waits in a collective. ``force_group_size``: every that many consecutive
     samples share a micro-batch (verl's reward-model pairs; :func:`cpshard.pack`'s ``group_size``), and
     the batch must hold whole groups (verl asserts it; this raises a ``ValueError`` naming it).
     """
+    from cpshard.distributed.collectives import initialized
+
+    agree = bool(same_micro_num_in_dp) and dp_group is not None and initialized()
+    joined: list[bool] = []  # set as this rank enters the count agreement
+    try:
+        return _rearrange(batch, max_token_len, dp_group, num_batches_divided_by, min_num_micro_batch,
+                          use_dynamic_bsz_balance, force_group_size, cp_size, tp_size, layout, padding, reorder,
+                          seed, agree, joined)
+    except Exception:  # any error before the count agreement: the peers hear it there, none waits
+        if agree and not joined:
+            try:
+                _dp_agree(0, 0, True, dp_group)
+            except Exception:  # noqa: BLE001 - the group itself is unusable: this rank's error is the one to see
+                pass
+        raise
+
+
+def _rearrange(batch: Any, max_token_len: Any, dp_group: Any, num_batches_divided_by: Any, min_num_micro_batch: Any,
+               use_dynamic_bsz_balance: Any, force_group_size: Any, cp_size: Any, tp_size: Any, layout: Any,
+               padding: Any, reorder: Any, seed: Any, agree: bool,
+               joined: list[bool]) -> tuple[list[Any], list[list[int]]]:
     max_token_len = check_int("max_token_len", max_token_len, minimum=1)
     force_group_size = check_int("force_group_size", force_group_size, minimum=1)
+    seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
     if cp_size is None or tp_size is None:
         cp_size, tp_size = _parallel_sizes(cp_size, tp_size)
     lens = _lengths(batch)
@@ -243,17 +280,9 @@ def rearrange_micro_batches(
         return ([[rest[j] for j in mb] for mb in packing.micro_batches[0]],
                 [sum(w) for w in packing.work[0]])
 
-    from cpshard.distributed.collectives import initialized
-
-    agree = same_micro_num_in_dp and dp_group is not None and initialized()
-    try:
-        indices, work = packed(least)
-    except ValueError:
-        if not agree:
-            raise
-        _dp_agree(len(lens) + 1, len(lens) // g, True, dp_group)  # the peers raise too, not hang
-        raise
+    indices, work = packed(least)  # an error here reaches the peers through the agreement (the caller)
     if agree:
+        joined.append(True)
         count, fewest, failed = _dp_agree(len(indices) + len(alone), len(lens) // g, False, dp_group)
         if failed:
             fail("dp_group", "a DP group", "another DP rank could not pack its batch (its own error names why)",

@@ -53,7 +53,7 @@ from cpshard.megatron.packed import packed_seq_params, plan_from_packed_seq_para
 from cpshard.megatron.state import ParallelContext, parallel_context
 from cpshard.ops.padded import to_padded
 from cpshard.ops.sharding import as_flat, shard, unshard
-from cpshard.plan.args import jagged_lengths
+from cpshard.plan.args import jagged_lengths, parse_seqlens
 from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.values import ShardPlan
 
@@ -187,7 +187,7 @@ def local_padding_mask(
     if min_local_rows is not None and check_int("min_local_rows", min_local_rows) <= 0:
         fail("min_local_rows", min_local_rows, "must be positive (verl's rule for dynamic CP)",
              "pass a positive number of rows, or None")
-    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    lens = list(parse_seqlens(seq_lens, "seq_lens"))
     if plan is None:
         plan = thd_plan(lens, min_local_rows=min_local_rows, cp_layout=layout, tp_size=tp_size, cp_size=cp)
     else:
@@ -195,6 +195,13 @@ def local_padding_mask(
         if list(plan.input_seqlens_py) != lens:
             fail("plan", repr(plan), f"is for seqlens {list(plan.input_seqlens_py)}, not {lens}",
                  "pass the plan of this micro-batch")
+        tp = check_int("tp_size", tp_size, minimum=1)
+        if plan.tp_size != tp:
+            fail("plan", repr(plan), f"is for tp_size={plan.tp_size}, not tp_size={tp}",
+                 "pass the plan built for this call's sizes (thd_plan with the same tp_size)")
+        if min_local_rows is not None and plan.local_len < min_local_rows:
+            fail("plan", repr(plan), f"has {plan.local_len} rows a rank, fewer than min_local_rows={min_local_rows}",
+                 "pass the plan built with this min_local_rows (thd_plan(..., min_local_rows=...))")
     return ~plan.token_mask(rank)
 
 

@@ -14,6 +14,7 @@ from cpshard.distributed.collectives import (
     group_rank,
     group_size,
     initialized,
+    joined,
     max_over,
     plan_fingerprint,
     read_group,
@@ -26,5 +27,5 @@ from cpshard.distributed.collectives import (
 )
 
 __all__ = ["all_gather_rows", "check_plan", "checks_enabled", "gather", "gather_states", "gather_tokens",
-           "group_rank", "group_size", "initialized", "max_over", "plan_fingerprint", "read_group", "relayout",
+           "group_rank", "group_size", "initialized", "joined", "max_over", "plan_fingerprint", "read_group", "relayout",
            "set_checks", "shift_sharded", "shift_sharded_multi", "sum_over", "sum_over_group"]

@@ -14,8 +14,10 @@ different plans, raise on every rank and nothing hangs. ``check=None`` (the defa
 process-wide switch: :func:`set_checks`, or the environment variable ``CPSHARD_CHECK=1``.
 
 Checks on or off, every all-gather and all-to-all carries a 64-byte header that identifies the call
-(plan, dtype, row shape, shifts and fills, check setting), compared on arrival: ranks that disagree
-raise instead of returning a wrong result (Note [Call headers] in ``distributed/header.py``).
+(plan, dtype, row shape, shifts and fills, check setting), compared on arrival, and every
+``all_reduce`` a trailer with the same call's digest folded into the reduction: ranks that disagree
+raise instead of returning a wrong result (Notes [Call headers] and [Stamped reductions] in
+``distributed/header.py``; what every rank sees: docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -211,6 +213,12 @@ class _Stamp:
         plan_words = [w for p in self.plans for w in p.indices().fingerprint().tolist()]
         return _header.make(_header.DATA, self.op, self.rank, self.checked, plan_words, self.call)
 
+    def reduction_word(self, size: int, reduce: str) -> int:
+        """The digest a reduction of ``size`` values folds into its trailer (Note [Stamped
+        reductions]): the header's words but the sender's rank, the operation by name, the size."""
+        call = tuple(sorted((k, repr(v)) for k, v in self.call.items()))
+        return _reduction_word(self.op, self.checked, self.plans, call, size, reduce)
+
     def backward(self, op: str) -> _Stamp:
         """The stamp of the reverse exchange in backward (another operation, the same call)."""
         return dataclasses.replace(self, op=op)
@@ -219,6 +227,24 @@ class _Stamp:
         """The header as ``HEADER_BYTES`` uint8 on ``device`` (a non-blocking copy: no host sync)."""
         host = torch.tensor(self.words, dtype=torch.int64).view(torch.uint8)
         return host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _reduction_word(op: str, checked: bool, plans: tuple[Plan, ...], call: tuple[tuple[str, str], ...], size: int,
+                    reduce: str) -> int:
+    """:meth:`_Stamp.reduction_word`, kept per call (plans are values: a step's calls repeat)."""
+    plan_words = tuple(w for p in plans for w in p.indices().fingerprint().tolist())
+    return _header.digest((op, checked, plan_words, list(call), size, reduce))
+
+
+@functools.lru_cache(maxsize=256)
+def _trailers(word: int, dtype: torch.dtype, ranks: int, reduce: str,
+              failed: bool) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """This rank's trailer (Note [Stamped reductions]) as ints and as a CPU tensor, and what the
+    reduced trailer is when every rank contributed the same (read-only: each call copies them)."""
+    mine = _header.trailer(word, dtype, ranks, reduce, failed)
+    scale = ranks if reduce == "sum" else 1
+    return mine, torch.tensor(mine, dtype=dtype), torch.tensor([0] + [scale * m for m in mine[1:]], dtype=dtype)
 
 
 def _raise_on_mismatch(op: str, rank: int, got: Sequence[Sequence[int]], mine: Sequence[int],
@@ -506,42 +532,112 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
             for r, got, pad, fil, t in zip(rows, received, pads, fils, checked)]
 
 
-def sum_over_group(values: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
+def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
     """``values`` summed over the ranks of ``group`` (one ``all_reduce``), as a new tensor.
 
-    For token counts; the group's size must be ``plan.cp_size``. No gradient flows.
+    For token counts; the group's size must be ``plan.cp_size``. No gradient flows. The sum carries
+    a trailer of the call (plan, dtype, shape; Note [Stamped reductions] in ``_header.py``): ranks
+    that sum something else raise a ``ValueError`` instead of returning. ``check``: as in
+    :func:`gather` (the agreement first, which names the ranks and plans).
     """
-    values = check_tensor("values", values)
-    _group_rank(plan, group)
+    def validate() -> tuple[torch.Tensor, dict[str, Any]]:
+        checked = check_tensor("values", values)
+        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape)}
+
+    values, rank, call, ran_check = _checked(plan, group, check, validate)
     if _solo(plan, group):
         return values.detach().clone()
-    return _summed(values, group)
+    return _reduce_stamped(values, group, _Stamp("sum_over_group", rank, ran_check, (plan,), call))
 
 
 def sum_over(values: torch.Tensor, group: Any) -> torch.Tensor:
     """``values`` summed over the ranks of any ``group`` (one ``all_reduce``), as a new tensor.
 
     For totals over the data-parallel group (``cpshard.loss``'s ``dp_group``). No gradient flows.
+    Stamped with the dtype and shape (Note [Stamped reductions]; no plan: DP ranks hold other batches).
     """
     values = check_tensor("values", values)
     _require_group(group)
-    return _summed(values, group)
-
-
-def _summed(values: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
-    out = values.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=group)
-    return out
+    call = {"dtype": values.dtype, "row shape": tuple(values.shape)}
+    stamp = _Stamp("sum_over", dist.get_rank(group), False, (), call)
+    return _reduce_stamped(values, group, stamp)
 
 
 def max_over(values: torch.Tensor, group: Any) -> torch.Tensor:
     """``values``' elementwise maximum over the ranks of ``group`` (one ``all_reduce``, on the group's
     device: CUDA under NCCL), as a new tensor on ``values``' device: the slowest rank's time, or the
-    largest micro-batch count of a DP group. No gradient flows."""
+    largest micro-batch count of a DP group. No gradient flows. Stamped as :func:`sum_over`."""
     values = check_tensor("values", values)
     _require_group(group)
     device = _collective_device(group)
-    return _summed(values.to(device), group, dist.ReduceOp.MAX).to(values.device)
+    call = {"dtype": values.dtype, "row shape": tuple(values.shape)}
+    stamp = _Stamp("max_over", dist.get_rank(group), False, (), call)
+    return _reduce_stamped(values.to(device), group, stamp, "max").to(values.device)
+
+
+def validated(plan: Any, group: Any, check: bool | None,
+              validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int, bool]:
+    """For a call of layer 4 (the scan, the attention): ``validate()``'s result, this rank's group
+    rank, and whether the agreement ran. With checks on (``check``, or :func:`set_checks`), a
+    failure of ``validate`` on any rank, different plans or different ``call`` values (dtype, shape)
+    raise on every rank, before any data collective; with checks off ``validate`` raises here."""
+    result, rank, _, ran = _checked(plan, group, check, validate)
+    return result, rank, ran
+
+
+def agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
+    """The agreement of ``check=True`` for a call of layer 4 (a loss): raises on every rank of ``group``
+    or none (``error``: this rank's own, raised on it after the exchange; ``call``: the arguments
+    every rank must pass alike). One small all-gather (``distributed/agree.py``)."""
+    _agree(plan, group, error, call)
+
+
+def reduce_over(values: torch.Tensor, group: Any, *, op: str, plans: Sequence[Plan] = (),
+                call: dict[str, Any] | None = None, checked: bool = False, failed: bool = False,
+                reduce: str = "sum") -> torch.Tensor:
+    """``values`` reduced (``"sum"`` or ``"max"``) over ``group`` in one stamped ``all_reduce`` (Note
+    [Stamped reductions] in ``_header.py``), for a call of layer 4 named ``op`` with ``plans`` and
+    ``call`` (what every rank must pass alike). ``failed``: this rank rejected its input and joins
+    only so that its peers raise too (``values`` then only give the size). Raises ``ValueError`` on
+    every rank that sees a failure word or another call's digest. No gradient flows."""
+    _require_group(group)
+    if failed:  # only the size counts; on the group's device (CUDA under NCCL)
+        values = torch.zeros(values.shape, dtype=values.dtype, device=_collective_device(group))
+    stamp = _Stamp(op, dist.get_rank(group), checked, tuple(plans), dict(call or {}))
+    return _reduce_stamped(values, group, stamp, reduce, failed)
+
+
+def _reduce_stamped(values: torch.Tensor, group: Any, stamp: _Stamp, reduce: str = "sum",
+                    failed: bool = False) -> torch.Tensor:
+    """One ``all_reduce`` of ``values`` led by the trailer of ``stamp`` (Note [Stamped reductions])."""
+    wide = values.detach().reshape(-1).to(_header.reduction_dtype(values.dtype))
+    real = torch.view_as_real(wide).reshape(-1) if wide.is_complex() else wide
+    ranks = dist.get_world_size(group)
+    mine, trailer, expected = _trailers(stamp.reduction_word(real.numel(), reduce), real.dtype, ranks, reduce, failed)
+    buf = torch.cat([trailer.to(real.device, non_blocking=True), real])
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM if reduce == "sum" else dist.ReduceOp.MAX, group=group)
+    head, body = buf[:len(mine)], buf[len(mine):]
+    if head.device.type == "cpu":
+        if not torch.equal(head, expected):
+            verdict = _header.trailer_mismatch(head.tolist(), mine, ranks, reduce) or "differs"
+            raise ValueError(_reduction_error(stamp, verdict))
+    else:  # on the device, no host sync: a device-side assertion, as the headers' (_verify)
+        torch._assert_async((head == expected.to(head.device, non_blocking=True)).all())
+    if wide.is_complex():
+        body = torch.view_as_complex(body.view(-1, 2))
+    return body.view(values.shape).to(values.dtype)
+
+
+def _reduction_error(stamp: _Stamp, verdict: str) -> str:
+    if verdict == "failed":
+        return (f"{stamp.op}: a rank of the group rejected its input (its own error says why; this is rank "
+                f"{stamp.rank}). Fix: correct the input on that rank; it joined this sum with a failure word so "
+                "that no rank of the group waits for it.")
+    return (f"{stamp.op}: the ranks of the group disagree about this reduction (this is rank {stamp.rank}): "
+            "another rank folded another call's digest into the sum (its plan, the number or dtype of the "
+            "values, the operation or its arguments, or the check setting differ, or it runs another collective "
+            "here). Its result would be wrong, so no rank returns it. Fix: call it on every rank with the same "
+            "plan and arguments; check=True (or set_checks(True)) on every rank names the ranks and their plans.")
 
 
 def initialized() -> bool:
@@ -556,14 +652,14 @@ __all__ += ["all_gather_rows", "initialized", "max_over"]
 
 class _GatherRowsSumGrad(torch.autograd.Function):
     """All-gather along dim 0 (``all_gather_single``); backward: the gathered gradient summed over the
-    group (``all_reduce``), of which the caller keeps its own rows. The pairing of nanotron's
-    ``DifferentiableAllGather`` / ``DifferentiableReduceScatterSum``; ``all_reduce`` because gloo has
-    no reduce-scatter."""
+    group (``all_reduce``, stamped: Note [Stamped reductions]), of which the caller keeps its own rows.
+    The pairing of nanotron's ``DifferentiableAllGather`` / ``DifferentiableReduceScatterSum``;
+    ``all_reduce`` because gloo has no reduce-scatter."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: _Stamp) -> torch.Tensor:
         local = local.contiguous()
-        ctx.rows, ctx.rank, ctx.group = local.shape[0], rank, group
+        ctx.rows, ctx.rank, ctx.group, ctx.stamp = local.shape[0], rank, group, stamp
         # the ranks' rows out of the headed buffer: one copy, as the result is (size * rows, ...)
         return _all_gather_stamped(local, group, size, stamp).reshape(size * local.shape[0], *local.shape[1:])
 
@@ -571,27 +667,59 @@ class _GatherRowsSumGrad(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # summed in at least float32: gloo reduces half precision poorly or not at all
         wide = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous()
-        dist.all_reduce(wide, group=ctx.group)
+        wide = _reduce_stamped(wide, ctx.group, ctx.stamp.backward(f"{ctx.stamp.op} backward"))
         own = wide[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
         return own.to(grad.dtype), None, None, None, None
 
 
-def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group) -> torch.Tensor:
+def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group, *, check: bool | None = None) -> torch.Tensor:
     """Every rank's ``rows`` ``(R, ...)``, concatenated in rank order: ``(cp * R, ...)``, for a
     computation in which every rank's rows serve every rank (the reference attention's keys and
     values). Backward: the gathered gradient is summed over the group and each rank keeps its own
     rows, so that when the ranks' losses add up to the batch's, every gradient equals ``cp = 1``'s.
-    ``rows`` as they are at ``cp = 1`` with no group."""
-    return _gather_rows(rows, plan, group, "all_gather_rows")
+    ``rows`` as they are at ``cp = 1`` with no group. ``check``: as in :func:`gather`.
+
+    That backward is a collective: every rank's loss must depend on the result (:func:`joined`
+    attaches it where a rank's output reads none of it), or the ranks that skip it leave the others
+    waiting."""
+    return _gather_rows(rows, plan, group, "all_gather_rows", check)
 
 
-def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str) -> torch.Tensor:
-    rows = check_tensor("rows", rows)
-    rank = _group_rank(plan, group)
+def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: bool | None) -> torch.Tensor:
+    def validate() -> tuple[torch.Tensor, dict[str, Any]]:
+        checked = check_tensor("rows" if op == "all_gather_rows" else "states", rows)
+        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:])}
+
+    rows, rank, call, ran_check = _checked(plan, group, check, validate)
     if _solo(plan, group):
         return rows
-    stamp = _Stamp(op, rank, False, (plan,), {"dtype": rows.dtype, "row shape": tuple(rows.shape[1:])})
+    stamp = _Stamp(op, rank, ran_check, (plan,), call)
     return _GatherRowsSumGrad.apply(rows, group, rank, plan.cp_size, stamp)
+
+
+class _Joined(torch.autograd.Function):
+    """``out`` itself, made to depend on ``gathered``: a zero gradient flows to it, so that the
+    gathered tensor's backward collective runs on this rank too."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype, ctx.device = gathered.shape, gathered.dtype, gathered.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+
+
+def joined(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """``out`` (a view of it), made to depend on ``gathered`` (the result of :func:`all_gather_rows` or
+    :func:`gather_states`) with a zero gradient: so that the gather's backward ``all_reduce`` runs on
+    every rank, also where ``out`` reads none of ``gathered`` (a rank whose rows are all pad rows, a
+    scan rank with no carry), instead of the others waiting in it. Nothing is attached where no
+    gradient can flow."""
+    if not (torch.is_grad_enabled() and gathered.requires_grad):
+        return out
+    return _Joined.apply(out, gathered)
 
 
 def read_group(group: Any, what: str) -> int | None:
@@ -623,7 +751,7 @@ def group_rank(plan: Plan, group: Any) -> int:
 
 # -- changing layout inside a model; states across ranks (cpshard.scan) --------------------------
 
-__all__ += ["gather_states", "relayout"]
+__all__ += ["gather_states", "joined", "relayout"]
 
 
 def _run_relayout(flat: torch.Tensor, route: Any, group: Any, stamp: _Stamp) -> torch.Tensor:
@@ -704,7 +832,7 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
     return out.view(*dst.local_shape, *trailing)
 
 
-def gather_states(states: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
+def gather_states(states: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
     """``(cp, *states.shape)``: every rank's ``states`` (one shape and dtype on every rank), in rank order.
 
     What a recurrence needs from the ranks before it: each rank's segment end states and decay
@@ -715,8 +843,10 @@ def gather_states(states: torch.Tensor, plan: Plan, group: Any) -> torch.Tensor:
     ``states`` is the sum over the group of the gradients of its slice (one ``all_reduce`` in
     backward): if the ranks' losses add up to the batch's, it is the single-process gradient. That
     backward is a collective: every rank's loss must depend on its result (a rank that reads no
-    carry attaches it anyway, as ``cpshard.scan`` does), or the ranks that skip it leave the
-    others waiting.
+    carry attaches it anyway with :func:`joined`, as ``cpshard.scan`` does), or the ranks that skip
+    it leave the others waiting. ``check``: as in :func:`gather` (the agreement covers the dtype and
+    shape: a rank whose states differ raises with the others, before the gather).
     """
     states = check_tensor("states", states)
-    return _gather_rows(states.unsqueeze(0), plan, group, "gather_states").reshape(plan.cp_size, *states.shape)
+    return _gather_rows(states.unsqueeze(0), plan, group, "gather_states", check).reshape(plan.cp_size,
+                                                                                          *states.shape)

@@ -26,7 +26,28 @@ received mismatching bytes raises and names the rank and the fields that differ.
 The receive buffer's header slots are zeroed first: a peer whose message was shorter (gloo accepts a
 short message) leaves zeros there, read as "no header" rather than as a stale header of an earlier
 call. A peer whose message is *longer* than expected cannot be caught here: gloo aborts the
-receiving process (``EnforceNotMet``), README "Known limitations".
+receiving process (``EnforceNotMet``), docs/guarantees.md.
+
+Note [Stamped reductions]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+An ``all_reduce`` cannot carry a header: every rank receives the sum, not the others' words. So each
+rank puts a *trailer* in front of its values (the same dtype, reduced with them, in the same
+collective): one failure word, then the call's digest (the header's words but the rank, and the
+number of values) cut into ``k`` chunks of ``b`` bits, each plus one (``c_i``, never zero):
+
+    SUM:  [failed, c_1 .. c_k, c_1**2 .. c_k**2]     MAX: [failed, c_1 .. c_k, -c_1 .. -c_k]
+
+After the reduction every rank checks, per chunk, ``sum c = n c_i`` and ``sum c**2 = n c_i**2`` (n
+ranks): together they say that the ranks' chunks have zero variance, so *every* rank's chunk equals
+this rank's (under MAX, ``max c = c_i`` and ``max -c = -c_i`` say the same). ``b`` is chosen so that
+every sum is an exact integer in the dtype (``n 2**(2b) < 2**p``, ``p`` its precision: 53 bits for
+float64, 24 for float32, 63 for int64); narrower dtypes are summed in float64 or int64. A peer that
+sums something else (another plan, size, dtype, operation or argument) breaks the equalities on
+every rank that returns, which then raises instead of returning the sum. A peer that contributes
+fewer values leaves a trailer word of this rank's own (``c`` where ``n c`` is expected). ``failed``
+is the number of ranks that rejected their input and still joined the sum (the losses: Note
+[Failure in a loss] in ``loss/reductions.py``); it is read first. Sums whose sizes differ by rank can still be
+aborted by gloo, as messages of different sizes are (docs/guarantees.md).
 """
 
 from __future__ import annotations
@@ -38,7 +59,7 @@ from typing import Any
 import torch
 
 __all__ = ["CHECK", "DATA", "HEADER_BYTES", "HEADER_WORDS", "OPS", "describe_mismatch", "digest", "make",
-           "mismatch"]
+           "mismatch", "reduction_dtype", "trailer", "trailer_mismatch"]
 
 HEADER_WORDS = 8
 HEADER_BYTES = 8 * HEADER_WORDS  # a multiple of 16: the data after it stays aligned for every dtype
@@ -119,3 +140,54 @@ def describe_mismatch(op: str, rank: int, bad: dict[int, tuple[list[str], Sequen
             "with the same plan (built from the same lengths), dtype, row shape, shifts and fill values, and "
             "set checks alike on every rank (check=, set_checks, CPSHARD_CHECK in every process or none); "
             "check=True on every rank names both plans.")
+
+
+# -- stamped reductions (Note [Stamped reductions]) ---------------------------------------------------
+
+_DIGEST_BITS = 48  # of the call's digest folded into a reduction: chance 2**-48 that two calls look alike
+_MAX_CHUNK = 24
+
+
+_PRECISION = {torch.float64: 53, torch.float32: 24, torch.complex128: 53, torch.complex64: 24, torch.int64: 63,
+              torch.int32: 31}
+
+
+def _precision(dtype: torch.dtype) -> int:
+    """The bits of the integers ``dtype`` holds exactly (0: a dtype reduced in a wider one)."""
+    return _PRECISION.get(dtype, 0)
+
+
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` values runs in: itself where it holds a trailer, else float64
+    (floating, complex: their real view) or int64 (integers, bool)."""
+    if _precision(dtype) >= 24:
+        return dtype
+    return torch.float64 if dtype.is_floating_point or dtype.is_complex else torch.int64
+
+
+def _chunks(word: int, dtype: torch.dtype, ranks: int, op: str) -> list[int]:
+    p = _precision(dtype)
+    bits = min(_MAX_CHUNK, (p - ranks.bit_length() - 1) // 2) if op == "sum" else min(_DIGEST_BITS, p - 2)
+    k = -(-_DIGEST_BITS // bits)
+    word &= (1 << _DIGEST_BITS) - 1  # the digest's 48 bits, whatever the chunks
+    return [((word >> (i * bits)) & ((1 << bits) - 1)) + 1 for i in range(k)]  # 1 .. 2**bits: never zero
+
+
+def trailer(word: int, dtype: torch.dtype, ranks: int, op: str, failed: bool) -> list[int]:
+    """This rank's trailer for a reduction (``op``: ``"sum"`` or ``"max"``) of ``dtype`` values over
+    ``ranks`` ranks, for the call whose digest is ``word`` (Note [Stamped reductions])."""
+    c = _chunks(word, dtype, ranks, op)
+    if failed:  # the digest is unknown on a rank that rejected its input: only the failure word counts
+        return [1] + [0] * (2 * len(c))
+    return [0, *c, *(x * x if op == "sum" else -x for x in c)]
+
+
+def trailer_mismatch(got: Sequence[float], mine: Sequence[int], ranks: int, op: str) -> str | None:
+    """What the reduced trailer ``got`` says, against this rank's ``mine``: ``"failed"`` (a rank
+    rejected its input), ``"differs"`` (some rank reduced another call), or None (every rank alike)."""
+    if got[0] != 0:
+        return "failed"
+    scale = ranks if op == "sum" else 1
+    if any(g != scale * m for g, m in zip(got[1:], mine[1:])):
+        return "differs"
+    return None

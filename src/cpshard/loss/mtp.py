@@ -287,7 +287,7 @@ def mtp_loss(
     local_counts = torch.stack([m.sum() for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
     if global_counts:
-        totals = sum_over_group(local_counts, plan, group)
+        totals = sum_over_group(local_counts, plan, group, check=check)
     else:
         totals = local_counts
     factor = plan.cp_size if global_counts else 1  # the logged losses' (their mean over CP is the depth's)

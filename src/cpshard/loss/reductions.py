@@ -32,7 +32,20 @@ per-token values on unlabelled rows (``inf``, ``NaN``) are never read into the s
 
 Communication: one ``all_reduce`` over the CP group per call (the count, or every sequence's count
 in one tensor), none at ``cp = 1`` and none for the sums (:func:`token_sum`,
-:func:`token_sum_and_count`); with ``dp_group``, one more small ``all_reduce`` over it.
+:func:`token_sum_and_count`); with ``dp_group``, one more small ``all_reduce`` over it. With checks on
+(``check=True``, :func:`cpshard.distributed.set_checks`, ``CPSHARD_CHECK=1``), first the agreement's
+small all-gather over the CP group, for every loss (those without a collective of their own too).
+
+Note [Failure in a loss]
+------------------------
+Every sum of a loss is stamped (Note [Stamped reductions] in ``_header.py``: the loss, its plan and
+arguments, folded into the same ``all_reduce``), so ranks that disagree about the call raise instead
+of returning a wrong share, checks on or off. With checks off a rank's own bad input raises there,
+before any collective (the project's rule), and its CP peers wait in the count sum until it exits.
+With checks on the agreement over the CP group raises on every CP rank; each of them then still
+joins the call's DP count (``dp_group``) with the failure word set, so that the DP peers raise in
+it instead of waiting. A rank that reads a disagreement or a failure in the CP count joins the DP
+count the same way. docs/guarantees.md has the table.
 """
 
 from __future__ import annotations
@@ -45,7 +58,8 @@ import torch
 
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import GradReduction
-from cpshard.distributed.collectives import group_rank, group_size, sum_over, sum_over_group
+from cpshard.distributed.agree import resolve_check
+from cpshard.distributed.collectives import agree, group_rank, group_size, reduce_over
 from cpshard.index.segments import to_device
 from cpshard.plan.values import Plan
 
@@ -110,19 +124,19 @@ class _Local:
         """``cp`` (times ``dp`` with ``dp_group``) under ``"mean"``, 1 under ``"sum"``."""
         return self.plan.cp_size * self.dp if self.reduction is GradReduction.MEAN else 1
 
-    def over_cp(self, counts: torch.Tensor) -> torch.Tensor:
-        return sum_over_group(counts, self.plan, self.group) if self.plan.cp_size > 1 else counts
-
-    def over_dp(self, counts: torch.Tensor) -> torch.Tensor:
-        return sum_over(counts, self.dp_group) if self.dp_group is not None else counts
-
     def given(self, name: str, value: Any) -> torch.Tensor | None:
         """A count the caller knows already, as a float64 scalar on the rows' device (``None``: not given)."""
         if value is None:
             return None
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-            return value.detach().reshape(()).to(device=self.values.device, dtype=_F64)
         fix = f"pass {name} as the total over every rank and micro-batch it covers, or None to count here"
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not value.is_meta:
+            count = value.detach().reshape(()).to(device=self.values.device, dtype=_F64)
+            if value.device.type == "cpu":  # read here: no device to wait for
+                if not float(count) >= 0:
+                    fail(name, f"tensor({float(count)})", "must be a count >= 0", fix)
+            else:  # on the device, no host sync: a device-side assertion
+                torch._assert_async(count >= 0)
+            return count
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             fail(name, repr(value), "must be a number or a one-element tensor", fix, kind=TypeError)
         if not float(value) >= 0:
@@ -135,9 +149,79 @@ class _Local:
         return self.factor * summed / count
 
 
+class _Call:
+    """One loss call's communication (Note [Failure in a loss]): the agreement with checks on, the
+    stamped sums over the CP and DP groups, and a failure carried to the DP group."""
+
+    def __init__(self, name: str, plan: Any, group: Any, dp_group: Any, check: Any, call: dict[str, Any],
+                 dp_sum: bool) -> None:
+        self.name, self.plan, self.group, self.dp_group = name, plan, group, dp_group
+        self.call = call  # the arguments every CP rank passes alike
+        self.dp_call = {"loss": name, **call}
+        self.dp_sum = dp_sum  # whether this call sums over dp_group (what a failing rank joins)
+        self.checked = resolve_check(check)
+
+    def start(self, build: Any) -> Any:
+        """``build()`` (this rank's checks, before any collective); with checks on, the agreement
+        over the CP group first, which raises on every CP rank or none."""
+        solo = isinstance(self.plan, Plan) and self.plan.cp_size == 1 and self.group is None
+        if not self.checked:
+            return build()  # a failing check raises here, before any collective
+        try:
+            local = build()
+        except (ValueError, TypeError) as exc:
+            if solo:
+                self._leave(exc)
+            self._agreed(exc)
+            raise  # _agreed re-raised it; kept for the type checker
+        if not solo:
+            self._agreed(None)
+        return local
+
+    def _agreed(self, error: Exception | None) -> None:
+        try:
+            agree(self.plan, self.group, error, self.call)
+        except (ValueError, TypeError) as exc:  # the verdict, or this rank's own error re-raised
+            self._leave(exc)
+
+    def _leave(self, error: Exception) -> Any:
+        """Join the DP sum this call runs with the failure word set (where this rank can), then raise
+        ``error``: the DP peers raise in that sum instead of waiting in it."""
+        if self.dp_sum and self.dp_group is not None:
+            try:
+                self._sum_dp(torch.zeros((), dtype=_F64), failed=True)
+            except (ValueError, TypeError):
+                pass
+        raise error
+
+    def _sum_dp(self, counts: torch.Tensor, failed: bool = False) -> torch.Tensor:
+        return reduce_over(counts, self.dp_group, op=f"{self.name} over dp_group", call=self.dp_call,
+                           checked=self.checked, failed=failed)
+
+    def over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` summed over the CP group (stamped: the loss, its plan and arguments), or as they
+        are at ``cp = 1``; a disagreement or failure read there reaches the DP group too."""
+        if self.plan.cp_size == 1:
+            return counts
+        try:
+            return reduce_over(counts, self.group, op=self.name, plans=(self.plan,), call=self.call,
+                               checked=self.checked)
+        except ValueError as exc:
+            return self._leave(exc)
+
+    def over_dp(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` summed over ``dp_group`` (stamped: the loss and its arguments), or as they are."""
+        return self._sum_dp(counts) if self.dp_group is not None else counts
+
+
+def _call_args(grad_reduction: Any, dp_group: Any, **extra: Any) -> dict[str, Any]:
+    return {"grad_reduction": str(getattr(grad_reduction, "value", grad_reduction)), "dp_group": dp_group is not None,
+            **extra}
+
+
 def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
                grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None,
-               num_tokens: float | torch.Tensor | None = None) -> torch.Tensor:
+               num_tokens: float | torch.Tensor | None = None, check: bool | None = None) -> torch.Tensor:
     """This rank's share of the mean over every labelled token of the micro-batch (Note [Gradient convention]).
 
     Args:
@@ -155,6 +239,10 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
             labelled token of the mini-batch's micro-batches, over the DP group: gradient
             accumulation then adds up to their mean): no collective at all. Pass ``dp_group`` too
             when ``N`` spans DP ranks (only its size is read, for ``f``).
+        check: ``True`` runs the agreement over ``group`` first (one small all-gather), so that bad
+            input or another plan on any rank raises on every rank, naming them; ``None`` follows
+            :func:`cpshard.distributed.set_checks`. Checks on or off, the sums are stamped: ranks that
+            disagree raise instead of returning (Note [Failure in a loss]).
 
     Returns:
         A scalar: ``f * s_r / N`` (``s_r`` this rank's masked sum, ``N`` the token count of the
@@ -169,27 +257,37 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
     One ``all_reduce`` of one count over ``group`` (none at ``cp = 1``); one more over ``dp_group``;
     none with ``num_tokens``.
     """
-    local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
-    count = local.given("num_tokens", num_tokens)
+    counted = num_tokens is None
+    call = _Call("token_mean", plan, group, dp_group, check, _call_args(grad_reduction, dp_group, counted=counted),
+                 counted)
+
+    def build() -> tuple[_Local, torch.Tensor | None]:
+        local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+        return local, local.given("num_tokens", num_tokens)
+
+    local, count = call.start(build)
     if count is None:
-        count = local.over_dp(local.over_cp(local.mask.sum(dtype=_F64)))
+        count = call.over_dp(call.over_cp(local.mask.sum(dtype=_F64)))
     return local.divide(local.values.sum(), count)
 
 
 def token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
-              grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None) -> torch.Tensor:
+              grad_reduction: GradReduction | str = GradReduction.MEAN, dp_group: Any = None,
+              check: bool | None = None) -> torch.Tensor:
     """This rank's share of the sum over every labelled token (verl's ``token-sum``). No communication.
 
     Arguments as :func:`token_mean`. Returns ``f * s_r`` with ``f = cp`` (``cp * dp`` with
     ``dp_group``: the sum over the DP group's micro-batches) under ``"mean"`` and 1 under ``"sum"``;
-    after ``backward()``, reduce gradients and the loss as :func:`token_mean` says.
+    after ``backward()``, reduce gradients and the loss as :func:`token_mean` says. With checks on,
+    the agreement over ``group`` (its only collective).
     """
-    local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+    call = _Call("token_sum", plan, group, dp_group, check, _call_args(grad_reduction, dp_group), False)
+    local = call.start(lambda: _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction))
     return local.factor * local.values.sum()
 
 
-def token_sum_and_count(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan,
-                        group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def token_sum_and_count(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
+                        check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron-core's per-token-loss form: ``(s_r, n_r)``, this rank's loss sum and own token count.
 
     For a ``loss_func`` under ``calculate_per_token_loss=True``, which returns ``(loss_sum,
@@ -198,13 +296,15 @@ def token_sum_and_count(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: 
     be the rank's own, not the CP group's (that would count every token ``cp`` times). No
     communication, no factor: the gradient convention is Megatron's, a sum.
 
-    Args: as :func:`token_mean` (``group`` is only checked against ``plan``).
+    Args: as :func:`token_mean` (``group`` is only checked against ``plan``; with checks on, the
+    agreement runs over it).
 
     Returns:
         ``(loss_sum, num_tokens)``: a scalar with gradient, and the count (the mask's sum over
         token rows) as a ``torch.int`` scalar on ``per_token``'s device, Megatron's accumulator type.
     """
-    local = _Local(per_token, loss_mask, plan, group, None, GradReduction.SUM)
+    call = _Call("token_sum_and_count", plan, group, None, check, {}, False)
+    local = call.start(lambda: _Local(per_token, loss_mask, plan, group, None, GradReduction.SUM))
     return local.values.sum(), local.mask.sum(dtype=_F64).round().to(torch.int)
 
 
@@ -213,7 +313,8 @@ _TOKEN_REDUCTIONS = ("mean", "sum")
 
 def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
                   token_reduction: str = "mean", grad_reduction: GradReduction | str = GradReduction.MEAN,
-                  dp_group: Any = None, num_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
+                  dp_group: Any = None, num_seqs: float | torch.Tensor | None = None,
+                  check: bool | None = None) -> torch.Tensor:
     """This rank's share of the mean over sequences of each sequence's token mean, though every
     sequence's tokens sit on several ranks (verl's ``seq-mean-token-mean``; Note [Gradient convention]).
 
@@ -230,6 +331,7 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
         num_seqs: ``S`` when it is known before the step (verl's ``global_batch_size``): no
             ``all_reduce`` over ``dp_group`` (give it for ``f``), and none at all with
             ``token_reduction="sum"``.
+        check: as in :func:`token_mean`.
 
     Returns:
         A scalar: ``f * sum_i (s_ri / n_i) / S`` (``s_ri`` this rank's masked sum of sequence ``i``,
@@ -237,21 +339,27 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
         sequences with ``n_i > 0``, over the DP group with ``dp_group``), ``f`` as in
         :func:`token_mean`. After ``backward()`` reduce gradients and the loss as it says.
     """
-    if token_reduction not in _TOKEN_REDUCTIONS:
-        fail("token_reduction", repr(token_reduction), "must be 'mean' (a sequence's token mean) or 'sum'",
-             "pass token_reduction='mean' or 'sum'")
-    local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+    call = _Call("sequence_mean", plan, group, dp_group, check,
+                 _call_args(grad_reduction, dp_group, token_reduction=token_reduction, counted=num_seqs is None),
+                 num_seqs is None)
+
+    def build() -> tuple[_Local, torch.Tensor | None]:
+        if token_reduction not in _TOKEN_REDUCTIONS:
+            fail("token_reduction", repr(token_reduction), "must be 'mean' (a sequence's token mean) or 'sum'",
+                 "pass token_reduction='mean' or 'sum'")
+        local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
+        return local, local.given("num_seqs", num_seqs)
+
+    local, given = call.start(build)
     device = local.values.device
     seq = to_device(plan.sequence_ids(local.rank), device).reshape(-1)
     b = plan.num_seqs
     sums = local.values.new_zeros(b).index_add(0, seq, local.values.reshape(-1))
-    given = local.given("num_seqs", num_seqs)
     if given is not None and token_reduction == "sum":
         return local.divide(sums.sum(), given)
-    counts = local.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)))
+    counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)))
     labelled = counts > 0
     if token_reduction == "mean":
         sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
-    total = given if given is not None else local.over_dp(labelled.sum(dtype=_F64))
+    total = given if given is not None else call.over_dp(labelled.sum(dtype=_F64))
     return local.divide(sums.sum(), total)
-

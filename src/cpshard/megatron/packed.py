@@ -171,7 +171,14 @@ def offsets_of(psp: Any, name: str) -> tuple[int, ...] | None:
                  "must be a 1-D integer tensor of cumulative offsets", "pass a PackedSeqParams built for THD")
         values = value.tolist()
     else:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            fail(f"psp.{name}", repr(value), "must be a 1-D integer tensor or a sequence of ints",
+                 "pass a PackedSeqParams built for THD", kind=TypeError)
         values = list(value)
+        for i, v in enumerate(values):  # whole numbers only: int() would truncate 8.5 to 8
+            if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+                fail(f"psp.{name}[{i}]", repr(v), "must be an integer offset",
+                     "pass integer cumulative offsets (e.g. torch.int32, as Megatron builds them)", kind=TypeError)
     if not values or values[0] != 0 or any(b < a for a, b in zip(values[:-1], values[1:])):
         fail(f"psp.{name}", values, "must start at 0 and never decrease (cumulative sequence offsets)",
              "pass the PackedSeqParams of a THD micro-batch")

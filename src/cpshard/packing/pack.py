@@ -74,6 +74,7 @@ from cpshard.base.layout import Layout, Padding, sequence_unit
 from cpshard.index.balance import _tri, zigzag_works
 from cpshard.packing.refine import Buffers, assign
 from cpshard.plan.values import ShardPlan
+from cpshard.plan.args import parse_seqlens
 
 __all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
 
@@ -306,9 +307,7 @@ def packing_bound(seqlens: Sequence[int], *, max_tokens: int, cp_size: int, tp_s
     sequence's heaviest piece dominates its micro-batch (zigzag: usually within a few percent) and
     loose when long documents could share micro-batches only fractionally.
     """
-    max_tokens = check_int("max_tokens", max_tokens, minimum=1)
-    cp_size = check_int("cp_size", cp_size, minimum=1)
-    tp_size = check_int("tp_size", tp_size, minimum=1)
+    max_tokens, cp_size, tp_size = _sizes(max_tokens, cp_size, tp_size)
     dp_size = check_int("dp_size", dp_size, minimum=1)
     lens = _lengths(seqlens)
     prob = _problem(lens, max_tokens, cp_size, tp_size, Layout.parse(layout), Padding.parse(padding))
@@ -330,16 +329,38 @@ def step_ratio(work: Sequence[Sequence[Sequence[int]]], cp_size: int) -> float:
 # -- the search -------------------------------------------------------------------------------------
 
 
+_ROWS = 2**31  # a plan holds fewer rows (int32 offsets, as Megatron and TransformerEngine take them)
+_WORK = 2**62  # the batch's causal work stays below it: every sum of works fits an int64
+
+
 def _lengths(seqlens: Any) -> list[int]:
-    if isinstance(seqlens, (str, bytes)) or not hasattr(seqlens, "__len__"):
-        fail("seqlens", repr(seqlens), "must be a sequence of non-negative ints", "pass the global batch's lengths",
-             kind=TypeError)
-    lens = seqlens.tolist() if hasattr(seqlens, "tolist") else list(seqlens)
-    if not lens:
-        fail("seqlens", "[]", "must hold at least one sequence", "pass the global batch's lengths")
-    if not (set(map(type, lens)) == {int} and min(lens) >= 0):
-        lens = [check_int(f"seqlens[{i}]", v, minimum=0) for i, v in enumerate(lens)]
+    """The batch's lengths (``parse_seqlens``: ints, an integer tensor or array), each below
+    ``_ROWS``, and their causal work below ``_WORK`` (NumPy's int64 sums do not overflow)."""
+    lens = list(parse_seqlens(seqlens))
+    longest = max(lens)
+    if longest >= _ROWS:
+        fail(f"seqlens[{lens.index(longest)}]", longest, f"must be below 2**31 = {_ROWS} (no plan holds more rows)",
+             "split the sequence, or drop it from the batch")
+    if longest * longest * len(lens) >= _WORK:  # only then the exact sum (Python ints)
+        work = sum(n * (n + 1) // 2 for n in lens)
+        if work >= _WORK:
+            fail("seqlens", f"{len(lens)} sequences of causal work {work}", f"must have a work below 2**62 = {_WORK} "
+                 "(the search sums works as int64)", "pack the batch in parts")
     return lens
+
+
+def _sizes(max_tokens: Any, cp_size: Any, tp_size: Any) -> tuple[int, int, int]:
+    """``max_tokens``, ``cp_size``, ``tp_size`` checked before any NumPy arithmetic on them."""
+    max_tokens = check_int("max_tokens", max_tokens, minimum=1)
+    cp_size = check_int("cp_size", cp_size, minimum=1)
+    tp_size = check_int("tp_size", tp_size, minimum=1)
+    if cp_size * tp_size >= _ROWS:
+        fail("cp_size", cp_size, f"with tp_size={tp_size} every padded micro-batch has at least cp_size * tp_size "
+             "rows, which must stay below 2**31", "pass the sizes of your context- and tensor-parallel groups")
+    if max_tokens >= _ROWS:
+        fail("max_tokens", max_tokens, f"must be below 2**31 = {_ROWS} (a micro-batch's plan holds fewer rows)",
+             f"pass max_tokens <= {_ROWS - 1}")
+    return max_tokens, cp_size, tp_size
 
 
 def _ffd_count(p: np.ndarray, capacity: int) -> int:
@@ -676,11 +697,9 @@ def pack(
     True
     """
     lens = _lengths(seqlens)
-    max_tokens = check_int("max_tokens", max_tokens, minimum=1)
-    cp_size = check_int("cp_size", cp_size, minimum=1)
-    tp_size = check_int("tp_size", tp_size, minimum=1)
+    max_tokens, cp_size, tp_size = _sizes(max_tokens, cp_size, tp_size)
     dp_size = check_int("dp_size", dp_size, minimum=1)
-    seed = check_int("seed", seed)
+    seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)  # NumPy's seeds
     group = check_int("group_size", group_size, minimum=1)
     least = 1 if min_micro_batches is None else check_int("min_micro_batches", min_micro_batches, minimum=1)
     by = 1 if divisible_by is None else check_int("divisible_by", divisible_by, minimum=1)

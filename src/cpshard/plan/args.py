@@ -38,7 +38,7 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
         values = list(seqlens.tolist())
     elif isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Sequence):
         fail(name, repr(seqlens), "must be a sequence of ints or a 1-D integer tensor",
-             "pass e.g. seqlens=[5, 3]", kind=TypeError)
+             f"pass e.g. {name}=[5, 3]", kind=TypeError)
     else:
         values = list(seqlens)
     if not values:

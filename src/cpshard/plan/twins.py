@@ -158,6 +158,11 @@ def apply_route(locals_: Sequence[torch.Tensor], src_plan: Plan, dst_plan: Plan)
         fail("locals_", f"{len(locals_)} tensors", f"must hold one tensor per rank ({src.cp_size})",
              "pass every rank's local tensor, rank 0 first")
     flats = [_flat(t, src, f"locals_[{r}]") for r, t in enumerate(locals_)]
+    for r, t in enumerate(flats[1:], start=1):  # the all-to-all moves one dtype and row shape
+        if t.dtype != flats[0].dtype or t.shape[1:] != flats[0].shape[1:]:
+            fail(f"locals_[{r}]", f"a {locals_[r].dtype} tensor of shape {tuple(locals_[r].shape)}",
+                 f"must have locals_[0]'s dtype and trailing shape ({locals_[0].dtype}, {tuple(flats[0].shape[1:])})",
+                 "pass every rank's rows of one tensor", kind=TypeError)
     routes = [relayout_route(src, dst, r, flats[r].device) for r in range(src.cp_size)]
     received = all_to_all_in_process(flats, [rt.send_rows for rt in routes], [rt.send_splits for rt in routes])
     out = []

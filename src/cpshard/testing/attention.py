@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import check_tensor, fail
-from cpshard.distributed.collectives import all_gather_rows, group_rank
+from cpshard.distributed.collectives import all_gather_rows, joined, validated
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.causal import (
     attend_blocks,
@@ -53,22 +53,29 @@ def _check_qkv(q: Any, k: Any, v: Any, plan: Plan) -> tuple[torch.Tensor, torch.
     return q, k, v
 
 
-def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None, naive: bool) -> torch.Tensor:
-    check_plan_type(plan)
-    q, k, v = _check_qkv(q, k, v, plan)
+def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None, naive: bool,
+            check: bool | None) -> torch.Tensor:
+    def validate() -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]]:
+        check_plan_type(plan)
+        qkv = _check_qkv(q, k, v, plan)
+        return qkv, {"dtype": qkv[0].dtype, "row shape": tuple(qkv[0].shape[len(plan.local_shape):]),
+                     "scale": scale, "naive": naive}
+
+    (q, k, v), rank, _ = validated(plan, group, check, validate)
     rows = math.prod(plan.local_shape)
     heads, dim = q.shape[-2:]
     kv = torch.cat([k, v], -1).reshape(rows, heads, 2 * dim)
-    rank = group_rank(plan, group)
-    kv = all_gather_rows(kv, plan, group)
+    kv = all_gather_rows(kv, plan, group, check=False)  # agreed above, with checks on
     k_all, v_all = kv.split(dim, -1)  # (cp * R, H, D) each
     out = attend_blocks(q.reshape(rows, heads, dim), k_all, v_all, contiguous_twin(plan) if naive else plan, rank,
                         scale=scale)
-    return out.reshape(q.shape)
+    # a rank whose rows are all pad rows reads no key: its output still depends on the gathered keys
+    # and values, so that their backward all_reduce runs on it too (its peers wait in it otherwise)
+    return joined(out, kv).reshape(q.shape)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group: Any, *,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, check: bool | None = None) -> torch.Tensor:
     """Causal attention of this rank's query rows over the whole batch (Note [Reference CP attention]).
 
     Args:
@@ -79,6 +86,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
         plan: the plan every rank of ``group`` sharded the batch with (any layout, any ``cp``).
         group: the CP group; ``None`` only when ``plan.cp_size == 1``.
         scale: the score scale; default ``1 / sqrt(D)``.
+        check: as in :func:`cpshard.distributed.gather`: the agreement before the key/value gather.
 
     Returns:
         ``plan.local_shape + (H, D)``: each token row's attention over the tokens at or before it
@@ -91,13 +99,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, gro
 
     Autograd: the gradient of each rank's ``k`` and ``v`` is summed over every rank's queries (see
     the Note), so if the ranks' losses add up to the batch's, every gradient equals ``cp = 1``'s.
+    Every rank joins that backward collective, a rank of pad rows only too.
     """
-    return _attend(q, k, v, plan, group, scale, naive=False)
+    return _attend(q, k, v, plan, group, scale, False, check)
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, group: Any, *,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, check: bool | None = None) -> torch.Tensor:
     """:func:`attention` with a layout-naive kernel's mask: it assumes rank ``s`` holds global rows
     ``s * L .. (s + 1) * L - 1`` (:func:`contiguous_twin`). Right under the contiguous layout, wrong
     under zigzag: kept to show that ``cpshard verify`` catches such a kernel. Same arguments."""
-    return _attend(q, k, v, plan, group, scale, naive=True)
+    return _attend(q, k, v, plan, group, scale, True, check)

@@ -185,35 +185,27 @@ def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return a, x
 
 
-class _DependOn(torch.autograd.Function):
-    """``out`` itself, made to depend on ``states``: so that the gather's backward (an ``all_reduce``)
-    runs on every rank, also on ranks whose output does not read a carry (rank 0, unchained ranks);
-    otherwise those ranks would skip the collective that the others wait in."""
+def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, rows_plan: ShardPlan, check: bool | None) -> torch.Tensor:
+    from cpshard.distributed.collectives import gather_states, joined, validated
 
-    @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        ctx.shape, ctx.dtype, ctx.device = states.shape, states.dtype, states.device
-        return out.view_as(out)
+    def validate() -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+        pair = _check(a, x, plan)
+        return pair, {"dtype": pair[0].dtype, "row shape": tuple(pair[0].shape[1:]), "scan": rows_plan != plan}
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return grad, torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
-
-
-def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, rows_plan: ShardPlan) -> torch.Tensor:
-    a, x = _check(a, x, plan)
-    from cpshard.distributed.collectives import gather_states, group_rank
-    rank = 0 if plan.cp_size == 1 and group is None else group_rank(plan, group)
+    (a, x), rank, _ = validated(plan, group, check, validate)
     layout = scan_layout(rows_plan)
     dev = a.device
     H, A = segmented_scan(a, x, layout.starts[rank].to(dev), rows_plan.token_mask(rank).to(dev))
     if plan.cp_size == 1:
         return H
-    states = gather_states(last_states(H, A), plan, group)
-    return _DependOn.apply(apply_carry(H, A, states, layout, rank), states)
+    states = gather_states(last_states(H, A), plan, group, check=False)  # agreed above, with checks on
+    # every rank's output depends on the gathered states, also where it reads no carry (rank 0,
+    # unchained ranks): the gather's backward all_reduce then runs on every rank
+    return joined(apply_carry(H, A, states, layout, rank), states)
 
 
-def linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any) -> torch.Tensor:
+def linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any, *,
+                check: bool | None = None) -> torch.Tensor:
     """``h`` ``(L, ...)``: per document ``h_t = a_t * h_{t-1} + x_t`` from 0 (Note [CP linear scan]).
 
     Args:
@@ -221,6 +213,9 @@ def linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any) -
         plan: a contiguous plan (any order; ``cp = 1`` any layout): relayout zigzag rows to the
             plan's contiguous twin first (``cpshard.distributed.relayout`` and ``cpshard.twin_plan``).
         group: the CP group; ``None`` only when ``plan.cp_size == 1``.
+        check: as in :func:`cpshard.distributed.gather` (``None``: :func:`~cpshard.distributed.set_checks`):
+            the agreement before the state gather, so that a rank whose plan, dtype or trailing shape
+            differs makes every rank raise, naming it.
 
     Returns:
         ``(L, ...)``, 0 on pad rows. Communication: one ``all_gather_single`` of ``(2, ...)`` per rank
@@ -231,10 +226,11 @@ def linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any) -
              "consecutive ranks, and zigzag's second chunk on rank r continues rank r + 1's rows",
              "run it on the contiguous twin: y = relayout(x, plan, twin_plan(plan, 'contiguous'), group), scan, "
              "then relayout back")
-    return _scan(a, x, plan, group, plan)
+    return _scan(a, x, plan, group, plan, check)
 
 
-def naive_linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any) -> torch.Tensor:
+def naive_linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any, *,
+                      check: bool | None = None) -> torch.Tensor:
     """:func:`linear_scan` under one wrong belief: that the rows are ``plan``'s contiguous twin's.
     Right under the contiguous layout; wrong on zigzag rows. Kept to show that
     ``cpshard verify --model hybrid`` catches it. Same arguments."""
@@ -242,4 +238,4 @@ def naive_linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: 
         _check(a, x, plan)
     belief = twin(plan, Layout.CONTIGUOUS)
     assert isinstance(belief, ShardPlan)  # the twin of a ShardPlan is one
-    return _scan(a, x, plan, group, belief)
+    return _scan(a, x, plan, group, belief, check)
