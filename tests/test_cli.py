@@ -305,8 +305,8 @@ def test_pack_when_verl_cannot_split_the_batch(capsys):
     (["--lengths", "4,5,30", "--max-tokens", "24"], "--lengths[2]=30: pads to 32 rows"),
     (["--lengths", "4,5,30", "--max-tokens", "24"],
      "more than --max-tokens=24. Fix: raise --max-tokens to at least 32"),
-    (["--lengths", "4,5,6", "--max-tokens", "64", "--min-micro-batches", "4"], "a smaller --min-micro-batches or "
-     "--divisible-by"),
+    (["--lengths", "4,5,6", "--max-tokens", "64", "--min-micro-batches", "4"],
+     "Fix: pass more sequences or a smaller --min-micro-batches."),
     (["--lengths", "4,5,6", "--max-tokens", "64", "--group-size", "2"], "--group-size=2: must divide the number"),
     (["--lengths", "4,5,30,9", "--max-tokens", "40", "--group-size", "2"],
      "--lengths[2:4]=[30, 9]: is group 1 (--group-size=2), whose sequences pad to 44 rows"),
@@ -356,3 +356,58 @@ def test_pack_and_plan_do_not_load_the_communication_layer(argv):
             "('cpshard.distributed', 'cpshard.attention', 'cpshard.spawn', 'cpshard.verify')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+# -- lengths files as editors and shells write them; the flag the user passed -----------------------
+
+@pytest.mark.parametrize("content", [
+    b"\xef\xbb\xbf5\n3\n",            # a UTF-8 byte-order mark (Notepad, PowerShell's Out-File)
+    b"5 3\n", b"5\t3", b"5,3\n", b"5, 3\n", b"  5\n\n3  # a comment\n", b"5\r\n3\r\n",
+    b"\xef\xbb\xbf[5, 3]",
+])
+def test_lengths_files_in_every_common_shape(capsys, tmp_path, content):
+    path = tmp_path / "lengths.txt"
+    path.write_bytes(content)
+    assert cli_main(["plan", "--lengths-file", str(path), "--cp", "2"]) == 0
+    assert capsys.readouterr().out.startswith("ShardPlan(seqlens=[5, 3], cp_size=2")
+
+
+def test_lengths_flag_takes_spaces_too(capsys):
+    assert cli_main(["plan", "--lengths", "5 3", "--cp", "2"]) == 0  # not "53"
+    assert capsys.readouterr().out.startswith("ShardPlan(seqlens=[5, 3], cp_size=2")
+    assert "'5,,3': expected comma-separated ints" in _refused(capsys, ["plan", "--lengths", "5,,3"])
+
+
+@pytest.mark.parametrize("command", [["plan"], ["pack", "--max-tokens", "64"], ["verify", "--no-progress"]])
+@pytest.mark.parametrize("content", [b"", b"\n\n# only a comment\n", b"\xef\xbb\xbf", b"[]"])
+def test_an_empty_lengths_file_is_named_by_its_flag(capsys, tmp_path, command, content):
+    path = tmp_path / "empty.txt"
+    path.write_bytes(content)
+    line = _refused(capsys, [command[0], "--lengths-file", str(path), *command[1:]])
+    assert f"--lengths-file {path}: holds no lengths" in line and "--lengths=" not in line, line
+
+
+def test_library_errors_name_the_lengths_file_flag(capsys, tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("5\n3\n")
+    assert cli_main(["pack", "--lengths-file", str(path), "--dp", "3", "--max-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpshard pack: --lengths-file=2 sequences: cannot fill 3 micro-batches"), err
+
+
+@pytest.mark.parametrize(("argv", "fix"), [
+    # three DP ranks, two sequences: no budget gives a DP rank no micro-batch
+    (["--lengths", "5,3", "--dp", "3", "--max-tokens", "64"], "Fix: pass more sequences or a smaller --dp."),
+    (["--lengths", "5,3,4", "--dp", "3", "--min-micro-batches", "2", "--max-tokens", "64"],
+     "Fix: pass more sequences, a smaller --dp or a smaller --min-micro-batches."),
+    (["--lengths", "5,3,4", "--divisible-by", "4", "--max-tokens", "64"],
+     "Fix: pass more sequences or a smaller --divisible-by."),
+    # three sequences that each fill a micro-batch: two per DP rank are needed, one each would do with a
+    # larger budget, and unequal counts (2 + 1) would do too
+    (["--lengths", "50,30,40", "--dp", "2", "--max-tokens", "52"],
+     "Fix: pass more sequences, a smaller --dp, --no-same-count or a larger --max-tokens."),
+])
+def test_pack_suggests_only_what_can_help(capsys, argv, fix):
+    assert cli_main(["pack", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(fix), err

@@ -180,10 +180,14 @@ def describe_bshd(plan: BshdPlan) -> str:
     return "\n".join(out)
 
 
+_SEPARATORS = re.compile(r"\s*,\s*|\s+")  # a comma (spaces around it allowed) or a run of whitespace
+
+
 def _split(flag: str, text: str, example: str) -> list[int]:
-    """Comma-separated integers of ``flag``, or an argparse error in the flag's terms."""
+    """Integers of ``flag`` separated by commas or whitespace (``5,3``, ``"5, 3"``, ``"5 3"``), or an
+    argparse error in the flag's terms."""
     try:
-        return [int(t) for t in text.replace(" ", "").split(",")]
+        return [int(t) for t in _SEPARATORS.split(text.strip())]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. {flag} {example}") from None
 
@@ -209,55 +213,70 @@ def _shown(line: str, width: int = 40) -> str:
 
 
 def read_lengths_file(path: str) -> list[int]:
-    """Sequence lengths from a file: one per line (blank lines and ``#`` comments ignored), or a JSON list.
+    """Sequence lengths from a file: integers separated by newlines, spaces, tabs or commas (``#``
+    starts a comment to the end of its line), or a JSON list. A UTF-8 byte-order mark is skipped.
 
     Read up to 64 MiB (a larger file, or an endless one such as ``/dev/zero``, is refused without
-    reading it all); a file that is not UTF-8 text is named as such; a bad line is quoted briefly."""
+    reading it all); a file that is not UTF-8 text is named as such; a bad line is quoted briefly; a
+    file that holds no length (empty, or only blank lines and comments) is refused naming the flag.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+    ...     _ = f.write("\ufeff5 3\n7,2  # the last two\n")
+    >>> read_lengths_file(f.name)
+    [5, 3, 7, 2]
+    """
+    where = f"--lengths-file {path}"
     if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is a directory; pass a text file of lengths")
+        raise argparse.ArgumentTypeError(f"{where}: is a directory; pass a text file of lengths")
     try:
         with open(path, "rb") as f:
             data = f.read(_LENGTHS_FILE_MAX + 1)
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: cannot be read ({exc.strerror})") from None
+        raise argparse.ArgumentTypeError(f"{where}: cannot be read ({exc.strerror})") from None
     if len(data) > _LENGTHS_FILE_MAX:
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is larger than {_LENGTHS_FILE_MAX >> 20} MiB; "
-                                         "a lengths file holds one integer per line (or a JSON list)")
+        raise argparse.ArgumentTypeError(f"{where}: is larger than {_LENGTHS_FILE_MAX >> 20} MiB; "
+                                         "a lengths file holds integer lengths (or a JSON list)")
     try:
         if b"\0" in data:
             raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark, as some editors on Windows write, is skipped
     except UnicodeDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is not a text file (byte {exc.start} is "
-                                         f"{data[exc.start:exc.start + 1]!r}); pass one integer length per "
-                                         "line, or a JSON list") from None
+        raise argparse.ArgumentTypeError(f"{where}: is not a text file (byte {exc.start} is "
+                                         f"{data[exc.start:exc.start + 1]!r}); pass integer lengths separated by "
+                                         "newlines, spaces or commas, or a JSON list") from None
     if text.lstrip().startswith("["):
         try:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: not a JSON list ({exc})") from None
+            raise argparse.ArgumentTypeError(f"{where}: not a JSON list ({exc})") from None
         if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: the JSON list must hold integers only")
-        return _check_lengths(values, f"--lengths-file={path!r}")
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            out.append(int(line))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {_shown(line)}, expected "
-                                             "one integer length per line (or a JSON list)") from None
-    return _check_lengths(out, f"--lengths-file={path!r}")
+            raise argparse.ArgumentTypeError(f"{where}: the JSON list must hold integers only")
+        out = values
+    else:
+        out = []
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            try:
+                out += [int(t) for t in _SEPARATORS.split(line)]
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{where}: line {number} is {_shown(line)}, expected integer "
+                                                 "lengths separated by spaces or commas (or a JSON list)") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{where}: holds no lengths (the file is empty, or only blank lines and "
+                                         "comments); pass a file with at least one length, e.g. a line '5 3'")
+    return _check_lengths(out, where)
 
 
 def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: str) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--lengths", type=_lengths, default=list(default),
-                       help=f"sequence lengths, e.g. {example} (default {','.join(map(str, default))})")
+                       help=f"sequence lengths, comma-separated, e.g. {example} (default {','.join(map(str, default))})")
     which.add_argument("--lengths-file", type=read_lengths_file, default=None, metavar="PATH",
-                       help="sequence lengths from a file: one per line, or a JSON list")
+                       help="sequence lengths from a file: integers separated by newlines, spaces or commas, "
+                       "or a JSON list")
 
 
 def _positive_ints(flag: str, example: str) -> Any:
@@ -314,10 +333,18 @@ _PACK_FLAGS = {**_FLAGS, "max_tokens": "--max-tokens", "dp_size": "--dp", "min_m
 _PACK_AFTER = "=[ ,.;)"  # pack's messages name its parameters in lists too ("min_micro_batches or divisible_by,")
 
 
+def _as_passed(args: argparse.Namespace, flags: dict[str, str] = _FLAGS) -> dict[str, str]:
+    """``flags`` with the lengths named by the flag the user passed (``--lengths`` or ``--lengths-file``)."""
+    if getattr(args, "lengths_file", None) is None:
+        return flags
+    return {**flags, "seqlens": "--lengths-file", "lengths": "--lengths-file"}
+
+
 def _in_flags(message: str, flags: dict[str, str] = _FLAGS, after: str = "=[ ") -> str:
     """A library error (``name=value: rule. Fix: pass name ...``) with its argument names as CLI flags
     (a name followed by one of ``after``, or at the end)."""
-    message = message.replace(" or leave it None", " or drop the flag")
+    message = message.replace(" or leave it None", " or drop the flag").replace("same_count_across_dp=False",
+                                                                                 "--no-same-count")
     return re.sub(r"\b(" + "|".join(flags) + r")\b(?=[" + re.escape(after) + r"]|$)", lambda m: flags[m.group(1)],
                   message)
 
@@ -549,7 +576,7 @@ def _run_pack(args: argparse.Namespace, k: argparse.ArgumentParser) -> int:
             if not args.json:
                 text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"cpshard pack: {_in_flags(str(exc), _PACK_FLAGS, _PACK_AFTER)}", file=sys.stderr)
+        print(f"cpshard pack: {_in_flags(str(exc), _as_passed(args, _PACK_FLAGS), _PACK_AFTER)}", file=sys.stderr)
         return 2
     return _emit(text)
 
@@ -659,7 +686,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                                    attention=args.attention, paddings=paddings, reorders=reorders,
                                    progress=args.progress)
     except (ValueError, TypeError) as exc:
-        print(f"cpshard verify: {_in_flags(str(exc))}", file=sys.stderr)
+        print(f"cpshard verify: {_in_flags(str(exc), _as_passed(args))}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_json()) if args.json else verify.format_table(report), flush=True)
     return 0 if report.ok else 1
@@ -747,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _unwritable("plan", args.png, exc)
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
+        print(f"cpshard plan: {_in_flags(str(exc), _as_passed(args))}", file=sys.stderr)
         return 2
     return _emit(text)
 
