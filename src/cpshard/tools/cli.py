@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -726,11 +725,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     k = _pack_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "pack":
-        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
         return _run_pack(args, k)
     if args.command == "verify":
-        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
         return _run_verify(args, v)
     lengths = args.lengths_file if args.lengths_file is not None else args.lengths
@@ -744,8 +741,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode = "with --bshd (a padded batch)" if args.bshd else "without --bshd (a packed batch)"
         p.error(f"{', '.join(ignored)} does not apply {mode}; drop it"
                      + ("" if args.bshd else " or add --bshd"))
-    # torch logs a deprecation notice from torch.fx when nested tensors are first used; not ours to show
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
         texts, plans = [], []

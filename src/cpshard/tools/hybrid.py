@@ -17,7 +17,6 @@ differentiable; the layout-naive variant runs the same shifts believing the zigz
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,7 +153,6 @@ def _run(lengths: tuple[int, ...], c: Config, dtype: torch.dtype, rank: int, gro
 
 def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
                progress: Progress) -> list[Outcome] | None:
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     outcomes = []
     for c in configs:
         got = _run(lengths, c, DTYPES[dtype_name], rank, world_group())

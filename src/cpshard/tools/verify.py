@@ -31,7 +31,6 @@ and runs every configuration of that ``cp`` in it; :func:`verify_launched` runs 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import time
@@ -245,7 +244,6 @@ def _duration(seconds: float) -> str:
 def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
                progress: Progress) -> list[Outcome] | None:
     """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     group = world_group()
     batch = _batch(lengths)
     model = TinyDecoder(DTYPES[dtype_name])
