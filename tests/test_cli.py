@@ -156,6 +156,13 @@ def test_estimate_follows_its_rule():
     assert rule(10.0, {2: [contiguous]}, 2, startup=0.0) == pytest.approx(10.0 * 26 / 36)
     assert rule(10.0, {2: [zigzag]}, 1, startup=0.0) == pytest.approx(10.0)  # two ranks, one core
     assert rule(10.0, {2: [zigzag, contiguous]}, 1, startup=3.0) == pytest.approx(2 * 3.0 + 2 * 10.0)
+    # every rank of a spawned group pays the first-call warm-up again, its ranks sharing the cores; the
+    # cp=1 configurations run warm in this process and pay neither
+    assert rule(10.0, {2: [zigzag]}, 2, startup=3.0, warmup=2.0) == pytest.approx(5.0 + 5.0)
+    assert rule(10.0, {4: [], 2: [zigzag]}, 2, startup=3.0, warmup=2.0) == pytest.approx(5.0 * 4 / 2 + 5.0 + 5.0)
+    assert rule(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0, warmup=2.0) == pytest.approx(10.0)
+    # by default a spawned rank's warm-up, like its steps, counts RANK_OVERHEAD times this process's
+    assert estimate_seconds(10.0, {2: []}, 2, startup=3.0, warmup=2.0) == pytest.approx(3.0 + RANK_OVERHEAD * 2.0)
     assert rule(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0) == pytest.approx(10.0)
     # across ranks the default overhead applies; in the cp=1 process it does not
     assert estimate_seconds(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0 * RANK_OVERHEAD)
@@ -411,3 +418,65 @@ def test_pack_suggests_only_what_can_help(capsys, argv, fix):
     assert cli_main(["pack", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith(fix), err
+
+
+def test_estimate_start_up_is_not_the_time_a_process_waited():
+    """A rank's start-up is estimated from the CPU time this process spent starting (importing torch),
+    not from its age: a process that waited before importing cpshard.verify (an interactive session, a
+    notebook) gets the same estimate (its age once counted per rank: minutes for a run of seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import time, sys; time.sleep(float(sys.argv[1]))\n"
+            "from cpshard import ShardPlan\nfrom cpshard.verify import estimate_seconds\n"
+            "print(estimate_seconds(0.0, {4: [ShardPlan.build([8], cp_size=4)]}, 4))")
+    fresh, waited = (float(subprocess.run([sys.executable, "-c", code, wait], capture_output=True, text=True,
+                                          timeout=120, check=True).stdout) for wait in ("0", "8"))
+    assert 2.0 <= fresh <= 16.0 and 2.0 <= waited <= 16.0  # one rank's start-up: 1 .. 15 s of import, 1 s more
+    assert waited < fresh + 4.0, (fresh, waited)
+
+
+def test_reference_is_timed_warm_and_the_estimate_follows():
+    """The cp=1 step of the batch runs after a 2-token step that pays the first-call costs; the bar shows
+    the batch's step and the estimate."""
+    import io
+
+    from cpshard.verify import Progress, timed_reference
+
+    calls = []
+    stream = io.StringIO()
+
+    class Bar(Progress):
+        def note(self, text, stream_=None):
+            super().note(text, stream)
+
+        def step(self, label, stream_=None):
+            super().step(label, stream)
+
+    got = timed_reference(lambda lens: calls.append(lens) or len(calls), (5, 3),
+                          {2: [ShardPlan.build([5, 3], cp_size=2)]}, Bar(total=3))
+    assert calls == [(2,), (5, 3)] and got == 2
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "cpshard verify: 8 tokens, 1 configurations; the cp=1 reference step first, then the estimate"
+    assert re.fullmatch(r"cpshard verify \[#+\.*\] 1/3 cp=1 reference \d+\.\d s", lines[1]), lines
+    assert re.fullmatch(r"cpshard verify: about \d+ s more on \d+ CPU cores? \(.*warm-up.*\)", lines[2]), lines
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--layouts", "zigzag"], "--layouts does not apply to --model hybrid: its attention runs on zigzag"),
+    (["--attention", "naive"], "--attention does not apply to --model hybrid: its attention is the reference"),
+    (["--attention", "reference"], "--attention does not apply to --model hybrid"),
+    (["--reorder"], "--reorder does not apply to --model hybrid: it runs both orders of its contiguous twin"),
+])
+def test_hybrid_refuses_the_decoders_flags(capsys, flags, message):
+    line = _refused(capsys, ["verify", "--model", "hybrid", *flags, "--no-progress"])
+    assert message in line and line.endswith(f"drop {flags[0]}"), line
+
+
+def test_hybrid_library_refuses_layouts_and_attention():
+    from cpshard.verify import verify
+
+    with pytest.raises(ValueError, match=r"attention='naive': does not apply to model='hybrid'"):
+        verify([9, 4], model="hybrid", attention="naive", progress=False)
+    with pytest.raises(ValueError, match=r"layouts=\['contiguous'\]: does not apply to model='hybrid'"):
+        verify([9, 4], model="hybrid", layouts=["contiguous"], progress=False)

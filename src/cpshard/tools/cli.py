@@ -595,19 +595,22 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
                    help="context-parallel sizes (default 2,4; under torchrun the world size)")
     v.add_argument("--tp", type=_positive_ints("--tp", "1,2"), default=[1, 2],
                    help="tensor-parallel alignments (default 1,2)")
-    v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"),
-                   default=[m.value for m in Layout], help="layouts (default zigzag,contiguous)")
-    v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=[Padding.ALIGNED.value],
-                   help="plan paddings: aligned (default), minimal, or both as aligned,minimal")
+    v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"), default=None,
+                   help="layouts (default zigzag,contiguous; not with --model hybrid)")
+    v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=None,
+                   help="plan paddings: aligned, minimal, or both as aligned,minimal (default aligned; with "
+                   "--model hybrid aligned,minimal)")
     v.add_argument("--reorder", action="store_true", help="also run every contiguous configuration with "
-                   "reorder='balanced' (sequences permuted to even out causal work)")
+                   "reorder='balanced' (sequences permuted to even out causal work; not with --model hybrid, "
+                   "which runs both orders of its contiguous twin)")
     v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    v.add_argument("--attention", default="reference", choices=["reference", "naive"],
-                   help="'naive': run every configuration with the layout-naive attention (zigzag must fail)")
+    v.add_argument("--attention", default=None, choices=["reference", "naive"],
+                   help="'naive': run every configuration with the layout-naive attention (zigzag must fail; "
+                   "default reference; not with --model hybrid)")
     v.add_argument("--model", default="decoder", choices=["decoder", "hybrid"],
                    help="'hybrid': attention on zigzag alternating with a causal convolution and a scan on the "
-                   "contiguous twin, relayout between them (default paddings aligned,minimal and both twin orders)")
+                   "contiguous twin, relayout between them; both twin orders, default paddings aligned,minimal")
     v.add_argument("--backend", default=None, choices=["nccl", "gloo"],
                    help="under torchrun: the process-group backend (default nccl with CUDA, else gloo)")
     v.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
@@ -653,27 +656,46 @@ def _verify_lengths(args: argparse.Namespace, v: argparse.ArgumentParser) -> lis
     return lengths
 
 
+def _hybrid_flags(args: argparse.Namespace, v: argparse.ArgumentParser) -> None:
+    """``--model hybrid`` fixes what the decoder's flags choose: refuse them, never ignore them."""
+    from cpshard.tools import verify
+
+    if verify.launched() or args.backend is not None:
+        v.error("--model hybrid runs on spawned gloo ranks only (not under torchrun, no --backend)")
+    fixed = [(args.layouts is not None, "--layouts", "its attention runs on zigzag and its linear blocks on the "
+              "contiguous twin, every configuration"),
+             (args.attention is not None, "--attention", "its attention is the reference; the layout-naive check "
+              "is its scan on the zigzag rows, run once at the smallest --cp and --tp"),
+             (args.reorder, "--reorder", "it runs both orders of its contiguous twin (the same and "
+              "reorder='balanced'), every configuration")]
+    for given, flag, why in fixed:
+        if given:
+            v.error(f"{flag} does not apply to --model hybrid: {why}; drop {flag}")
+
+
 def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
     from cpshard.tools import verify
 
+    if args.model == "hybrid":
+        _hybrid_flags(args, v)
     lengths = _verify_lengths(args, v)
-    layouts, paddings = args.layouts, args.padding
+    layouts = args.layouts or [m.value for m in Layout]
+    attention = args.attention or "reference"
     reorders: list[str | None] = [None, "balanced"] if args.reorder else [None]
     try:
         if args.model == "hybrid":
-            if verify.launched() or args.backend is not None:
-                v.error("--model hybrid runs on spawned gloo ranks only (not under torchrun, no --backend)")
             hybrid = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, dtype=args.dtype,
-                                   paddings=paddings if paddings != [Padding.ALIGNED.value] else ["aligned", "minimal"],
-                                   reorders=[None, "balanced"], progress=args.progress, model="hybrid")
+                                   paddings=args.padding or [m.value for m in Padding], reorders=[None, "balanced"],
+                                   progress=args.progress, model="hybrid")
             print(json.dumps(hybrid.as_json()) if args.json else verify.format_table(hybrid), flush=True)
             return 0 if hybrid.ok else 1
+        paddings = args.padding or [Padding.ALIGNED.value]
         if verify.launched():
             world = int(os.environ["WORLD_SIZE"])
             if args.cp is not None and args.cp != [world]:
                 v.error(f"--cp {args.cp} under torchrun: the CP size is the world size ({world}); drop --cp")
             report = verify.verify_launched(lengths, backend=args.backend, tps=args.tp, layouts=layouts,
-                                            dtype=args.dtype, attention=args.attention, paddings=paddings,
+                                            dtype=args.dtype, attention=attention, paddings=paddings,
                                             reorders=reorders, progress=args.progress)
             if report is None:  # not rank 0: rank 0 reports; every rank exits 0 unless it failed
                 return 0
@@ -682,7 +704,7 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error("--backend applies under torchrun only (torchrun --nproc-per-node N -m cpshard verify "
                         "--backend nccl); spawned ranks use gloo")
             report = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, layouts=layouts, dtype=args.dtype,
-                                   attention=args.attention, paddings=paddings, reorders=reorders,
+                                   attention=attention, paddings=paddings, reorders=reorders,
                                    progress=args.progress)
     except (ValueError, TypeError) as exc:
         print(f"cpshard verify: {_in_flags(str(exc), _as_passed(args))}", file=sys.stderr)
