@@ -212,7 +212,7 @@ def _shown(line: str, width: int = 40) -> str:
 
 
 def read_lengths_file(path: str) -> list[int]:
-    """Sequence lengths from a file: integers separated by newlines, spaces, tabs or commas (``#``
+    r"""Sequence lengths from a file: integers separated by newlines, spaces, tabs or commas (``#``
     starts a comment to the end of its line), or a JSON list. A UTF-8 byte-order mark is skipped.
 
     Read up to 64 MiB (a larger file, or an endless one such as ``/dev/zero``, is refused without
@@ -224,6 +224,7 @@ def read_lengths_file(path: str) -> list[int]:
     ...     _ = f.write("\ufeff5 3\n7,2  # the last two\n")
     >>> read_lengths_file(f.name)
     [5, 3, 7, 2]
+    >>> os.unlink(f.name)
     """
     where = f"--lengths-file {path}"
     if os.path.isdir(path):
