@@ -269,9 +269,10 @@ def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank
 
 # -- how long a run takes ----------------------------------------------------------------------
 
-#: a step across spawned ranks takes about twice its share of the warm cp = 1 step, and a spawned rank's
-#: first step about twice this process's warm-up (the exchanges and gathers, ranks contending for the
-#: cores): measured with runs of `cpshard verify` on a shared two-core machine
+#: a step across spawned ranks takes about twice its share of the warm cp = 1 step, a spawned rank's first
+#: step about twice this process's warm-up, and ranks that start together about twice this process's
+#: start-up (the exchanges and gathers, ranks contending for the cores): measured with runs of
+#: `cpshard verify` on a shared two-core machine
 RANK_OVERHEAD = 2.0
 _ESTIMATE_RULE = ("each configuration: the warm cp=1 step's time times its busiest rank's share of the causal "
                   "attention work, or 1/cores when ranks outnumber the cores, times 2 across ranks; plus each "
@@ -309,15 +310,17 @@ def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[Shard
     ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them), times ``overhead`` at
     ``cp > 1`` (``RANK_OVERHEAD``). Each spawned group of ``cp`` ranks adds ``(startup + overhead *
     warmup) * cp / min(cp, cpus)`` seconds: every rank starts Python and imports torch (default
-    ``startup``: this process's own start-up, :func:`_startup_seconds`) and pays the first-call costs
-    again in its first step, those of the collectives too. ``plans_by_cp``: every configuration's plan by its ``cp``; configurations at ``cp = 1`` run in
-    this process, warm, and start nothing. A guide, not a promise: a loaded machine runs slower.
+    ``startup``: ``overhead`` times this process's own start-up, :func:`_startup_seconds`, as ranks
+    that start together contend) and pays the first-call costs again in its first step, those of
+    the collectives too. ``plans_by_cp``: every configuration's plan by its ``cp``; configurations
+    at ``cp = 1`` run in this process, warm, and start nothing. A guide, not a promise: a loaded
+    machine runs slower.
 
     Example: two zigzag configurations at ``cp = 2`` on two cores, a 4 s warm step whose busiest
     rank holds half the work, 3 s start-up and 1 s warm-up: ``(3 + 2 * 1) * 2 / 2 + 2 * (4 * 0.5 *
     2) = 13`` seconds.
     """
-    startup = _startup_seconds() if startup is None else startup
+    startup = overhead * _startup_seconds() if startup is None else startup
     total = 0.0
     for cp, plans in plans_by_cp.items():
         cores = max(1, min(cp, cpus))
