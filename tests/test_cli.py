@@ -156,6 +156,13 @@ def test_estimate_follows_its_rule():
     assert rule(10.0, {2: [contiguous]}, 2, startup=0.0) == pytest.approx(10.0 * 26 / 36)
     assert rule(10.0, {2: [zigzag]}, 1, startup=0.0) == pytest.approx(10.0)  # two ranks, one core
     assert rule(10.0, {2: [zigzag, contiguous]}, 1, startup=3.0) == pytest.approx(2 * 3.0 + 2 * 10.0)
+    # every rank of a spawned group pays the first-call warm-up again, its ranks sharing the cores; the
+    # cp=1 configurations run warm in this process and pay neither
+    assert rule(10.0, {2: [zigzag]}, 2, startup=3.0, warmup=2.0) == pytest.approx(5.0 + 5.0)
+    assert rule(10.0, {4: [], 2: [zigzag]}, 2, startup=3.0, warmup=2.0) == pytest.approx(5.0 * 4 / 2 + 5.0 + 5.0)
+    assert rule(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0, warmup=2.0) == pytest.approx(10.0)
+    # by default a spawned rank's warm-up, like its steps, counts RANK_OVERHEAD times this process's
+    assert estimate_seconds(10.0, {2: []}, 2, startup=3.0, warmup=2.0) == pytest.approx(3.0 + RANK_OVERHEAD * 2.0)
     assert rule(10.0, {1: [ShardPlan.build([8], cp_size=1)]}, 2, startup=3.0) == pytest.approx(10.0)
     # across ranks the default overhead applies; in the cp=1 process it does not
     assert estimate_seconds(10.0, {2: [zigzag]}, 2, startup=0.0) == pytest.approx(5.0 * RANK_OVERHEAD)
@@ -305,8 +312,8 @@ def test_pack_when_verl_cannot_split_the_batch(capsys):
     (["--lengths", "4,5,30", "--max-tokens", "24"], "--lengths[2]=30: pads to 32 rows"),
     (["--lengths", "4,5,30", "--max-tokens", "24"],
      "more than --max-tokens=24. Fix: raise --max-tokens to at least 32"),
-    (["--lengths", "4,5,6", "--max-tokens", "64", "--min-micro-batches", "4"], "a smaller --min-micro-batches or "
-     "--divisible-by"),
+    (["--lengths", "4,5,6", "--max-tokens", "64", "--min-micro-batches", "4"],
+     "Fix: pass more sequences or a smaller --min-micro-batches."),
     (["--lengths", "4,5,6", "--max-tokens", "64", "--group-size", "2"], "--group-size=2: must divide the number"),
     (["--lengths", "4,5,30,9", "--max-tokens", "40", "--group-size", "2"],
      "--lengths[2:4]=[30, 9]: is group 1 (--group-size=2), whose sequences pad to 44 rows"),
@@ -356,3 +363,121 @@ def test_pack_and_plan_do_not_load_the_communication_layer(argv):
             "('cpshard.distributed', 'cpshard.attention', 'cpshard.spawn', 'cpshard.verify')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+# -- lengths files as editors and shells write them; the flag the user passed -----------------------
+
+@pytest.mark.parametrize("content", [
+    b"\xef\xbb\xbf5\n3\n",            # a UTF-8 byte-order mark (Notepad, PowerShell's Out-File)
+    b"5 3\n", b"5\t3", b"5,3\n", b"5, 3\n", b"  5\n\n3  # a comment\n", b"5\r\n3\r\n",
+    b"\xef\xbb\xbf[5, 3]",
+])
+def test_lengths_files_in_every_common_shape(capsys, tmp_path, content):
+    path = tmp_path / "lengths.txt"
+    path.write_bytes(content)
+    assert cli_main(["plan", "--lengths-file", str(path), "--cp", "2"]) == 0
+    assert capsys.readouterr().out.startswith("ShardPlan(seqlens=[5, 3], cp_size=2")
+
+
+def test_lengths_flag_takes_spaces_too(capsys):
+    assert cli_main(["plan", "--lengths", "5 3", "--cp", "2"]) == 0  # not "53"
+    assert capsys.readouterr().out.startswith("ShardPlan(seqlens=[5, 3], cp_size=2")
+    assert "'5,,3': expected comma-separated ints" in _refused(capsys, ["plan", "--lengths", "5,,3"])
+
+
+@pytest.mark.parametrize("command", [["plan"], ["pack", "--max-tokens", "64"], ["verify", "--no-progress"]])
+@pytest.mark.parametrize("content", [b"", b"\n\n# only a comment\n", b"\xef\xbb\xbf", b"[]"])
+def test_an_empty_lengths_file_is_named_by_its_flag(capsys, tmp_path, command, content):
+    path = tmp_path / "empty.txt"
+    path.write_bytes(content)
+    line = _refused(capsys, [command[0], "--lengths-file", str(path), *command[1:]])
+    assert f"--lengths-file {path}: holds no lengths" in line and "--lengths=" not in line, line
+
+
+def test_library_errors_name_the_lengths_file_flag(capsys, tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_text("5\n3\n")
+    assert cli_main(["pack", "--lengths-file", str(path), "--dp", "3", "--max-tokens", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cpshard pack: --lengths-file=2 sequences: cannot fill 3 micro-batches"), err
+
+
+@pytest.mark.parametrize(("argv", "fix"), [
+    # three DP ranks, two sequences: no budget gives a DP rank no micro-batch
+    (["--lengths", "5,3", "--dp", "3", "--max-tokens", "64"], "Fix: pass more sequences or a smaller --dp."),
+    (["--lengths", "5,3,4", "--dp", "3", "--min-micro-batches", "2", "--max-tokens", "64"],
+     "Fix: pass more sequences, a smaller --dp or a smaller --min-micro-batches."),
+    (["--lengths", "5,3,4", "--divisible-by", "4", "--max-tokens", "64"],
+     "Fix: pass more sequences or a smaller --divisible-by."),
+    # three sequences that each fill a micro-batch: two per DP rank are needed, one each would do with a
+    # larger budget, and unequal counts (2 + 1) would do too
+    (["--lengths", "50,30,40", "--dp", "2", "--max-tokens", "52"],
+     "Fix: pass more sequences, a smaller --dp, --no-same-count or a larger --max-tokens."),
+])
+def test_pack_suggests_only_what_can_help(capsys, argv, fix):
+    assert cli_main(["pack", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(fix), err
+
+
+def test_estimate_start_up_is_not_the_time_a_process_waited():
+    """A rank's start-up is estimated from the CPU time this process spent starting (importing torch),
+    not from its age: a process that waited before importing cpshard.verify (an interactive session, a
+    notebook) gets the same estimate (its age once counted per rank: minutes for a run of seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import time, sys; time.sleep(float(sys.argv[1]))\n"
+            "from cpshard import ShardPlan\nfrom cpshard.verify import estimate_seconds\n"
+            "print(estimate_seconds(0.0, {4: [ShardPlan.build([8], cp_size=4)]}, 4))")
+    fresh, waited = (float(subprocess.run([sys.executable, "-c", code, wait], capture_output=True, text=True,
+                                          timeout=120, check=True).stdout) for wait in ("0", "8"))
+    # one rank's start-up: 1 .. 15 s of import and 1 s more, RANK_OVERHEAD times (ranks start together)
+    assert 2.0 * RANK_OVERHEAD <= fresh <= 16.0 * RANK_OVERHEAD and 2.0 * RANK_OVERHEAD <= waited <= 16 * RANK_OVERHEAD
+    assert waited < fresh + 4.0, (fresh, waited)
+
+
+def test_reference_is_timed_warm_and_the_estimate_follows():
+    """The cp=1 step of the batch runs after a 2-token step that pays the first-call costs; the bar shows
+    the batch's step and the estimate."""
+    import io
+
+    from cpshard.verify import Progress, timed_reference
+
+    calls = []
+    stream = io.StringIO()
+
+    class Bar(Progress):
+        def note(self, text, stream_=None):
+            super().note(text, stream)
+
+        def step(self, label, stream_=None):
+            super().step(label, stream)
+
+    got = timed_reference(lambda lens: calls.append(lens) or len(calls), (5, 3),
+                          {2: [ShardPlan.build([5, 3], cp_size=2)]}, Bar(total=3))
+    assert calls == [(2,), (5, 3)] and got == 2
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "cpshard verify: 8 tokens, 1 configurations; the cp=1 reference step first, then the estimate"
+    assert re.fullmatch(r"cpshard verify \[#+\.*\] 1/3 cp=1 reference \d+\.\d s", lines[1]), lines
+    assert re.fullmatch(r"cpshard verify: about \d+ s more on \d+ CPU cores? \(.*warm-up.*\)", lines[2]), lines
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--layouts", "zigzag"], "--layouts does not apply to --model hybrid: its attention runs on zigzag"),
+    (["--attention", "naive"], "--attention does not apply to --model hybrid: its attention is the reference"),
+    (["--attention", "reference"], "--attention does not apply to --model hybrid"),
+    (["--reorder"], "--reorder does not apply to --model hybrid: it runs both orders of its contiguous twin"),
+])
+def test_hybrid_refuses_the_decoders_flags(capsys, flags, message):
+    line = _refused(capsys, ["verify", "--model", "hybrid", *flags, "--no-progress"])
+    assert message in line and line.endswith(f"drop {flags[0]}"), line
+
+
+def test_hybrid_library_refuses_layouts_and_attention():
+    from cpshard.verify import verify
+
+    with pytest.raises(ValueError, match=r"attention='naive': does not apply to model='hybrid'"):
+        verify([9, 4], model="hybrid", attention="naive", progress=False)
+    with pytest.raises(ValueError, match=r"layouts=\['contiguous'\]: does not apply to model='hybrid'"):
+        verify([9, 4], model="hybrid", layouts=["contiguous"], progress=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import types
 
 import pytest
@@ -13,9 +15,12 @@ from hypothesis import strategies as st
 from cpshard import ShardPlan
 from cpshard.megatron import (
     ParallelContext,
+    install_cpu_stand_ins,
     megatron_version,
     packed_seq_params,
+    packed_seq_params_with_layout,
     parallel_context,
+    plan_for_mtp,
     plan_from_packed_seq_params,
     plan_from_parallel_state,
     supports_cp_partition_mode,
@@ -75,8 +80,15 @@ def test_zigzag_round_trip_with_the_installed_class(data):
     back = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size, seqlens=plan.seqlens_py,
                                        fp8=plan.fp8)
     assert back == plan and back.padded_seqlens_py == plan.padded_seqlens_py
-    # without the real lengths every padded row counts as a token (verl sets cu_seqlens_q padded)
-    blind = plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size)
+    # without seqlens the real lengths packed_seq_params remembered come back: the round trip is the plan
+    assert plan_from_packed_seq_params(psp, cp_size=plan.cp_size, tp_size=plan.tp_size, fp8=plan.fp8) == plan
+    # a PackedSeqParams built elsewhere with both fields padded (as verl fills them) says nothing of which rows
+    # are padding: every padded row counts as a token
+    verl_style = PackedSeqParams(qkv_format="thd", cu_seqlens_q=psp.cu_seqlens_q, cu_seqlens_kv=psp.cu_seqlens_kv,
+                                 cu_seqlens_q_padded=psp.cu_seqlens_q_padded,
+                                 cu_seqlens_kv_padded=psp.cu_seqlens_kv_padded, max_seqlen_q=psp.max_seqlen_q,
+                                 max_seqlen_kv=psp.max_seqlen_kv)
+    blind = plan_from_packed_seq_params(verl_style, cp_size=plan.cp_size, tp_size=plan.tp_size)
     assert blind.seqlens_py == blind.padded_seqlens_py == plan.padded_seqlens_py
     assert [blind.global_rows(r).tolist() for r in range(plan.cp_size)] == \
         [plan.global_rows(r).tolist() for r in range(plan.cp_size)]
@@ -273,3 +285,99 @@ def test_offsets_must_be_whole_numbers():
         plan_from_packed_seq_params(types.SimpleNamespace(cu_seqlens_q=12, cu_seqlens_q_padded=None), cp_size=2)
     whole = types.SimpleNamespace(cu_seqlens_q=[0, 8, 12], cu_seqlens_q_padded=None)
     assert plan_from_packed_seq_params(whole, cp_size=2) == ShardPlan.build([8, 4], cp_size=2)
+
+
+# -- Megatron on a CPU box; 0.19.2's contiguous PackedSeqParams; what the round trip remembers ----------------
+
+
+def _fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+
+
+def test_install_cpu_stand_ins_lets_your_own_megatron_import_work_without_triton():
+    alone = _fresh("import megatron.core")
+    assert alone.returncode != 0 and "No module named 'triton'" in alone.stderr  # why the call exists
+    proc = _fresh("import sys, cpshard.megatron as m\n"
+                  "version = m.install_cpu_stand_ins(); assert m.install_cpu_stand_ins() == version\n"
+                  "import megatron.core\n"
+                  "from megatron.core.transformer.multi_token_prediction import roll_tensor\n"
+                  "from megatron.core.packed_seq_params import PackedSeqParams\n"
+                  "assert 'triton' not in sys.modules  # the stand-in is gone again\n"
+                  "import importlib.util; assert importlib.util.find_spec('triton') is None\n"
+                  "print(version)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == megatron_version() == "0.19.2"
+
+
+def test_install_cpu_stand_ins_names_the_install_when_megatron_is_absent(monkeypatch):
+    import cpshard.megatron._import as imp
+
+    monkeypatch.setattr(imp, "megatron_version", lambda: None)
+    with pytest.raises(ImportError, match=r"megatron-core is not installed.*pip install --no-deps"):
+        install_cpu_stand_ins()
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_contiguous_packed_seq_params_on_the_installed_release(cp):
+    """0.19.2's PackedSeqParams has no cp_partition_mode: packed_seq_params refuses a contiguous plan (its
+    attention would take the rows as zigzag) and says what to use where the rows never reach it;
+    packed_seq_params_with_layout records the layout on the instance, where cpshard's readers find it."""
+    plan = ShardPlan.build([5, 3, 11], cp_size=cp, layout="contiguous")
+    if cp > 1:
+        with pytest.raises(ValueError, match=r"cpshard\.megatron\.packed_seq_params_with_layout\(plan\) sets the "
+                                             r"layout on the instance"):
+            packed_seq_params(plan)
+    psp = packed_seq_params_with_layout(plan)
+    assert type(psp) is PackedSeqParams and psp.cp_partition_mode == "contiguous"
+    _check_fields(psp, plan)
+    assert plan_from_packed_seq_params(psp, cp_size=cp) == plan
+    assert plan_from_packed_seq_params(psp, cp_size=cp).layout.value == "contiguous"
+    mtp = plan_for_mtp((1, plan.local_len), cp, psp)  # what process_mtp_loss shards by
+    assert mtp.layout.value == "contiguous" and mtp.padded_seqlens_py == plan.padded_seqlens_py
+    zigzag = ShardPlan.build([5, 3, 11], cp_size=cp)
+    assert packed_seq_params_with_layout(zigzag).cp_partition_mode == "zigzag"
+
+
+def test_with_layout_equals_packed_seq_params_where_the_field_exists(with_mode):
+    for layout in ("zigzag", "contiguous"):
+        plan = ShardPlan.build([5, 3], cp_size=2, layout=layout)
+        a, b = packed_seq_params(plan), packed_seq_params_with_layout(plan)
+        assert type(a) is type(b) is with_mode and a.cp_partition_mode == b.cp_partition_mode == layout
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("cu_seqlens_q", "cu_seqlens_q_padded"))
+
+
+def test_with_layout_refuses_a_class_that_takes_no_attribute(monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:  # a PackedSeqParams-like class without the field that takes no new attribute
+        qkv_format: str | None = None
+        cu_seqlens_q: torch.Tensor | None = None
+        cu_seqlens_kv: torch.Tensor | None = None
+        cu_seqlens_q_padded: torch.Tensor | None = None
+        cu_seqlens_kv_padded: torch.Tensor | None = None
+        max_seqlen_q: int | None = None
+        max_seqlen_kv: int | None = None
+
+    monkeypatch.setattr(_PSP_MODULE, "PackedSeqParams", Frozen)
+    with pytest.raises(ValueError, match=r"plan=a contiguous plan: cannot be recorded on Frozen"):
+        packed_seq_params_with_layout(ShardPlan.build([5, 3], cp_size=2, layout="contiguous"))
+
+
+def test_remembered_lengths_only_while_the_offsets_are_the_ones_built():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    psp = packed_seq_params(plan)
+    assert plan_from_packed_seq_params(psp, cp_size=2) == plan  # [5, 3], not the padded [8, 4]
+    assert plan_from_packed_seq_params(psp, cp_size=2, seqlens=[6, 2]).seqlens_py == (6, 2)  # seqlens wins
+    assert plan_from_packed_seq_params(dataclasses.replace(psp), cp_size=2).seqlens_py == (8, 4)  # a copy: not
+    psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = torch.tensor([0, 4, 12], dtype=torch.int32)
+    psp.cu_seqlens_q = psp.cu_seqlens_q_padded
+    assert plan_from_packed_seq_params(psp, cp_size=2).seqlens_py == (4, 8)  # edited offsets: not either
+
+
+def test_with_layout_takes_packed_seq_params_options_only():
+    plan = ShardPlan.build([5, 3], cp_size=2, layout="contiguous")
+    psp = packed_seq_params_with_layout(plan, real_lengths=True)
+    # contiguous at cp=2 pads each sequence to a multiple of 2: 6 and 4 rows
+    assert psp.cu_seqlens_q.tolist() == [0, 5, 8] and psp.cu_seqlens_q_padded.tolist() == [0, 6, 10]
+    assert psp.pad_between_seqs is True
+    with pytest.raises(TypeError, match=r"layout=given: is not an option of packed_seq_params"):
+        packed_seq_params_with_layout(plan, layout="zigzag")

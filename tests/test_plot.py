@@ -28,8 +28,8 @@ def _lengths(n: int, seed: int = 0) -> list[int]:
     return [rng.randint(1, 2000) for _ in range(n)]
 
 
-def _near_black_in_rank_maps(fig, path) -> list[float]:
-    """Per rank map, the fraction of its pixels (inside the frame) with every channel below NEAR_BLACK."""
+def _in_rank_maps(fig, path, which) -> list[float]:
+    """Per rank map, the fraction of its pixels (inside the frame) for which ``which(rgb)`` holds."""
     image = mpl_image.imread(str(path))[..., :3]
     height = image.shape[0]
     out = []
@@ -39,8 +39,13 @@ def _near_black_in_rank_maps(fig, path) -> list[float]:
         y0, y1 = height - int(box.y1) + 3, height - int(box.y0) - 3
         region = image[y0:y1, x0:x1]
         assert region.size > 100 * 100 * 3, region.shape
-        out.append(float((region < NEAR_BLACK).all(-1).mean()))
+        out.append(float(which(region).mean()))
     return out
+
+
+def _near_black_in_rank_maps(fig, path) -> list[float]:
+    """Per rank map, the fraction of its pixels (inside the frame) with every channel below NEAR_BLACK."""
+    return _in_rank_maps(fig, path, lambda region: (region < NEAR_BLACK).all(-1))
 
 
 def test_rank_map_not_covered_by_boundaries_at_512_sequences(tmp_path):
@@ -111,3 +116,52 @@ def test_pack_png_from_the_cli(capsys, tmp_path):
     assert f"wrote {path}" in capsys.readouterr().out and path.stat().st_size > 10_000
     assert cli_main(["pack", "--lengths", "5,3", "--max-tokens", "16", "--png", str(tmp_path / "no" / "x.png")]) == 2
     assert "cannot be written" in capsys.readouterr().err
+
+
+def _white_in_rank_maps(fig, path) -> list[float]:
+    """Per rank map, the fraction of its pixels (inside the frame) that are white: no rank holds the rows."""
+    return _in_rank_maps(fig, path, lambda region: (region > 0.97).all(-1))
+
+
+@pytest.mark.parametrize("count", [320, 2000])
+def test_zigzag_map_stays_readable_at_hundreds_of_sequences(tmp_path, count):
+    """Under zigzag every rank holds its share of every sequence: each rank's band is in full colour, not
+    the barcode of chunks narrower than a pixel column; the contiguous map stays a staircase (each rank
+    holds a quarter of the buffer: three quarters of its band white)."""
+    lens = _lengths(count, seed=7)
+    plans = [ShardPlan.build(lens, cp_size=4, layout=layout) for layout in ("zigzag", "contiguous")]
+    path = tmp_path / "map.png"
+    zigzag, contiguous = _white_in_rank_maps(draw_plans(plans, str(path)), path)
+    assert zigzag <= 0.01, zigzag
+    assert 0.70 <= contiguous <= 0.80, contiguous
+
+
+def test_long_sequences_keep_their_chunks(tmp_path):
+    """Sequences whose chunks span many columns are drawn row by row: one zigzag sequence of 4096 rows at
+    cp=2 shows rank 0 on its first and last quarter only (half of its band white)."""
+    path = tmp_path / "one.png"
+    (white,) = _white_in_rank_maps(draw_plans([ShardPlan.build([4096], cp_size=2)], str(path)), path)
+    assert 0.45 <= white <= 0.55, white
+
+
+def test_pack_png_axis_reads_in_units_and_micro_batches_are_labelled(tmp_path):
+    from cpshard import pack
+    from cpshard.plot import draw_packing
+
+    p = pack([9000, 300, 7000, 20000, 1200, 4096], max_tokens=32768, cp_size=2)
+    fig = draw_packing(p, str(tmp_path / "pack.png"), others=[("other", [list(rank) for rank in p.work])])
+    for lane in [a for a in fig.axes if a.get_label() == "timeline"]:
+        assert lane.xaxis.get_offset_text().get_text() == ""  # no "1e8" in the corner
+        ticks = [t.get_text() for t in lane.get_xticklabels()]
+        assert ticks[0] == "0" and all(t.endswith("M") for t in ticks[1:] if t), ticks
+    first, other = [a for a in fig.axes if a.get_label() == "timeline"]
+    want = {f"mb {m}: {len(mb)} seq{'s' if len(mb) > 1 else ''}" for m, mb in enumerate(p.micro_batches[0])}
+    assert {t.get_text() for t in first.texts} == want and len(want) == p.num_micro_batches[0] > 1
+    assert {t.get_text() for t in other.texts} == {f"mb {m}" for m in range(p.num_micro_batches[0])}
+
+
+def test_micro_batch_labels_shrink_to_fit():
+    from cpshard.plot import _mb_label
+
+    assert _mb_label(3, 12, 200) == "mb 3: 12 seqs" and _mb_label(0, 1, 200) == "mb 0: 1 seq"
+    assert _mb_label(3, 12, 30) == "mb 3" and _mb_label(3, 12, 15) == "3" and _mb_label(3, None, 200) == "mb 3" and _mb_label(3, 12, 5) == ""

@@ -252,3 +252,30 @@ def test_the_smallest_batch_runs_and_says_why_the_naive_check_cannot_show_anythi
                                               "cp=2 it computes every labelled token exactly as the right one does")
     assert [r["ok"] for r in report["results"]] == [True]
     assert report["naive_skipped"] in err  # said before the run, not after
+
+
+def test_hybrid_takes_padding_and_reports_every_quantity(capfd):
+    """--model hybrid --padding aligned runs aligned padding only (both twin orders); its MTP depths are
+    compared like the decoder's, so the layout-naive scan's row shows a real MTP difference; the estimate
+    comes after the cp=1 step, as for the decoder."""
+    assert cli_main(["verify", "--model", "hybrid", *SMALL, "--tp", "2", "--padding", "aligned", "--json"]) == 0
+    out, err = capfd.readouterr()
+    report = _one_json_object(out)
+    _check_schema(report)
+    assert report["model"] == "hybrid" and report["ok"] and report["naive_kernel_caught"]
+    assert [(r["cp"], r["tp"], r["padding"], r["reorder"]) for r in report["results"]] == [
+        (2, 2, "aligned", None), (2, 2, "aligned", "balanced")]
+    for r in report["results"]:
+        assert max(r["max_abs_diff"].values()) < 1e-12, r
+    naive = report["naive"]
+    assert (naive["tp"], naive["padding"]) == (2, "aligned")  # the naive check at the --tp asked for
+    assert naive["max_abs_diff"]["mtp_loss"] > 1e-3 and naive["max_abs_diff"]["logprobs"] > 1e-3, naive
+    assert re.search(r"\] 1/4 cp=1 reference \d+\.\d s\ncpshard verify: about \d+ (s|min \d\d s) more on \d+ CPU "
+                     r"cores?", err), err
+
+
+def test_naive_attention_check_runs_at_the_tp_asked_for(capfd):
+    assert cli_main(["verify", *SMALL, "--tp", "2", "--layouts", "zigzag", "--json", "--no-progress"]) == 0
+    report = _one_json_object(capfd.readouterr().out)
+    assert [(r["tp"], r["layout"], r["ok"]) for r in report["results"]] == [(2, "zigzag", True)]
+    assert (report["naive"]["tp"], report["naive"]["attention"], report["naive"]["ok"]) == (2, "naive", False)

@@ -12,6 +12,9 @@ imports into thinking triton is available, so the stand-in exists only while tha
    decorated, never launched; ``@triton.jit`` returns the function unchanged);
 3. remove the fakes again, then import Megatron normally; it finds the already-loaded module.
 
+Where triton is installed, nothing is preloaded (the real one is used). Users call the same
+preload as :func:`install_cpu_stand_ins` before importing Megatron themselves.
+
 Install: ``pip install numpy 'packaging>=24.2'`` then
 ``pip install --no-deps --ignore-requires-python megatron-core==0.19.2``.
 """
@@ -52,8 +55,19 @@ def _fake_triton() -> dict[str, types.ModuleType]:
     return {"triton": triton, "triton.language": language}
 
 
+def _triton_importable() -> bool:
+    """Whether a real ``triton`` is installed (then no stand-in is needed, nor wanted)."""
+    module = sys.modules.get("triton")
+    if module is not None:
+        return getattr(module, "__spec__", None) is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _preload_paged_stash() -> None:
-    if _PAGED_STASH in sys.modules:
+    if _PAGED_STASH in sys.modules or _triton_importable():
         return
     loaded = sys.modules.get("megatron")
     if loaded is not None:  # imported already, perhaps a stand-in without __spec__ (a test's stub)
@@ -93,6 +107,37 @@ def stand_in(fakes: dict[str, types.ModuleType]) -> Iterator[None]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
+
+
+def install_cpu_stand_ins() -> str:
+    """Make ``import megatron.core...`` work on a machine without triton (a CPU box); call it once,
+    before importing Megatron yourself. Returns the installed megatron-core version.
+
+    megatron-core 0.19.2 imports triton unconditionally in one file that ``import megatron.core``
+    reaches (``megatron/core/transformer/moe/ops/paged_stash.py``, through the MoE package), so on
+    a machine without triton ``import megatron.core`` fails with ``ModuleNotFoundError: No module
+    named 'triton'``. This loads that one file under a stand-in ``triton`` whose ``@triton.jit``
+    returns the function undecorated (its kernels are only defined at import, never launched on a
+    CPU) and removes the stand-in again, so ``triton`` stays unimportable (torch and Megatron's other,
+    guarded imports see no triton, as before). Every later ``import megatron.core`` finds that file
+    loaded. cpshard's own Megatron functions do this themselves; the call is for your code.
+
+    Idempotent; does nothing where triton is installed (the real one is used) or where the file does
+    not exist (older releases). Raises ``ImportError`` naming the install command when megatron-core
+    is not installed.
+
+    Example::
+
+        import cpshard.megatron
+
+        cpshard.megatron.install_cpu_stand_ins()
+        from megatron.core.packed_seq_params import PackedSeqParams   # no triton needed
+    """
+    version = megatron_version()
+    if version is None:
+        raise ImportError(INSTALL_HINT)
+    _preload_paged_stash()
+    return version
 
 
 def megatron_version() -> str | None:

@@ -11,14 +11,19 @@ Megatron-core releases whose ``PackedSeqParams`` has a ``cp_partition_mode`` fie
 layout; on a release without the field only zigzag can be expressed (it is what those releases
 assume), so a contiguous plan at ``cp > 1`` is an error there rather than silently wrong attention.
 
+``packed_seq_params_with_layout(plan)`` is the same but records the layout on the instance where
+the class has no field for it, for contiguous rows that never reach Megatron's CP attention.
+
 ``plan_from_packed_seq_params(psp, cp_size=...)`` reads the padded offsets back (and the real
-lengths from ``cu_seqlens_q`` where it differs from the padded offsets, or from ``seqlens=``).
+lengths from ``cu_seqlens_q`` where it differs from the padded offsets, from what
+``packed_seq_params`` remembered on ``psp``, or from ``seqlens=``).
 
 Megatron is imported lazily (``cpshard.megatron._import``), only when these functions run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from collections.abc import Sequence
@@ -32,8 +37,8 @@ from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.plan.args import parse_seqlens
 from cpshard.plan.values import ShardPlan
 
-__all__ = ["packed_seq_params", "packed_seq_params_class", "plan_from_packed_seq_params", "plan_from_padded",
-           "supports_cp_partition_mode"]
+__all__ = ["packed_seq_params", "packed_seq_params_class", "packed_seq_params_with_layout",
+           "plan_from_packed_seq_params", "plan_from_padded", "supports_cp_partition_mode"]
 
 # The first megatron-core line whose PackedSeqParams is expected to carry the CP partition mode. The
 # field exists today only in NVIDIA's development branch and verl's Megatron fork; no release has it
@@ -81,6 +86,9 @@ def packed_seq_params(
 ) -> Any:
     """Megatron-core's own ``PackedSeqParams`` for a THD plan.
 
+    The result also remembers the plan's real lengths (beside the padded offsets they belong to), so
+    that :func:`plan_from_packed_seq_params` gives the plan back without ``seqlens=``.
+
     Args:
         plan: the micro-batch's :class:`~cpshard.ShardPlan`.
         device: where the ``cu_seqlens`` tensors go (default CPU; TransformerEngine wants them on
@@ -108,13 +116,73 @@ def packed_seq_params(
     Raises:
         ValueError: a contiguous plan with ``cp_size > 1`` on a megatron-core whose
             ``PackedSeqParams`` cannot say so (every release up to 0.19.2): its attention would
-            assume zigzag and silently attend to the wrong rows.
+            assume zigzag and silently attend to the wrong rows. Where the rows never reach
+            Megatron's CP attention, :func:`packed_seq_params_with_layout` records the layout anyway.
 
     Example::
 
         plan = ShardPlan.build([5, 3], cp_size=2)       # zigzag: padded to [8, 4]
         psp = packed_seq_params(plan)                   # cu_seqlens_q_padded = [0, 8, 12], max 8
     """
+    return _build(plan, device=device, cp_group=cp_group, local_cp_size=local_cp_size, real_lengths=real_lengths,
+                  cp_rank=cp_rank, tag=False)
+
+
+def packed_seq_params_with_layout(plan: ShardPlan, **options: Any) -> Any:
+    """:func:`packed_seq_params`, for any layout on any megatron-core: where the installed
+    ``PackedSeqParams`` has no ``cp_partition_mode`` field (every release up to 0.19.2), the layout is
+    set on the instance as an attribute of that name instead of refusing a contiguous plan.
+
+    Why :func:`packed_seq_params` refuses: megatron-core 0.19.2's attention (TransformerEngine's
+    THD context parallelism) takes every packed micro-batch as zigzag and cannot be told otherwise,
+    so contiguous rows handed to it are attended as if they were zigzag ones, silently wrong. What
+    this one is for: a contiguous micro-batch whose rows do not go through that attention, such
+    as a model whose attention is your own or whose contiguous layers are linear attention or a
+    scan, and the MTP loss. What reads the attribute: :func:`cpshard.megatron.process_mtp_loss`
+    (and ``plan_for_mtp``), :func:`plan_from_packed_seq_params`, and Megatron-LM dev's code that
+    reads the field of that name. Megatron 0.19.2's own attention does not: it still assumes zigzag.
+    An object copied field by field (``dataclasses.replace``) loses the attribute.
+
+    ``options``: :func:`packed_seq_params`'s keywords (``device``, ``cp_group``, ``local_cp_size``,
+    ``real_lengths``, ``cp_rank``), the same result; on a release with the field the two are the same.
+
+    Example (megatron-core 0.19.2)::
+
+        plan = ShardPlan.build([5, 3], cp_size=2, layout="contiguous")
+        psp = packed_seq_params_with_layout(plan)           # packed_seq_params(plan) refuses
+        assert psp.cp_partition_mode == "contiguous"
+        assert plan_from_packed_seq_params(psp, cp_size=2) == plan
+    """
+    known = {"device", "cp_group", "local_cp_size", "real_lengths", "cp_rank"}
+    for name in options:
+        if name not in known:
+            fail(name, "given", "is not an option of packed_seq_params", f"pass only {', '.join(sorted(known))}",
+                 kind=TypeError)
+    return _build(plan, tag=True, **options)
+
+
+#: where packed_seq_params leaves ``(padded offsets, real lengths)`` on its result (see _remember)
+_LENGTHS_ATTR = "_cpshard_real_lengths"
+
+
+def _remember(psp: Any, plan: ShardPlan) -> None:
+    """The plan's real lengths, and the padded offsets they go with, on ``psp``: read back by
+    :func:`plan_from_packed_seq_params` only while ``psp``'s padded offsets are still those."""
+    with contextlib.suppress(AttributeError, TypeError):  # a frozen or slotted class: nothing remembered
+        setattr(psp, _LENGTHS_ATTR, (plan.cu_seqlens_padded_py, plan.seqlens_py))
+
+
+def _remembered(psp: Any, cu_padded: tuple[int, ...]) -> tuple[int, ...] | None:
+    memo = getattr(psp, _LENGTHS_ATTR, None)
+    if isinstance(memo, tuple) and len(memo) == 2 and tuple(memo[0]) == cu_padded:
+        return tuple(memo[1])
+    return None
+
+
+def _build(plan: ShardPlan, *, device: torch.device | str | None = None, cp_group: Any = None,
+           local_cp_size: int | None = None, real_lengths: bool = False, cp_rank: int | None = None,
+           tag: bool) -> Any:
+    """:func:`packed_seq_params` (``tag=False``) and :func:`packed_seq_params_with_layout` (``tag=True``)."""
     if not isinstance(plan, ShardPlan):
         fail("plan", type(plan).__name__, "must be a THD ShardPlan (PackedSeqParams describes packed sequences)",
              "build one with ShardPlan.build", kind=TypeError)
@@ -122,11 +190,13 @@ def packed_seq_params(
     extra: dict[str, Any] = {}
     if supports_cp_partition_mode(cls):
         extra["cp_partition_mode"] = plan.layout.value
-    elif plan.layout is Layout.CONTIGUOUS and plan.cp_size > 1:
+    elif plan.layout is Layout.CONTIGUOUS and plan.cp_size > 1 and not tag:
         fail("plan", f"a contiguous plan at cp_size={plan.cp_size}",
              f"needs PackedSeqParams.cp_partition_mode to tell attention the layout, and {_installed()}'s "
              "PackedSeqParams has no such field (its attention assumes zigzag)",
-             f"install {_NEEDS}, or use layout='zigzag'")
+             f"install {_NEEDS}, or use layout='zigzag'; where these rows never reach Megatron's CP attention "
+             "(your own attention, linear-attention or scan layers, the MTP loss), "
+             "cpshard.megatron.packed_seq_params_with_layout(plan) sets the layout on the instance")
     if local_cp_size is not None:
         local_cp_size = check_int("local_cp_size", local_cp_size, minimum=1)
         if local_cp_size != plan.cp_size:
@@ -148,7 +218,7 @@ def packed_seq_params(
         real = (plan.cu_seqlens if on is None else on.cu_seqlens).clone()
         if _has_field(cls, "pad_between_seqs"):
             extra["pad_between_seqs"] = True
-    return cls(
+    psp = cls(
         qkv_format="thd",
         cu_seqlens_q=real,
         cu_seqlens_kv=real,
@@ -158,6 +228,15 @@ def packed_seq_params(
         max_seqlen_kv=plan.max_seqlen,
         **extra,
     )
+    if tag and "cp_partition_mode" not in extra:
+        try:
+            psp.cp_partition_mode = plan.layout.value
+        except (AttributeError, TypeError):
+            fail("plan", f"a {plan.layout.value} plan", f"cannot be recorded on {type(psp).__name__}, which "
+                 "takes no new attributes (frozen or slotted) and has no cp_partition_mode field",
+                 f"install {_NEEDS}")
+    _remember(psp, plan)
+    return psp
 
 
 def offsets_of(psp: Any, name: str) -> tuple[int, ...] | None:
@@ -202,10 +281,14 @@ def plan_from_packed_seq_params(
         cp_size, tp_size: the parallel sizes the micro-batch was padded for.
         layout: the layout; default ``psp.cp_partition_mode`` where the field exists, else zigzag.
             Passing one that contradicts ``psp.cp_partition_mode`` is an error.
-        seqlens: the real token counts ``(B,)``. Default: the differences of ``cu_seqlens_q`` when
-            it differs from the padded offsets (Megatron's convention), else the padded lengths
-            themselves (verl fills both fields with the padded offsets, so every row counts as a
-            token: pass ``seqlens`` where pad rows matter, e.g. for label shifts).
+        seqlens: the real token counts ``(B,)``. Default, in this order: the differences of
+            ``cu_seqlens_q`` when it differs from the padded offsets (Megatron's convention); the
+            real lengths :func:`packed_seq_params` remembered on ``psp`` (while its padded offsets
+            are the ones it built, so the round trip gives the plan back); else the padded lengths
+            themselves. That last case is a ``PackedSeqParams`` built elsewhere with both fields
+            padded, as verl 0.9.1 fills them: it does not say which rows are padding, so every row
+            counts as a token (pad rows then get labels and count in losses); pass ``seqlens``
+            where that matters, e.g. for label shifts.
         fp8: whether the micro-batch was padded for fp8 (a PackedSeqParams does not say; part of
             the plan's value, not of its rows).
 
@@ -217,8 +300,11 @@ def plan_from_packed_seq_params(
     Example::
 
         plan = ShardPlan.build([5, 3], cp_size=2)
-        assert plan_from_packed_seq_params(packed_seq_params(plan), cp_size=2,
-                                           seqlens=[5, 3]) == plan
+        assert plan_from_packed_seq_params(packed_seq_params(plan), cp_size=2) == plan
+        cu = torch.tensor([0, 8, 12], dtype=torch.int32)       # both fields padded, as verl fills them
+        verl_style = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
+        assert plan_from_packed_seq_params(verl_style, cp_size=2).seqlens_py == (8, 4)  # pad rows as tokens
+        assert plan_from_packed_seq_params(verl_style, cp_size=2, seqlens=[5, 3]) == plan
     """
     cp_size = check_int("cp_size", cp_size, minimum=1)
     tp_size = check_int("tp_size", tp_size, minimum=1)
@@ -233,7 +319,7 @@ def plan_from_packed_seq_params(
     elif q is not None and q != cu_padded:
         lens = tuple(b - a for a, b in zip(q[:-1], q[1:]))
     else:
-        lens = padded
+        lens = _remembered(psp, cu_padded) or padded
     mode = getattr(psp, "cp_partition_mode", None)
     if layout is None:
         layout = Layout.ZIGZAG if mode is None else Layout.parse(mode, "psp.cp_partition_mode")

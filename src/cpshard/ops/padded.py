@@ -12,6 +12,7 @@ import torch
 
 from cpshard.base.dtypes import check_fill, movable
 from cpshard.base.errors import check_int, check_tensor, fail
+from cpshard.plan.args import jagged
 
 __all__ = ["from_padded", "to_padded"]
 
@@ -57,7 +58,7 @@ def from_padded(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     index = torch.nonzero(mask.reshape(-1)).flatten()
     values = x.reshape(b * s, *x.shape[2:]).index_select(0, index)
     offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)])
-    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    return jagged(values, offsets)
 
 
 def to_padded(nt: torch.Tensor, *, padding_side: str = "right", length: int | None = None,

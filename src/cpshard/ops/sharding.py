@@ -21,7 +21,7 @@ from cpshard.base.dtypes import check_fill, movable
 from cpshard.base.errors import check_rank, check_tensor, fail
 from cpshard.base.types import Scalar, TokenRows
 from cpshard.index import segments as _index
-from cpshard.plan.args import check_shift, jagged_lengths
+from cpshard.plan.args import check_shift, jagged, jagged_lengths
 from cpshard.plan.indices import ROWS_PER_RUN
 from cpshard.plan.values import Plan, check_plan_type
 
@@ -266,7 +266,7 @@ def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan,
 def as_nested(values: torch.Tensor, plan: Plan) -> torch.Tensor:
     """``values`` (the batch's token rows) as a jagged nested tensor with the plan's offsets."""
     # the offsets are a copy: the result belongs to the caller, who may edit it
-    return torch.nested.nested_tensor_from_jagged(values, offsets=plan.indices().offsets(values.device).clone())
+    return jagged(values, plan.indices().offsets(values.device).clone())
 
 
 def shift(x: TokenRows, plan: Plan, k: int | None = None, *, shift: int | None = None, fill: Scalar = 0) -> Any:

@@ -410,9 +410,26 @@ def _counts(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int,
         fail("seqlens", what, f"cannot fill {sum(counts)} micro-batches ({counts} per DP rank: "
              f"at least {least} each, a multiple of divisible_by={by}"
              + (", the same on every DP rank" if same else "") + "), and a micro-batch holds at least one"
-             + ("" if group == 1 else " group"),
-             "pass more sequences, a smaller min_micro_batches or divisible_by, or a larger max_tokens")
+             + ("" if group == 1 else " group"), _fewer_counts_fix(total, dp, least, by, same, num_seqs))
     return counts
+
+
+def _fewer_counts_fix(total: int, dp: int, least: int, by: int, same: bool, num_seqs: int) -> str:
+    """The changes that can bring :func:`_counts` to at most ``num_seqs`` micro-batches, and only those:
+    a larger ``max_tokens`` helps only while first-fit's count (``total``) is what sets the counts, i.e.
+    when even one micro-batch for the whole batch would leave few enough."""
+    fixes = ["pass more sequences"]
+    if dp > 1:
+        fixes.append("a smaller dp_size")
+    if least > 1:
+        fixes.append("a smaller min_micro_batches")
+    if by > 1:
+        fixes.append("a smaller divisible_by")
+    if same and dp > 1 and sum(_counts(total, dp, least, by, False, 1 << 62)) <= num_seqs:
+        fixes.append("same_count_across_dp=False")
+    if total > 1 and sum(_counts(1, dp, least, by, same, 1 << 62)) <= num_seqs:
+        fixes.append("a larger max_tokens")
+    return ", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0]
 
 
 class _Search:

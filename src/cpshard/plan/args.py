@@ -3,6 +3,8 @@ tensors), sizes, layout and ``fp8``. Clear errors before any work; no plan, no i
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +13,7 @@ import torch
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout
 
-__all__ = ["check_shift", "int_tuple", "jagged_lengths", "parse_plan_args", "parse_seqlens", "plain_ints"]
+__all__ = ["check_shift", "int_tuple", "jagged", "jagged_lengths", "parse_plan_args", "parse_seqlens", "plain_ints"]
 
 
 def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
@@ -86,6 +88,39 @@ def jagged_lengths(nt: torch.Tensor, name: str) -> tuple[int, ...]:
              "its offsets must end at the number of value rows", "build it with "
              "nested_tensor_from_jagged(values, offsets) where offsets[-1] == values.shape[0]")
     return tuple(b - a for a, b in zip(offsets[:-1], offsets[1:]))
+
+
+@functools.cache
+def _quiet_fx_notice() -> None:
+    """Spend torch's once-per-process ``is_fx_tracing will return true ...`` notice with its logger muted.
+
+    ``torch.nested.nested_tensor_from_jagged`` asks ``torch.fx``'s deprecated ``is_fx_tracing()``,
+    which logs that notice (a deprecation aimed at torch's own callers, not at cpshard's users) the
+    first time; it is cached (``functools.lru_cache``) so that it logs at most once. Calling it here
+    once with its logger above WARNING uses up that one time; the logger's level is put back, so
+    anything else torch.fx logs still shows. Torch releases without the notice are left alone."""
+    try:
+        from torch.fx import _symbolic_trace
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return
+    notice = getattr(_symbolic_trace, "is_fx_tracing_warning", None)
+    if notice is None:
+        return
+    log = logging.getLogger(_symbolic_trace.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        notice()
+    finally:
+        log.setLevel(level)
+
+
+def jagged(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch.nested.nested_tensor_from_jagged(values, offsets=offsets)``, without torch's
+    deprecation notice about ``is_fx_tracing`` (see :func:`_quiet_fx_notice`): every jagged tensor
+    cpshard returns is built here."""
+    _quiet_fx_notice()
+    return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
 
 
 def parse_plan_args(seqlens: Any, cp_size: Any, tp_size: Any, layout: Any,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import re
 import sys
@@ -180,10 +179,14 @@ def describe_bshd(plan: BshdPlan) -> str:
     return "\n".join(out)
 
 
+_SEPARATORS = re.compile(r"\s*,\s*|\s+")  # a comma (spaces around it allowed) or a run of whitespace
+
+
 def _split(flag: str, text: str, example: str) -> list[int]:
-    """Comma-separated integers of ``flag``, or an argparse error in the flag's terms."""
+    """Integers of ``flag`` separated by commas or whitespace (``5,3``, ``"5, 3"``, ``"5 3"``), or an
+    argparse error in the flag's terms."""
     try:
-        return [int(t) for t in text.replace(" ", "").split(",")]
+        return [int(t) for t in _SEPARATORS.split(text.strip())]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated ints, e.g. {flag} {example}") from None
 
@@ -209,55 +212,64 @@ def _shown(line: str, width: int = 40) -> str:
 
 
 def read_lengths_file(path: str) -> list[int]:
-    """Sequence lengths from a file: one per line (blank lines and ``#`` comments ignored), or a JSON list.
+    r"""Sequence lengths from a file: integers separated by newlines, spaces, tabs or commas (``#``
+    starts a comment to the end of its line), or a JSON list. A UTF-8 byte-order mark is skipped.
 
     Read up to 64 MiB (a larger file, or an endless one such as ``/dev/zero``, is refused without
-    reading it all); a file that is not UTF-8 text is named as such; a bad line is quoted briefly."""
+    reading it all); a file that is not UTF-8 text is named as such; a bad line is quoted briefly; a
+    file that holds no length (empty, or only blank lines and comments) is refused naming the flag.
+    A file holding ``"\ufeff5 3\n7,2  # the last two\n"`` reads as ``[5, 3, 7, 2]``."""
+    where = f"--lengths-file {path}"
     if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is a directory; pass a text file of lengths")
+        raise argparse.ArgumentTypeError(f"{where}: is a directory; pass a text file of lengths")
     try:
         with open(path, "rb") as f:
             data = f.read(_LENGTHS_FILE_MAX + 1)
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: cannot be read ({exc.strerror})") from None
+        raise argparse.ArgumentTypeError(f"{where}: cannot be read ({exc.strerror})") from None
     if len(data) > _LENGTHS_FILE_MAX:
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is larger than {_LENGTHS_FILE_MAX >> 20} MiB; "
-                                         "a lengths file holds one integer per line (or a JSON list)")
+        raise argparse.ArgumentTypeError(f"{where}: is larger than {_LENGTHS_FILE_MAX >> 20} MiB; "
+                                         "a lengths file holds integer lengths (or a JSON list)")
     try:
         if b"\0" in data:
             raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark, as some editors on Windows write, is skipped
     except UnicodeDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: is not a text file (byte {exc.start} is "
-                                         f"{data[exc.start:exc.start + 1]!r}); pass one integer length per "
-                                         "line, or a JSON list") from None
+        raise argparse.ArgumentTypeError(f"{where}: is not a text file (byte {exc.start} is "
+                                         f"{data[exc.start:exc.start + 1]!r}); pass integer lengths separated by "
+                                         "newlines, spaces or commas, or a JSON list") from None
     if text.lstrip().startswith("["):
         try:
             values = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: not a JSON list ({exc})") from None
+            raise argparse.ArgumentTypeError(f"{where}: not a JSON list ({exc})") from None
         if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: the JSON list must hold integers only")
-        return _check_lengths(values, f"--lengths-file={path!r}")
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            out.append(int(line))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--lengths-file={path!r}: line {number} is {_shown(line)}, expected "
-                                             "one integer length per line (or a JSON list)") from None
-    return _check_lengths(out, f"--lengths-file={path!r}")
+            raise argparse.ArgumentTypeError(f"{where}: the JSON list must hold integers only")
+        out = values
+    else:
+        out = []
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            try:
+                out += [int(t) for t in _SEPARATORS.split(line)]
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{where}: line {number} is {_shown(line)}, expected integer "
+                                                 "lengths separated by spaces or commas (or a JSON list)") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"{where}: holds no lengths (the file is empty, or only blank lines and "
+                                         "comments); pass a file with at least one length, e.g. a line '5 3'")
+    return _check_lengths(out, where)
 
 
 def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: str) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--lengths", type=_lengths, default=list(default),
-                       help=f"sequence lengths, e.g. {example} (default {','.join(map(str, default))})")
+                       help=f"sequence lengths, comma-separated, e.g. {example} (default {','.join(map(str, default))})")
     which.add_argument("--lengths-file", type=read_lengths_file, default=None, metavar="PATH",
-                       help="sequence lengths from a file: one per line, or a JSON list")
+                       help="sequence lengths from a file: integers separated by newlines, spaces or commas, "
+                       "or a JSON list")
 
 
 def _positive_ints(flag: str, example: str) -> Any:
@@ -314,10 +326,18 @@ _PACK_FLAGS = {**_FLAGS, "max_tokens": "--max-tokens", "dp_size": "--dp", "min_m
 _PACK_AFTER = "=[ ,.;)"  # pack's messages name its parameters in lists too ("min_micro_batches or divisible_by,")
 
 
+def _as_passed(args: argparse.Namespace, flags: dict[str, str] = _FLAGS) -> dict[str, str]:
+    """``flags`` with the lengths named by the flag the user passed (``--lengths`` or ``--lengths-file``)."""
+    if getattr(args, "lengths_file", None) is None:
+        return flags
+    return {**flags, "seqlens": "--lengths-file", "lengths": "--lengths-file"}
+
+
 def _in_flags(message: str, flags: dict[str, str] = _FLAGS, after: str = "=[ ") -> str:
     """A library error (``name=value: rule. Fix: pass name ...``) with its argument names as CLI flags
     (a name followed by one of ``after``, or at the end)."""
-    message = message.replace(" or leave it None", " or drop the flag")
+    message = message.replace(" or leave it None", " or drop the flag").replace("same_count_across_dp=False",
+                                                                                 "--no-same-count")
     return re.sub(r"\b(" + "|".join(flags) + r")\b(?=[" + re.escape(after) + r"]|$)", lambda m: flags[m.group(1)],
                   message)
 
@@ -549,7 +569,7 @@ def _run_pack(args: argparse.Namespace, k: argparse.ArgumentParser) -> int:
             if not args.json:
                 text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"cpshard pack: {_in_flags(str(exc), _PACK_FLAGS, _PACK_AFTER)}", file=sys.stderr)
+        print(f"cpshard pack: {_in_flags(str(exc), _as_passed(args, _PACK_FLAGS), _PACK_AFTER)}", file=sys.stderr)
         return 2
     return _emit(text)
 
@@ -569,19 +589,22 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
                    help="context-parallel sizes (default 2,4; under torchrun the world size)")
     v.add_argument("--tp", type=_positive_ints("--tp", "1,2"), default=[1, 2],
                    help="tensor-parallel alignments (default 1,2)")
-    v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"),
-                   default=[m.value for m in Layout], help="layouts (default zigzag,contiguous)")
-    v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=[Padding.ALIGNED.value],
-                   help="plan paddings: aligned (default), minimal, or both as aligned,minimal")
+    v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"), default=None,
+                   help="layouts (default zigzag,contiguous; not with --model hybrid)")
+    v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=None,
+                   help="plan paddings: aligned, minimal, or both as aligned,minimal (default aligned; with "
+                   "--model hybrid aligned,minimal)")
     v.add_argument("--reorder", action="store_true", help="also run every contiguous configuration with "
-                   "reorder='balanced' (sequences permuted to even out causal work)")
+                   "reorder='balanced' (sequences permuted to even out causal work; not with --model hybrid, "
+                   "which runs both orders of its contiguous twin)")
     v.add_argument("--dtype", default="float64", choices=list(verify.DTYPES), help="model dtype (default float64)")
     v.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    v.add_argument("--attention", default="reference", choices=["reference", "naive"],
-                   help="'naive': run every configuration with the layout-naive attention (zigzag must fail)")
+    v.add_argument("--attention", default=None, choices=["reference", "naive"],
+                   help="'naive': run every configuration with the layout-naive attention (zigzag must fail; "
+                   "default reference; not with --model hybrid)")
     v.add_argument("--model", default="decoder", choices=["decoder", "hybrid"],
                    help="'hybrid': attention on zigzag alternating with a causal convolution and a scan on the "
-                   "contiguous twin, relayout between them (default paddings aligned,minimal and both twin orders)")
+                   "contiguous twin, relayout between them; both twin orders, default paddings aligned,minimal")
     v.add_argument("--backend", default=None, choices=["nccl", "gloo"],
                    help="under torchrun: the process-group backend (default nccl with CUDA, else gloo)")
     v.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
@@ -627,27 +650,46 @@ def _verify_lengths(args: argparse.Namespace, v: argparse.ArgumentParser) -> lis
     return lengths
 
 
+def _hybrid_flags(args: argparse.Namespace, v: argparse.ArgumentParser) -> None:
+    """``--model hybrid`` fixes what the decoder's flags choose: refuse them, never ignore them."""
+    from cpshard.tools import verify
+
+    if verify.launched() or args.backend is not None:
+        v.error("--model hybrid runs on spawned gloo ranks only (not under torchrun, no --backend)")
+    fixed = [(args.layouts is not None, "--layouts", "its attention runs on zigzag and its linear blocks on the "
+              "contiguous twin, every configuration"),
+             (args.attention is not None, "--attention", "its attention is the reference; the layout-naive check "
+              "is its scan on the zigzag rows, run once at the smallest --cp and --tp"),
+             (args.reorder, "--reorder", "it runs both orders of its contiguous twin (the same and "
+              "reorder='balanced'), every configuration")]
+    for given, flag, why in fixed:
+        if given:
+            v.error(f"{flag} does not apply to --model hybrid: {why}; drop {flag}")
+
+
 def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
     from cpshard.tools import verify
 
+    if args.model == "hybrid":
+        _hybrid_flags(args, v)
     lengths = _verify_lengths(args, v)
-    layouts, paddings = args.layouts, args.padding
+    layouts = args.layouts or [m.value for m in Layout]
+    attention = args.attention or "reference"
     reorders: list[str | None] = [None, "balanced"] if args.reorder else [None]
     try:
         if args.model == "hybrid":
-            if verify.launched() or args.backend is not None:
-                v.error("--model hybrid runs on spawned gloo ranks only (not under torchrun, no --backend)")
             hybrid = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, dtype=args.dtype,
-                                   paddings=paddings if paddings != [Padding.ALIGNED.value] else ["aligned", "minimal"],
-                                   reorders=[None, "balanced"], progress=args.progress, model="hybrid")
+                                   paddings=args.padding or [m.value for m in Padding], reorders=[None, "balanced"],
+                                   progress=args.progress, model="hybrid")
             print(json.dumps(hybrid.as_json()) if args.json else verify.format_table(hybrid), flush=True)
             return 0 if hybrid.ok else 1
+        paddings = args.padding or [Padding.ALIGNED.value]
         if verify.launched():
             world = int(os.environ["WORLD_SIZE"])
             if args.cp is not None and args.cp != [world]:
                 v.error(f"--cp {args.cp} under torchrun: the CP size is the world size ({world}); drop --cp")
             report = verify.verify_launched(lengths, backend=args.backend, tps=args.tp, layouts=layouts,
-                                            dtype=args.dtype, attention=args.attention, paddings=paddings,
+                                            dtype=args.dtype, attention=attention, paddings=paddings,
                                             reorders=reorders, progress=args.progress)
             if report is None:  # not rank 0: rank 0 reports; every rank exits 0 unless it failed
                 return 0
@@ -656,10 +698,10 @@ def _run_verify(args: argparse.Namespace, v: argparse.ArgumentParser) -> int:
                 v.error("--backend applies under torchrun only (torchrun --nproc-per-node N -m cpshard verify "
                         "--backend nccl); spawned ranks use gloo")
             report = verify.verify(lengths, cps=args.cp or [2, 4], tps=args.tp, layouts=layouts, dtype=args.dtype,
-                                   attention=args.attention, paddings=paddings, reorders=reorders,
+                                   attention=attention, paddings=paddings, reorders=reorders,
                                    progress=args.progress)
     except (ValueError, TypeError) as exc:
-        print(f"cpshard verify: {_in_flags(str(exc))}", file=sys.stderr)
+        print(f"cpshard verify: {_in_flags(str(exc), _as_passed(args))}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_json()) if args.json else verify.format_table(report), flush=True)
     return 0 if report.ok else 1
@@ -699,11 +741,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     k = _pack_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "pack":
-        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
         return _run_pack(args, k)
     if args.command == "verify":
-        logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
         torch.set_num_threads(1)
         return _run_verify(args, v)
     lengths = args.lengths_file if args.lengths_file is not None else args.lengths
@@ -717,8 +757,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode = "with --bshd (a padded batch)" if args.bshd else "without --bshd (a packed batch)"
         p.error(f"{', '.join(ignored)} does not apply {mode}; drop it"
                      + ("" if args.bshd else " or add --bshd"))
-    # torch logs a deprecation notice from torch.fx when nested tensors are first used; not ours to show
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     try:
         texts, plans = [], []
@@ -747,7 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _unwritable("plan", args.png, exc)
             text += f"\n\nwrote {args.png}"
     except (ValueError, TypeError, ImportError) as exc:
-        print(f"cpshard plan: {_in_flags(str(exc))}", file=sys.stderr)
+        print(f"cpshard plan: {_in_flags(str(exc), _as_passed(args))}", file=sys.stderr)
         return 2
     return _emit(text)
 

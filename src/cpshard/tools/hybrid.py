@@ -3,8 +3,9 @@
 Its layers alternate the reference attention on a zigzag plan (``cpshard.attention``) and a linear
 block on the plan's contiguous twin (``cpshard.twin_plan``): a causal short convolution and the
 reference scan (``cpshard.scan.linear_scan``), with ``cpshard.distributed.relayout`` into the twin
-before the block and back after it. Loss, per-token log-probs and every parameter gradient are
-compared with ``cp = 1`` as in ``cpshard.verify`` (Note [How verify's ranks add up to cp = 1]), for
+before the block and back after it; the decoder's MTP depths follow (attention on zigzag). Loss,
+per-token log-probs, MTP losses and every parameter gradient are compared with ``cp = 1`` as in
+``cpshard.verify`` (Note [How verify's ranks add up to cp = 1]), for
 every ``cp``, ``tp``, padding and twin order; the **layout-naive** variant, the linear block run on
 the zigzag rows as if they were the contiguous twin's (no relayout), must be caught.
 
@@ -17,32 +18,38 @@ differentiable; the layout-naive variant runs the same shifts believing the zigz
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cpshard.base.layout import Layout
-from cpshard.distributed.collectives import gather, max_over, relayout, shift_sharded, sum_over_group
-from cpshard.ops.sharding import shard, unshard
+from cpshard.distributed.collectives import max_over, relayout, shift_sharded
 from cpshard.plan.twins import twin
 from cpshard.plan.values import ShardPlan
-from cpshard.testing.attention import attention
 from cpshard.testing.scan import linear_scan, naive_linear_scan
 from cpshard.testing.spawn import run_ranks, world_group
-from cpshard.tools.model import DTYPES, HEADS, HIDDEN, VOCAB, Block, _batch, _rms_norm
-from cpshard.tools.results import (TOLERANCE, Config, Outcome, Progress, Report, _check_args, compare,
-                                   naive_skip_reason)
+from cpshard.tools.model import DTYPES, HIDDEN, LAYERS, TinyDecoder, _batch, _rms_norm
+from cpshard.tools.results import (
+    TOLERANCE,
+    Config,
+    Outcome,
+    Progress,
+    Report,
+    _check_args,
+    compare,
+    naive_skip_reason,
+    step,
+    timed_reference,
+)
 
 __all__ = ["CONV", "HybridConfig", "HybridDecoder", "hybrid_step", "verify_hybrid"]
 
 CONV = 4  # the causal convolution's width: each row sees itself and the CONV - 1 rows before it
-PAIRS = 2  # (attention, linear) layer pairs
+PAIRS = LAYERS  # (attention, linear) layer pairs: a linear block after each attention layer
 
 
 @dataclass(frozen=True)
@@ -90,54 +97,34 @@ class LinearBlock(nn.Module):
         return x + self.out(scan(torch.sigmoid(g), conv, plan, group if plan.cp_size > 1 else None))
 
 
-class HybridDecoder(nn.Module):
-    """Embedding, ``PAIRS`` pairs of (attention :class:`~cpshard.verify.Block`, :class:`LinearBlock`),
-    the output layer. Deterministic initialisation (seed 0)."""
+class HybridDecoder(TinyDecoder):
+    """:class:`~cpshard.verify.TinyDecoder` (embedding, attention layers, the MTP depths, the output
+    layer) with a :class:`LinearBlock` after each attention layer of the main stack. Deterministic
+    initialisation (the decoder's seed 0, the linear blocks' seed 1)."""
 
     def __init__(self, dtype: torch.dtype = torch.float64) -> None:
-        super().__init__()
+        super().__init__(dtype)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            self.embed = nn.Embedding(VOCAB, HIDDEN)
-            self.attn = nn.ModuleList(Block(HIDDEN, HEADS) for _ in range(PAIRS))
+            torch.manual_seed(1)
             self.linear = nn.ModuleList(LinearBlock(HIDDEN) for _ in range(PAIRS))
-            self.final_norm = nn.Parameter(torch.ones(HIDDEN))
-            self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
         self.to(dtype)
 
 
 def hybrid_step(model: HybridDecoder, batch: list[torch.Tensor], plan: ShardPlan, contiguous: ShardPlan,
                 rank: int, group: Any, naive: bool = False) -> Outcome:
-    """Forward and backward on this rank's rows: attention on ``plan`` (zigzag), linear blocks on its
-    twin ``contiguous`` (through ``relayout``), or on ``plan``'s rows themselves when ``naive``."""
-    start = time.perf_counter()
-    dtype = next(model.parameters()).dtype
-    ids, labels = shard(batch, plan, rank), shard(batch, plan, rank, shift=1)
-    mask, positions = plan.label_mask(rank, shift=1), plan.position_ids(rank)
-    model.zero_grad(set_to_none=True)
-    h = model.embed(ids)
-    for attn, lin in zip(model.attn, model.linear):
-        h = attn(h, positions, lambda q, k, v: attention(q, k, v, plan, group))
+    """:func:`cpshard.verify.step` (loss, log-probs, MTP losses, gradients) with attention on ``plan``
+    (zigzag) and each linear block on its twin ``contiguous`` (through ``relayout``), or on ``plan``'s
+    rows themselves when ``naive``."""
+    def mix(i: int, h: torch.Tensor) -> torch.Tensor:
+        lin = model.linear[i]
         if naive:
-            h = lin(h, plan, rank, group, naive=True)
-        elif group is None:  # cp = 1: both layouts are the identity
-            h = lin(h, contiguous, rank, None, naive=False)
-        else:
-            h = relayout(lin(relayout(h, plan, contiguous, group), contiguous, rank, group, naive=False),
-                         contiguous, plan, group)
-    logp = F.log_softmax(model.head(_rms_norm(h, model.final_norm)), -1)
-    token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype))
-    count = sum_over_group(mask.sum().to(dtype), plan, group)
-    loss = -plan.cp_size * token_logp.sum() / count
-    loss.backward()
-    names = [n for n, _ in model.named_parameters()]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    flat = sum_over_group(torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)]), plan, group)
-    parts = (flat.double() / plan.cp_size).split([g.numel() for g in grads] + [1])
-    restored = (unshard([token_logp.detach()], plan) if group is None else gather(token_logp.detach(), plan, group))
-    return Outcome(loss=parts[-1][0], logprobs=restored.values().double(), mtp_loss=torch.zeros(0),
-                   grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-1], model.parameters())},
-                   seconds=time.perf_counter() - start)
+            return lin(h, plan, rank, group, naive=True)
+        if group is None:  # cp = 1: both layouts are the identity
+            return lin(h, contiguous, rank, None, naive=False)
+        return relayout(lin(relayout(h, plan, contiguous, group), contiguous, rank, group, naive=False),
+                        contiguous, plan, group)
+
+    return step(model, batch, plan, rank, group, mix=mix)
 
 
 def _plans(lengths: Sequence[int], c: Config) -> tuple[ShardPlan, ShardPlan]:
@@ -155,7 +142,6 @@ def _run(lengths: tuple[int, ...], c: Config, dtype: torch.dtype, rank: int, gro
 
 def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
                progress: Progress) -> list[Outcome] | None:
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     outcomes = []
     for c in configs:
         got = _run(lengths, c, DTYPES[dtype_name], rank, world_group())
@@ -172,23 +158,26 @@ def verify_hybrid(lengths: Sequence[int], *, cps: Sequence[int] = (2, 4), tps: S
                   reorders: Sequence[str | None] = (None, "balanced"), progress: bool = True,
                   timeout: float = 600.0) -> Report:
     """Every (cp, tp, padding, twin order) of the hybrid model against ``cp = 1``, on spawned gloo
-    groups, and the layout-naive scan at the smallest ``cp > 1``, which must be caught."""
+    groups, and the layout-naive scan at the smallest ``cp > 1`` and ``tp`` requested, which must be
+    caught. After the ``cp = 1`` step, a run-time estimate (:func:`cpshard.verify.estimate_seconds`)."""
     start = time.perf_counter()
     lens, cps, tps, _, paddings = _check_args(lengths, cps, tps, ["zigzag"], paddings, dtype, reorders)
     configs = [HybridConfig(cp, tp, "zigzag", padding=p, reorder=r)
                for cp in cps if cp > 1 for tp in tps for p in paddings for r in dict.fromkeys(reorders)]
-    naive = HybridConfig(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
+    naive = HybridConfig(min([c for c in cps if c > 1], default=2), tps[0], "zigzag", "naive")
     skipped = naive_skip_reason(naive_scan_shown(_plans(lens, naive)[0]), "scan on zigzag rows", naive.cp)
     checks = [] if skipped else [naive]
     torch_dtype = DTYPES[dtype]
+    by_cp: dict[int, list[Config]] = {}
+    for c in dict.fromkeys(configs + checks):
+        by_cp.setdefault(c.cp, []).append(c)
     bar = Progress(total=len(configs) + 1 + len(checks), enabled=progress)
     if skipped:
         bar.note(skipped)
-    want = _run(lens, HybridConfig(1, 1, "zigzag"), torch_dtype, 0, None)
-    bar.step(f"cp=1 reference {want.seconds:.1f} s")
+    want = timed_reference(lambda lens_: _run(lens_, HybridConfig(1, 1, "zigzag"), torch_dtype, 0, None), lens,
+                           {cp: [_plans(lens, c)[0] for c in cs] for cp, cs in by_cp.items()}, bar)
     outcomes: dict[Config, Outcome] = {}
-    for cp in sorted({c.cp for c in configs + checks}):
-        group_configs = [c for c in dict.fromkeys(configs + checks) if c.cp == cp]
+    for cp, group_configs in sorted(by_cp.items()):
         outcomes.update(zip(group_configs, run_ranks(_rank_body, cp, lens, group_configs, dtype, bar,
                                                      timeout=timeout)[0]))
         bar.done += len(group_configs)

@@ -41,6 +41,7 @@ def rotary(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Mix = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class Block(nn.Module):
@@ -86,11 +87,14 @@ class TinyDecoder(nn.Module):
         return self.head(_rms_norm(h, self.final_norm))
 
     def hidden(self, ids: torch.Tensor, shifted_ids: torch.Tensor, positions: torch.Tensor,
-               attend: Attend) -> list[torch.Tensor]:
-        """``ids`` ``(R,)``, ``shifted_ids`` ``(MTP_DEPTHS, R)`` -> ``1 + MTP_DEPTHS`` chunks ``(R, hidden)``."""
+               attend: Attend, mix: Mix | None = None) -> list[torch.Tensor]:
+        """``ids`` ``(R,)``, ``shifted_ids`` ``(MTP_DEPTHS, R)`` -> ``1 + MTP_DEPTHS`` chunks ``(R, hidden)``.
+        ``mix(i, h)``, when given, runs after layer ``i`` of the main stack (the hybrid model's linear blocks)."""
         h = self.embed(ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = layer(h, positions, attend)
+            if mix is not None:
+                h = mix(i, h)
         chunks = [h]
         for d, (proj, layer) in enumerate(zip(self.mtp_in, self.mtp_layers)):
             mixed = proj(torch.cat([_rms_norm(h, 1.0), _rms_norm(self.embed(shifted_ids[d]), 1.0)], -1))

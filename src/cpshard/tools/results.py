@@ -1,25 +1,34 @@
 """What a ``cpshard verify`` run compares and reports: the configurations (and the checks of their
-arguments), one step's outcome, its comparison with ``cp = 1``, the report, and the progress bar.
-Shared by the decoder (``verify.py``) and the hybrid model (``hybrid.py``).
+arguments), one step and its outcome, its comparison with ``cp = 1``, the report, the progress bar
+and the run-time estimate. Shared by the decoder (``verify.py``) and the hybrid model (``hybrid.py``,
+whose linear blocks run inside the step through its ``mix``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import torch
+import torch.nn.functional as F
 
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, Padding
+from cpshard.distributed.collectives import gather, shift_sharded_multi, sum_over_group
+from cpshard.loss.mtp import mtp_loss
+from cpshard.ops.sharding import shard, unshard
 from cpshard.plan.causal import attention_work
 from cpshard.plan.values import ShardPlan
-from cpshard.tools.model import DTYPES
+from cpshard.testing.attention import attention
+from cpshard.tools.model import DTYPES, MTP_DEPTHS, MTP_SCALE, Mix, TinyDecoder
 
-__all__ = ["Config", "Outcome", "Progress", "Report", "Result", "compare", "configurations", "naive_skip_reason"]
+__all__ = ["RANK_OVERHEAD", "Config", "Outcome", "Progress", "Report", "Result", "compare", "configurations",
+           "estimate_seconds", "naive_skip_reason", "step", "timed_reference"]
 
 #: max |difference| allowed, relative to max(1, max |cp = 1 value|) of each quantity
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -215,3 +224,151 @@ def _check_args(lengths: Sequence[int], cps: Sequence[int], tps: Sequence[int], 
     if dtype not in DTYPES:
         fail("dtype", repr(dtype), f"must be one of {', '.join(DTYPES)}", "pass --dtype float64")
     return lens, cps, tps, list(dict.fromkeys(layouts)), paddings
+
+
+# -- one step ----------------------------------------------------------------------------------
+
+
+def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank: int, group: Any, *,
+         attend_fn: Callable[..., torch.Tensor] = attention, device: torch.device | None = None,
+         mix: Mix | None = None) -> Outcome:
+    """Forward and backward of ``model`` on this rank's rows of ``batch`` (Note [How verify's ranks add
+    up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``; ``attend_fn`` the CP attention
+    (:func:`cpshard.attention.attention`, or ``naive_attention`` to see it caught); ``mix`` what runs
+    after each layer of the main stack (:meth:`TinyDecoder.hidden`). Returns the batch's values (the
+    same on every rank); the model's ``.grad`` are left as this rank's own."""
+    start = time.perf_counter()
+    dev = device if device is not None else torch.device("cpu")
+    dtype = next(model.parameters()).dtype
+    ids = shard(batch, plan, cp_rank).to(dev)                       # (L,)
+    labels = shard(batch, plan, cp_rank, shift=1).to(dev)           # (L,) next token; 0 past the end
+    mask = plan.label_mask(cp_rank, shift=1).to(dev)                # (L,) True where a label exists
+    positions = plan.position_ids(cp_rank).to(dev)                  # (L,) for the rotary embedding
+    depths = tuple(range(1, MTP_DEPTHS + 1))
+    if group is None:
+        shifted = torch.stack([shard(batch, plan, cp_rank, shift=d) for d in depths]).to(dev)
+    else:  # what a trainer does when the ids exist only sharded: one exchange for every depth
+        shifted = shift_sharded_multi([ids], plan, group, shifts=depths)[0]
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend_fn(q, k, v, plan, group)
+
+    model.zero_grad(set_to_none=True)
+    chunks = model.hidden(ids, shifted, positions, attend, mix)
+    mtp = mtp_loss(chunks, labels, mask.to(dtype), plan, group, output_layer=model.logits,
+                   loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), scaling_factor=MTP_SCALE)
+    logp = F.log_softmax(model.logits(mtp.hidden), -1)
+    token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype, device=dev))
+    count = sum_over_group(mask.sum().to(dtype), plan, group)
+    loss = -plan.cp_size * token_logp.sum() / count
+    loss.backward()
+
+    names = [n for n, _ in model.named_parameters()]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1), mtp.losses])
+    flat = sum_over_group(flat, plan, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
+    sizes = [g.numel() for g in grads]
+    parts = flat.split(sizes + [1, MTP_DEPTHS])
+    if group is None:
+        restored = unshard([token_logp.detach()], plan).values()
+    else:
+        restored = gather(token_logp.detach(), plan, group).values()
+    return Outcome(loss=parts[-2][0], logprobs=restored.double().cpu(), mtp_loss=parts[-1],
+                   grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-2], model.parameters())},
+                   seconds=time.perf_counter() - start)
+
+
+# -- how long a run takes ----------------------------------------------------------------------
+
+#: a step across spawned ranks takes about twice its share of the warm cp = 1 step, a spawned rank's first
+#: step about twice this process's warm-up, and ranks that start together about twice this process's
+#: start-up (the exchanges and gathers, ranks contending for the cores): measured with runs of
+#: `cpshard verify` on a shared two-core machine
+RANK_OVERHEAD = 2.0
+_ESTIMATE_RULE = ("each configuration: the warm cp=1 step's time times its busiest rank's share of the causal "
+                  "attention work, or 1/cores when ranks outnumber the cores, times 2 across ranks; plus each "
+                  "group's start-up and its first step's warm-up (twice this process's), ranks sharing the cores")
+_IMPORT_CPU = time.process_time()  # at import: the CPU time this process spent starting and importing torch
+
+
+def _startup_seconds() -> float:
+    """A spawned rank's start-up: the CPU time this process had used when it imported this module
+    (starting Python and importing torch and cpshard, what a spawned rank repeats), between 1 and 15
+    seconds, plus a second for the rendezvous.
+
+    CPU time, not the process's age: a process that waited (an interactive session, a notebook, a
+    script that did other work first) has an age of minutes but spent none of it importing; an age
+    read from ``/proc`` counted that wait once per spawned rank (an estimate of minutes for a run of
+    seconds)."""
+    return min(max(_IMPORT_CPU, 1.0), 15.0) + 1.0
+
+
+def _cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[ShardPlan]], cpus: int, *,
+                     startup: float | None = None, warmup: float = 0.0, overhead: float = RANK_OVERHEAD) -> float:
+    """A rough run time for the configurations after the ``cp = 1`` step, which took ``reference_seconds``
+    warm (after a first, tiny step that paid this process's first-call costs: ``warmup`` seconds).
+
+    The step's time is mostly the reference attention's, which scales with the causal work (the
+    (query, key) pairs scored). A configuration's ranks run at once, so it takes the cp=1 time times
+    its busiest rank's share of the work (:func:`cpshard.attention.attention_work`), but no less than
+    ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them), times ``overhead`` at
+    ``cp > 1`` (``RANK_OVERHEAD``). Each spawned group of ``cp`` ranks adds ``(startup + overhead *
+    warmup) * cp / min(cp, cpus)`` seconds: every rank starts Python and imports torch (default
+    ``startup``: ``overhead`` times this process's own start-up, :func:`_startup_seconds`, as ranks
+    that start together contend) and pays the first-call costs again in its first step, those of
+    the collectives too. ``plans_by_cp``: every configuration's plan by its ``cp``; configurations
+    at ``cp = 1`` run in this process, warm, and start nothing. A guide, not a promise: a loaded
+    machine runs slower.
+
+    Example: two zigzag configurations at ``cp = 2`` on two cores, a 4 s warm step whose busiest
+    rank holds half the work, 3 s start-up and 1 s warm-up: ``(3 + 2 * 1) * 2 / 2 + 2 * (4 * 0.5 *
+    2) = 13`` seconds.
+    """
+    startup = overhead * _startup_seconds() if startup is None else startup
+    total = 0.0
+    for cp, plans in plans_by_cp.items():
+        cores = max(1, min(cp, cpus))
+        if cp > 1:
+            total += (startup + overhead * warmup) * cp / cores
+        for plan in plans:
+            work = attention_work(plan)
+            share = max(work) / sum(work) if sum(work) else 1.0 / cp
+            total += reference_seconds * max(share, 1.0 / cores) * (overhead if cp > 1 else 1.0)
+    return total
+
+
+def timed_reference(run: Callable[[tuple[int, ...]], Outcome], lengths: tuple[int, ...],
+                    plans_by_cp: dict[int, list[ShardPlan]], bar: Progress) -> Outcome:
+    """The ``cp = 1`` outcome ``run(lengths)``, timed warm, then the estimate on ``bar``.
+
+    A first step on one 2-token sequence pays this process's first-call costs (lazy imports inside
+    torch, first kernels: seconds, whatever the batch), so that the batch's own step is timed warm;
+    the first step's time is the warm-up each spawned rank pays again (:func:`estimate_seconds`)."""
+    bar.note(f"{sum(lengths)} tokens, {sum(map(len, plans_by_cp.values()))} configurations; the cp=1 reference "
+             "step first, then the estimate")
+    start = time.perf_counter()
+    run((2,))
+    warmup = time.perf_counter() - start
+    start = time.perf_counter()
+    want = run(lengths)
+    seconds = time.perf_counter() - start
+    bar.step(f"cp=1 reference {seconds:.1f} s")
+    cpus = _cpus()
+    guess = estimate_seconds(seconds, plans_by_cp, cpus, warmup=warmup)
+    bar.note(f"about {_duration(guess)} more on {cpus} CPU core{'s' if cpus > 1 else ''} ({_ESTIMATE_RULE})")
+    return want
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+

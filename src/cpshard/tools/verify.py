@@ -31,27 +31,24 @@ and runs every configuration of that ``cp`` in it; :func:`verify_launched` runs 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from cpshard.base.errors import check_int, fail
-from cpshard.distributed.collectives import gather, max_over, shift_sharded_multi, sum_over_group
-from cpshard.loss.mtp import mtp_loss
-from cpshard.ops.sharding import shard, unshard
+from cpshard.distributed.collectives import max_over
 from cpshard.plan.values import Plan, ShardPlan
 from cpshard.testing.attention import attention, attention_mask, attention_work, naive_attention, naive_attention_mask
 from cpshard.testing.spawn import joined_group, run_ranks, world_group
-from cpshard.tools.model import DTYPES, MTP_DEPTHS, MTP_SCALE, TinyDecoder, _batch
-from cpshard.tools.results import (
+from cpshard.tools.model import DTYPES, TinyDecoder, _batch
+from cpshard.tools.results import (  # step and the estimate are verify's names too
+    _ESTIMATE_RULE,
     MAX_TOKENS,
     QUANTITIES,
+    RANK_OVERHEAD,
     TOLERANCE,
     Config,
     Outcome,
@@ -59,9 +56,13 @@ from cpshard.tools.results import (
     Report,
     Result,
     _check_args,
+    _duration,
     compare,
     configurations,
+    estimate_seconds,
     naive_skip_reason,
+    step,
+    timed_reference,
 )
 
 __all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Report", "Result", "TinyDecoder",
@@ -113,52 +114,6 @@ def scale_lengths(lengths: Sequence[int], tokens: int) -> list[int]:
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": attention, "naive": naive_attention}
 
 
-def step(model: TinyDecoder, batch: list[torch.Tensor], plan: ShardPlan, cp_rank: int, group: Any, *,
-         attend_fn: Callable[..., torch.Tensor] = attention, device: torch.device | None = None) -> Outcome:
-    """Forward and backward of ``model`` on this rank's rows of ``batch`` (Note [How verify's ranks add
-    up to cp = 1]); ``group`` is the CP group, ``None`` at ``cp = 1``; ``attend_fn`` the CP attention
-    (:func:`cpshard.attention.attention`, or ``naive_attention`` to see it caught). Returns the
-    batch's values (the same on every rank); the model's ``.grad`` are left as this rank's own."""
-    start = time.perf_counter()
-    dev = device if device is not None else torch.device("cpu")
-    dtype = next(model.parameters()).dtype
-    ids = shard(batch, plan, cp_rank).to(dev)                       # (L,)
-    labels = shard(batch, plan, cp_rank, shift=1).to(dev)           # (L,) next token; 0 past the end
-    mask = plan.label_mask(cp_rank, shift=1).to(dev)                # (L,) True where a label exists
-    positions = plan.position_ids(cp_rank).to(dev)                  # (L,) for the rotary embedding
-    depths = tuple(range(1, MTP_DEPTHS + 1))
-    if group is None:
-        shifted = torch.stack([shard(batch, plan, cp_rank, shift=d) for d in depths]).to(dev)
-    else:  # what a trainer does when the ids exist only sharded: one exchange for every depth
-        shifted = shift_sharded_multi([ids], plan, group, shifts=depths)[0]
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend_fn(q, k, v, plan, group)
-
-    model.zero_grad(set_to_none=True)
-    chunks = model.hidden(ids, shifted, positions, attend)
-    mtp = mtp_loss(chunks, labels, mask.to(dtype), plan, group, output_layer=model.logits,
-                   loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), scaling_factor=MTP_SCALE)
-    logp = F.log_softmax(model.logits(mtp.hidden), -1)
-    token_logp = torch.where(mask, logp.gather(-1, labels[:, None])[:, 0], torch.zeros((), dtype=dtype, device=dev))
-    count = sum_over_group(mask.sum().to(dtype), plan, group)
-    loss = -plan.cp_size * token_logp.sum() / count
-    loss.backward()
-
-    names = [n for n, _ in model.named_parameters()]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1), mtp.losses])
-    flat = sum_over_group(flat, plan, group).double().cpu() / plan.cp_size  # one collective: grads, loss, MTP losses
-    sizes = [g.numel() for g in grads]
-    parts = flat.split(sizes + [1, MTP_DEPTHS])
-    if group is None:
-        restored = unshard([token_logp.detach()], plan).values()
-    else:
-        restored = gather(token_logp.detach(), plan, group).values()
-    return Outcome(loss=parts[-2][0], logprobs=restored.double().cpu(), mtp_loss=parts[-1],
-                   grads={n: g.view(p.shape) for n, g, p in zip(names, parts[:-2], model.parameters())},
-                   seconds=time.perf_counter() - start)
-
-
 def _plan(lengths: Sequence[int], config: Config) -> ShardPlan:
     return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout,
                            padding=config.padding, reorder=config.reorder)
@@ -170,83 +125,12 @@ def reference(lengths: Sequence[int], dtype: torch.dtype, device: torch.device |
                 None, device=device)
 
 
-# -- how long a run takes ----------------------------------------------------------------------
-
-#: seconds to start one spawned rank (a Python process importing torch, and its gloo rendezvous) where
-#: this process cannot time its own start (see _startup_seconds)
-STARTUP_SECONDS = 5.0
-#: measured on a shared two-core machine (a long-tailed batch of 2000 tokens at cp = 2 and 4): a step across
-#: spawned ranks takes about twice its share of the cp = 1 time (the gathers, first calls building the
-#: plan's indices, ranks contending), and ranks that start together take about twice this process's start-up
-RANK_OVERHEAD = 2.0
-_ESTIMATE_RULE = ("each configuration: the cp=1 step's time times its busiest rank's share of the causal "
-                  "attention work, or 1/cores when ranks outnumber the cores, times 2 across ranks; plus the "
-                  "ranks' start-up")
-
-
-def _startup_seconds() -> float:
-    """How long this process took to start and import cpshard (a spawned rank does the same), plus a
-    second for the rendezvous; from /proc on Linux, else ``STARTUP_SECONDS``."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime", encoding="ascii") as f:
-            age = float(f.read().split()[0]) - started
-    except (OSError, ValueError, IndexError, AttributeError):
-        return STARTUP_SECONDS
-    return min(max(age, 1.0), 60.0) + 1.0
-
-
-_STARTED = _startup_seconds()  # at import: the start-up of a process that imports cpshard.verify
-
-
-def _cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def estimate_seconds(reference_seconds: float, plans_by_cp: dict[int, list[ShardPlan]], cpus: int, *,
-                     startup: float | None = None, overhead: float = RANK_OVERHEAD) -> float:
-    """A rough run time for the configurations after the ``cp = 1`` step, which took ``reference_seconds``.
-
-    The step's time is mostly the reference attention's, which scales with the causal work (the
-    (query, key) pairs scored). A configuration's ranks run at once, so it takes the cp=1 time times
-    its busiest rank's share of the work (:func:`cpshard.attention.attention_work`), but no less than
-    ``1 / min(cp, cpus)`` of it (ranks that outnumber the cores share them), times ``overhead`` at
-    ``cp > 1`` (``RANK_OVERHEAD``); each spawned group of ``cp`` ranks adds ``startup * cp / min(cp,
-    cpus)`` seconds (default: ``RANK_OVERHEAD`` times this process's own start-up, timed).
-    ``plans_by_cp``: every configuration's plan by its ``cp``; configurations at ``cp = 1`` run in this
-    process and start nothing. A guide, not a promise: a loaded machine runs slower.
-    """
-    startup = RANK_OVERHEAD * _STARTED if startup is None else startup
-    total = 0.0
-    for cp, plans in plans_by_cp.items():
-        cores = max(1, min(cp, cpus))
-        if cp > 1:
-            total += startup * cp / cores
-        for plan in plans:
-            work = attention_work(plan)
-            share = max(work) / sum(work) if sum(work) else 1.0 / cp
-            total += reference_seconds * max(share, 1.0 / cores) * (overhead if cp > 1 else 1.0)
-    return total
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{max(1, round(seconds))} s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
-
-
 # -- spawned gloo groups ----------------------------------------------------------------------
 
 
 def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Config], dtype_name: str,
                progress: Progress) -> list[Outcome] | None:
     """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     group = world_group()
     batch = _batch(lengths)
     model = TinyDecoder(DTYPES[dtype_name])
@@ -283,10 +167,17 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     configurations must then fail). The naive attention under zigzag is always run once more, at the
     smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
     ``model="hybrid"``: the hybrid decoder of ``cpshard.tools.hybrid`` instead (zigzag attention, a scan on
-    the contiguous twin; ``layouts`` and ``attention`` do not apply), whose naive scan must be caught.
+    the contiguous twin, the same MTP depths; ``layouts`` and ``attention`` do not apply and must stay
+    at their defaults), whose naive scan must be caught.
     """
     if model == "hybrid":
         from cpshard.tools.hybrid import verify_hybrid
+        if attention != "reference" or tuple(layouts) != ("zigzag", "contiguous"):
+            fail("layouts" if attention == "reference" else "attention",
+                 repr(list(layouts) if attention == "reference" else attention),
+                 "does not apply to model='hybrid' (attention on zigzag and the linear blocks on the contiguous "
+                 "twin in every configuration; its layout-naive check is the scan on zigzag rows)",
+                 "leave layouts and attention at their defaults")
         return verify_hybrid(lengths, cps=cps, tps=tps, dtype=dtype, paddings=paddings, reorders=reorders,
                              progress=progress, timeout=timeout)
     if model != "decoder":
@@ -297,7 +188,7 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
         fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
     configs = [dataclasses.replace(c, attention=attention)
                for c in configurations(cps, tps, layouts, paddings, reorders)]
-    naive = Config(min([c for c in cps if c > 1], default=2), 1, "zigzag", "naive")
+    naive = Config(min([c for c in cps if c > 1], default=2), tps[0], "zigzag", "naive")
     skipped = naive_skip_reason(naive_shown(_plan(lens, naive)), "attention under zigzag", naive.cp)
     checks = [] if skipped else [naive]
     bar = Progress(total=len(configs) + 1 + len(checks), enabled=progress)
@@ -307,15 +198,8 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     by_cp: dict[int, list[Config]] = {}
     for c in dict.fromkeys(configs + checks):  # with attention="naive" the check is one of the configurations
         by_cp.setdefault(c.cp, []).append(c)
-    bar.note(f"{sum(lens)} tokens, {sum(map(len, by_cp.values()))} configurations; the cp=1 reference step "
-             "first, then the estimate")
-    ref_start = time.perf_counter()
-    want = reference(lens, torch_dtype)
-    ref_seconds = time.perf_counter() - ref_start
-    bar.step(f"cp=1 reference {ref_seconds:.1f} s")
-    cpus = _cpus()
-    guess = estimate_seconds(ref_seconds, {cp: [_plan(lens, c) for c in cs] for cp, cs in by_cp.items()}, cpus)
-    bar.note(f"about {_duration(guess)} more on {cpus} CPU core{'s' if cpus > 1 else ''} ({_ESTIMATE_RULE})")
+    want = timed_reference(lambda lens_: reference(lens_, torch_dtype), lens,
+                           {cp: [_plan(lens, c) for c in cs] for cp, cs in by_cp.items()}, bar)
     outcomes: dict[Config, Outcome] = {}
     for cp, group_configs in by_cp.items():
         if cp == 1:
@@ -368,7 +252,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         torch_dtype = DTYPES[dtype]
         configs = [dataclasses.replace(c, attention=attention)
                    for c in configurations([world], tps, layouts, paddings, reorders)]
-        naive = Config(world, 1, "zigzag", "naive")
+        naive = Config(world, tps[0], "zigzag", "naive")
         skipped = naive_skip_reason(naive_shown(_plan(lens, naive)), "attention under zigzag", world)
         checks = [] if skipped else [naive]
         bar = Progress(total=len(configs) + 1 + len(checks), enabled=progress and rank == 0)
