@@ -42,7 +42,7 @@ LARGE = {
     "cpshard.compat.verl": (900, "verl's drop-ins and patch(); being split into a package"),
     "cpshard.tools.cli": (800, "argparse and the describe_* renderers; to be split"),
     "cpshard.distributed.collectives": (860, "one idea: the collectives, each with its checks, autograd and stamped sums"),
-    "cpshard.packing.pack": (760, "the packing problem, search and bound; being reworked"),
+    "cpshard.packing.pack": (780, "the packing problem, search and bound; being reworked"),
     "cpshard.plan.values": (640, "one idea: the THD plan value and what every plan kind shares"),
 }
 
