@@ -42,10 +42,9 @@ def _lengths(tokens: int, docs: int) -> list[int]:
 
 
 def _body(rank: int, world: int, repeats: int) -> list[tuple[str, float, float, float, int]] | None:
-    from cpshard.spawn import CollectiveCounter
-
     from cpshard import ShardPlan, shard, twin_plan
     from cpshard.distributed import relayout
+    from cpshard.spawn import CollectiveCounter
 
     torch.set_num_threads(1)
     group = dist.group.WORLD

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cpshard.mtp import mtp_loss
-from cpshard.spawn import run_ranks
 
 from cpshard import ShardPlan, layout_for, shard
 from cpshard.distributed import gather
 from cpshard.loss import token_mean
+from cpshard.mtp import mtp_loss
+from cpshard.spawn import run_ranks
 
 VOCAB, HIDDEN, DEPTHS = 50, 8, 2
 

@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-from cpshard.cli import main as cli_main
 
 import cpshard
 from cpshard import (
@@ -19,6 +18,7 @@ from cpshard import (
     unregister_layout_rule,
     unshard,
 )
+from cpshard.cli import main as cli_main
 from reference import ref_shard
 
 

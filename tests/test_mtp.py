@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from cpshard.index.shift import all_to_all_in_process
 from cpshard.megatron import megatron_version, mtp_loss_impl, plan_for_mtp, process_mtp_loss
 from cpshard.megatron import mtp as megatron_mtp
 from cpshard.megatron._import import import_megatron
+from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
 from cpshard.plan import halo_exchange, shift_exchange
 from reference import ref_shard
 from strategies import props

@@ -214,6 +214,7 @@ def test_crowded_excess_is_below_every_split_into_micro_batches(items, extra):
     over every split of the sequences into micro-batches of at most ``C`` rows, and at least the
     fractional ``sum_i e_i P_i / C`` it replaced."""
     import numpy as np
+
     from cpshard.pack import _crowded
 
     e = np.array([float(x) for x, _ in items])

@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from cpshard.spawn import CollectiveCounter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpshard import BshdPlan, ShardPlan, shard, twin_plan
+from cpshard import BshdPlan, ShardPlan, TwinOrder, shard, twin_plan
 from cpshard.plan.twins import apply_route, relayout_route, twin
+from cpshard.spawn import CollectiveCounter
 from rank_suites import run_suite
 from strategies import props
 
@@ -110,8 +110,9 @@ def test_twin_errors_teach():
     zz = ShardPlan.build([5, 3], cp_size=2)
     with pytest.raises(ValueError, match="balances the contiguous layout"):
         twin(zz, "zigzag", "balanced")
-    with pytest.raises(ValueError, match="order='same'"):
+    with pytest.raises(ValueError, match="order='sorted': is not a twin order .valid: 'same', 'caller', 'balanced'"):
         twin(zz, "contiguous", "sorted")
+    assert twin(zz, "contiguous", TwinOrder.CALLER) == twin(zz, "contiguous", "caller")
     with pytest.raises(ValueError, match="must pad every sequence as src_plan does"):
         relayout_route(zz, cont, 0)
     with pytest.raises(ValueError, match="must describe src_plan's sequences"):

@@ -8,12 +8,12 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from cpshard.scan import linear_scan, naive_linear_scan, scan_ranks
-from cpshard.spawn import CollectiveCounter
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import ShardPlan, shard, twin_plan, unshard
+from cpshard.scan import linear_scan, naive_linear_scan, scan_ranks
+from cpshard.spawn import CollectiveCounter
 from rank_suites import run_suite
 from strategies import props
 
@@ -142,9 +142,8 @@ def test_scan_across_gloo_ranks(world):
 
 
 def test_verify_hybrid_equals_cp1_and_catches_the_naive_scan():
-    from cpshard.verify import format_table
-
     from cpshard.tools.hybrid import verify_hybrid
+    from cpshard.verify import format_table
     report = verify_hybrid([37, 1, 0, 12, 5], cps=[2], tps=[2], paddings=["minimal"], progress=False)
     assert [r.ok for r in report.results] == [True, True] and report.naive_kernel_caught and report.ok
     assert report.naive.max_abs_diff["logprobs"] > 1e-3

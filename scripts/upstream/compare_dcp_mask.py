@@ -11,11 +11,11 @@ import itertools
 import random
 
 import torch
-from cpshard.layout import Layout, total_problem
 from verl.utils.dynamic_cp_scheduler import _local_padding_mask
 
 from cpshard import ShardPlan
 from cpshard.compat.verl import local_padding_mask
+from cpshard.layout import Layout, total_problem
 
 rng = random.Random(0)
 same = differ = 0

@@ -13,7 +13,7 @@ Public API (documented in docs/ and the README):
 - :func:`twin_plan`: a plan's twin under another layout or order (``cpshard.distributed.relayout``).
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
-- :class:`Layout`, :class:`Padding`, :class:`Reorder`, :func:`alignment`, :func:`layout_for`,
+- :class:`Layout`, :class:`Padding`, :class:`Reorder`, :class:`TwinOrder`, :func:`alignment`, :func:`layout_for`,
   :func:`register_layout_rule`, :func:`unregister_layout_rule`.
 - :func:`pack` / :class:`Packing`: a global batch split into micro-batches under a padded token budget,
   scored by every CP rank's causal work (``cpshard.pack``).
@@ -35,6 +35,7 @@ from cpshard.base.layout import (
     Layout,
     Padding,
     Reorder,
+    TwinOrder,
     alignment,
     layout_for,
     register_layout_rule,
@@ -79,6 +80,7 @@ __all__ = [
     "Reorder",
     "ShardPlan",
     "ShiftExchange",
+    "TwinOrder",
     "alignment",
     "describe_bshd",
     "describe_plan",

@@ -19,7 +19,7 @@ import numpy as np
 from cpshard.base.errors import check_int, fail, parse_choice
 
 __all__ = ["GradReduction", "LayerLayouts", "Layout", "Padding", "Reorder", "alignment", "layer_layouts", "layout_for",
-           "padded_lengths", "register_layout_rule", "total_problem",
+           "padded_lengths", "register_layout_rule", "total_problem", "TwinOrder",
            "unregister_layout_rule"]
 
 
@@ -43,7 +43,7 @@ class _Choice(str, enum.Enum):
 # per choice: the argument it is passed as, and what a member is called in an error message
 _CHOICES = {"Layout": ("layout", "known layout"), "Padding": ("padding", "padding mode"),
             "Reorder": ("reorder", "known order (or None: the caller's)"),
-            "GradReduction": ("grad_reduction", "gradient reduction")}
+            "GradReduction": ("grad_reduction", "gradient reduction"), "TwinOrder": ("order", "twin order")}
 
 
 class Layout(_Choice):
@@ -86,6 +86,16 @@ class Reorder(_Choice):
 
     BALANCED = "balanced"
 
+
+
+class TwinOrder(_Choice):
+    """The buffer order of a THD plan's twin (:meth:`~cpshard.Plan.twin`): ``SAME`` keeps the plan's,
+    ``CALLER`` lays the sequences out in the caller's order, ``BALANCED`` in the order
+    ``reorder="balanced"`` chooses (contiguous layout only)."""
+
+    SAME = "same"
+    CALLER = "caller"
+    BALANCED = "balanced"
 
 
 class GradReduction(_Choice):

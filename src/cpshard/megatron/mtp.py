@@ -30,7 +30,7 @@ from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.megatron.packed import offsets_of
 from cpshard.megatron.state import _group_read
 from cpshard.plan.bshd import BshdPlan
-from cpshard.plan.values import ShardPlan
+from cpshard.plan.values import Plan, ShardPlan
 
 __all__ = ["MtpLossImpl", "megatron_mtp_module", "mtp_loss_impl", "plan_for_mtp", "process_mtp_loss"]
 
@@ -57,7 +57,7 @@ def _group_size(cp_group: Any) -> int:
     return 1 if cp_group is None else _group_read(cp_group, "cp_group", "size")
 
 
-def plan_for_mtp(labels_shape: tuple[int, ...], cp_size: int, packed_seq_params: Any = None) -> ShardPlan | BshdPlan:
+def plan_for_mtp(labels_shape: tuple[int, ...], cp_size: int, packed_seq_params: Any = None) -> Plan:
     """The plan that describes Megatron's sharded MTP inputs of shape ``labels_shape`` (``[b, s]``).
 
     Packed (``packed_seq_params`` given): one sequence per padded ``cu_seqlens`` interval

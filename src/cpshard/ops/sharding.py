@@ -11,14 +11,15 @@ only loop over sequences is the run copy, whose pieces average at least 512 rows
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from cpshard.base.dtypes import check_fill, movable
-from cpshard.base.errors import check_rank, check_tensor, fail
+from cpshard.base.errors import check_rank, check_tensor, fail, parse_choice
 from cpshard.base.types import Scalar, TokenRows
 from cpshard.index import segments as _index
 from cpshard.plan.args import check_shift, jagged, jagged_lengths
@@ -229,19 +230,29 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
                 or part.device != first.device:
             fail(f"parts[{r}]", f"{tuple(part.shape)} {part.dtype} on {part.device}",
                  "must match parts[0]'s trailing shape, dtype and device", "convert the parts to agree")
-    return unshard_by(parts, plan, "auto")
+    return unshard_by(parts, plan, RestoreBy.AUTO)
 
 
-def unshard_by(parts: Sequence[torch.Tensor], plan: Plan, by: Literal["auto", "runs", "index"]) -> torch.Tensor:
+class RestoreBy(str, enum.Enum):
+    """How the restore reads the token rows back (:func:`token_rows`): ``AUTO`` copies runs where they
+    are long and gathers by an index elsewhere; ``RUNS`` and ``INDEX`` force one of the two."""
+
+    AUTO = "auto"
+    RUNS = "runs"
+    INDEX = "index"
+
+
+def unshard_by(parts: Sequence[torch.Tensor], plan: Plan, by: RestoreBy | str) -> torch.Tensor:
     """:func:`unshard` of checked ``parts``, the restore forced to copy runs or to gather by an index
-    (``by``, as :func:`token_rows`): for tests and benchmarks that compare the two ways."""
+    (``by``, a :class:`RestoreBy` or its value): for tests and benchmarks that compare the two ways."""
+    by = parse_choice(RestoreBy, by, "by", "restore method", "cpshard.ops.sharding.RestoreBy")
     lead = plan.local_shape
     rows = math.prod(lead)
     return as_nested(token_rows([p.reshape(rows, *p.shape[len(lead):]) for p in parts], plan, by), plan)
 
 
 def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan,
-               by: Literal["auto", "runs", "index"] = "auto") -> torch.Tensor:
+               by: RestoreBy = RestoreBy.AUTO) -> torch.Tensor:
     """The batch's token rows, in the caller's order, from every rank's flattened local rows: the
     rank-concatenated buffer ``(cp * R, ...)`` or a list of the ranks' ``(R, ...)`` rows.
 
@@ -249,7 +260,7 @@ def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan,
     concatenation of the parts first), else one gather from the buffer by ``PlanIndices.unshard``.
     ``by`` forces one of the two (tests compare them; the result is the same).
     """
-    runs = None if by == "index" else plan.indices().runs(0 if by == "runs" else ROWS_PER_RUN)
+    runs = None if by is RestoreBy.INDEX else plan.indices().runs(0 if by is RestoreBy.RUNS else ROWS_PER_RUN)
     if runs is not None:
         sizes, keep = runs
         parts = rows.split(math.prod(plan.local_shape)) if isinstance(rows, torch.Tensor) else rows

@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from cpshard.base.errors import check_int, fail
-from cpshard.base.layout import Layout, Padding, sequence_unit
+from cpshard.base.layout import Layout, Padding, Reorder, sequence_unit
 from cpshard.index.balance import _tri, zigzag_works
 from cpshard.packing.refine import Buffers, assign
 from cpshard.plan.values import ShardPlan
@@ -679,7 +679,7 @@ def pack(
     layout: Layout | str = "zigzag",
     dp_size: int = 1,
     padding: Padding | str = "aligned",
-    reorder: str | None = None,
+    reorder: Reorder | str | None = None,
     min_micro_batches: int | None = None,
     divisible_by: int | None = None,
     same_count_across_dp: bool = True,
@@ -726,10 +726,9 @@ def pack(
     layout = Layout.parse(layout)
     padding = Padding.parse(padding)
     if reorder is not None:
-        if reorder != "balanced":
-            fail("reorder", repr(reorder), "must be None or 'balanced'", "pass reorder='balanced' or leave it None")
+        reorder = Reorder.parse(reorder)
         if layout is not Layout.CONTIGUOUS:
-            fail("reorder", repr(reorder), f"balances the contiguous layout (layout={layout.value!r})",
+            fail("reorder", repr(reorder.value), f"balances the contiguous layout (layout={layout.value!r})",
                  "pass layout='contiguous', or drop reorder")
     prob = _problem(lens, max_tokens, cp_size, tp_size, layout, padding)
     _check_fits(prob, max_tokens, group)

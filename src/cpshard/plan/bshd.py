@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cpshard.base.errors import check_int, fail
-from cpshard.base.layout import Layout, alignment
+from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
 from cpshard.plan.args import parse_plan_args
 from cpshard.plan.indices import PlanIndices
@@ -115,6 +115,11 @@ class BshdPlan(Plan):
         """Leading shape of a rank's local tensor: ``(num_seqs, local_len)``."""
         return (self.num_seqs, self.local_len)
 
+    @property
+    def input_padded_seqlens_py(self) -> tuple[int, ...]:
+        """Every row's padded length, ``M`` (the name is :class:`~cpshard.ShardPlan`'s)."""
+        return (self.max_seqlen,) * self.num_seqs
+
     def columns(self, cp_rank: int) -> torch.Tensor:
         """``(M / cp,)`` int64: the global column each local column holds (the same in every row)."""
         return self.position_ids(cp_rank)[0].clone()
@@ -123,9 +128,9 @@ class BshdPlan(Plan):
         m = np.array([self.max_seqlen], dtype=np.int64)
         return _index.repeat_segments(_index.rank_segments(m, m, self.cp_size, self.layout, cp_rank), lengths)
 
-    def _twin(self, target: Layout, order: str) -> BshdPlan:
-        if order != "same":
-            fail("order", repr(order), "applies to packed (THD) plans only: a BSHD batch has no buffer order",
+    def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
+        if order is not TwinOrder.SAME:
+            fail("order", repr(order.value), "applies to packed (THD) plans only: a BSHD batch has no buffer order",
                  "drop order")
         cp, m = self.cp_size, self.max_seqlen
         if target is Layout.ZIGZAG and cp > 1 and m % (2 * cp):

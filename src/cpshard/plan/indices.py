@@ -62,7 +62,6 @@ from cpshard.index import halo as _halo
 from cpshard.index import route as _route
 from cpshard.index import segments as _index
 from cpshard.index import shift as _exchange
-from cpshard.index.balance import rank_work, zigzag_works
 
 __all__ = ["DeviceTensors", "PlanIndices", "ROWS_PER_RUN"]
 
@@ -115,6 +114,8 @@ class Plan(Protocol):
     @property
     def input_cu_seqlens_py(self) -> tuple[int, ...]: ...
     def _cu_padded_py(self) -> tuple[int, ...]: ...
+    def _closed_form_work(self) -> list[int] | None: ...
+    def _closed_form_restore(self) -> np.ndarray | None: ...
     def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments: ...
     def _key(self) -> tuple[Any, ...]: ...
     def indices(self) -> PlanIndices: ...
@@ -208,24 +209,21 @@ class PlanIndices:
         rows (``causal.attention_work``). With ``tri(x) = x (x + 1) / 2``, the positions ``[s, e)`` of
         a sequence of ``n`` tokens hold ``tri(min(e, n)) - tri(min(s, n))`` pairs, below 2**63 as a
         plan has fewer than 2**31 rows. THD plans in the balancer's closed forms over the sequences
-        (no segments): ``_balance.zigzag_works``, and ``_balance.rank_work`` for the contiguous layout
-        (Note [Causal work under the contiguous layout]). BSHD plans per segment."""
+        (no segments; ``ShardPlan._closed_form_work``): ``index.balance.zigzag_works``, and
+        ``rank_work`` for the contiguous layout (Note [Causal work under the contiguous layout]). BSHD
+        plans per segment."""
         return self._kept("host", "work", self._work)
 
     def _work(self) -> list[int]:
-        plan, cp = self.plan, self.plan.cp_size
-        if plan._padded_input:
-            out = []
-            for r in range(cp):
-                seg = self.segments(r)
-                t, p = seg.tokens, seg.pos
-                out.append(int((t * p + t * (t + 1) // 2).sum()))
-            return out
-        if plan.layout is Layout.ZIGZAG:
-            padded = _index.int64_array(plan.padded_seqlens_py)  # type: ignore[attr-defined]
-            return zigzag_works(self.lengths(), padded, cp).sum(0).tolist()
-        padded_py = plan.padded_seqlens_py  # type: ignore[attr-defined]
-        return rank_work(plan.seqlens_py, padded_py, range(plan.num_seqs), cp)
+        closed = self.plan._closed_form_work()  # the plan kind's, where it has one (THD)
+        if closed is not None:
+            return closed
+        out = []
+        for r in range(self.plan.cp_size):
+            seg = self.segments(r)
+            t, p = seg.tokens, seg.pos
+            out.append(int((t * p + t * (t + 1) // 2).sum()))
+        return out
 
     # -- offsets ----------------------------------------------------------------------------
 
@@ -382,9 +380,8 @@ class PlanIndices:
         plan = self.plan
 
         def make() -> torch.Tensor:
-            if not plan._padded_input and _segments_per_token(plan) > 1 / 16:  # type: ignore[arg-type]
-                index = _thd_restore(plan)  # type: ignore[arg-type]
-            else:
+            index = plan._closed_form_restore()  # the plan kind's, where it has one (THD)
+            if index is None:
                 rank, start, _, tokens, order = self._restore_order()
                 first = rank * math.prod(plan.local_shape) + start
                 index = _index.expand_np(first[order], tokens[order], np.dtype(np.int32))

@@ -52,10 +52,9 @@ import torch
 
 from cpshard.base.dtypes import carrier
 from cpshard.base.errors import check_rank, check_tensor, fail
-from cpshard.base.layout import Layout
+from cpshard.base.layout import Layout, TwinOrder
 from cpshard.index.route import Route
 from cpshard.index.shift import all_to_all_in_process
-from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.values import Plan, check_plan_type
 
 __all__ = ["Route", "apply_route", "check_twins", "relayout_route", "twin", "twin_plan"]
@@ -65,14 +64,11 @@ __all__ = ["Route", "apply_route", "check_twins", "relayout_route", "twin", "twi
 
 
 def _check_plan(plan: Any, name: str) -> Plan:
-    try:
-        check_plan_type(plan)
-    except TypeError as exc:  # in the caller's words
-        raise TypeError(str(exc).replace("plan=", f"{name}=", 1)) from None
+    check_plan_type(plan, name=name)
     return plan
 
 
-def twin(plan: Plan, layout: Layout | str | None = None, order: str = "same") -> Plan:
+def twin(plan: Plan, layout: Layout | str | None = None, order: TwinOrder | str = TwinOrder.SAME) -> Plan:
     """``plan``'s twin: the same sequences and padded lengths under ``layout`` and ``order``
     (:meth:`~cpshard.plan.Plan.twin`, which each plan kind answers for itself).
 
@@ -91,7 +87,7 @@ def twin(plan: Plan, layout: Layout | str | None = None, order: str = "same") ->
     return _check_plan(plan, "plan").twin(layout, order)
 
 
-def twin_plan(plan: Plan, layout: Layout | str | None = None, order: str = "same") -> Plan:
+def twin_plan(plan: Plan, layout: Layout | str | None = None, order: TwinOrder | str = TwinOrder.SAME) -> Plan:
     """Public name of :func:`twin` (``cpshard.twin_plan``)."""
     return twin(plan, layout, order)
 
@@ -111,9 +107,7 @@ def check_twins(src: Any, dst: Any) -> tuple[Plan, Plan]:
         fail("dst_plan", f"a plan of {dst.num_seqs} sequences, {dst.num_tokens} tokens", "must describe "
              f"src_plan's sequences ({src.num_seqs} sequences, {src.num_tokens} tokens) in the caller's order",
              "take dst_plan from cpshard.twin_plan(src_plan, layout)")
-    same = (src.max_seqlen == dst.max_seqlen if isinstance(src, BshdPlan)
-            else src.input_padded_seqlens_py == dst.input_padded_seqlens_py)
-    if not same:
+    if src.input_padded_seqlens_py != dst.input_padded_seqlens_py:
         fail("dst_plan", repr(dst), "must pad every sequence as src_plan does (twins share one padded buffer)",
              "build one plan with zigzag's padding and take the other from cpshard.twin_plan(plan, layout)")
     return src, dst

@@ -25,6 +25,7 @@ from cpshard.base.layout import (
     Layout,
     Padding,
     Reorder,
+    TwinOrder,
     alignment,
     fp8_alignment,
     fp8_total_alignment,
@@ -34,14 +35,13 @@ from cpshard.base.layout import (
 )
 from cpshard.index import halo as _halo
 from cpshard.index import segments as _index
-from cpshard.index.balance import balanced_order
+from cpshard.index.balance import balanced_order, rank_work, zigzag_works
 from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
-from cpshard.plan.indices import DeviceTensors, PlanIndices
+from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token, _thd_restore
 
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
 
-_ORDERS = ("same", "caller", "balanced")  # a twin's buffer order (Plan.twin)
 
 
 class Plan:
@@ -188,10 +188,10 @@ class Plan:
         """
         return self._view("label", cp_rank, check_shift(shift))
 
-    def twin(self, layout: Layout | str | None = None, order: str = "same") -> Plan:
+    def twin(self, layout: Layout | str | None = None, order: TwinOrder | str = TwinOrder.SAME) -> Plan:
         """The plan's twin: the same sequences and padded lengths under ``layout`` (and, for THD,
-        ``order``: ``"same"``, ``"caller"`` or ``"balanced"``), for ``cpshard.distributed.relayout``
-        (SPEC.md, "Changing layout inside a model"; ``cpshard.twin_plan``).
+        ``order``: a :class:`~cpshard.TwinOrder` or its value ``"same"``, ``"caller"``, ``"balanced"``),
+        for ``cpshard.distributed.relayout`` (SPEC.md, "Changing layout inside a model"; ``cpshard.twin_plan``).
 
         The twin keeps the plan's ``cp_size``, ``tp_size``, ``fp8`` and padding mode; its ``alignment``
         is the one its layout derives when every padded length divides by it (so a twin's twin is the
@@ -201,14 +201,21 @@ class Plan:
         (``_twin``); Note [Twin plans and their route] in ``twins.py``.
         """
         target = self.layout if layout is None else Layout.parse(layout)
-        if order not in _ORDERS:
-            fail("order", repr(order), f"must be one of {', '.join(map(repr, _ORDERS))}",
-                 "pass order='same' (keep the buffer order), 'caller' or 'balanced'")
-        return self._twin(target, order)
+        return self._twin(target, TwinOrder.parse(order))
 
-    def _twin(self, target: Layout, order: str) -> Plan:
+    def _twin(self, target: Layout, order: TwinOrder) -> Plan:
         """:meth:`twin` of a checked ``target`` layout and ``order``."""
         raise NotImplementedError
+
+    def _closed_form_work(self) -> list[int] | None:
+        """Per rank, the causal work (:meth:`PlanIndices.work`) in a closed form of this plan kind, or
+        None: the index service counts it per segment."""
+        return None
+
+    def _closed_form_restore(self) -> np.ndarray | None:
+        """:meth:`PlanIndices.unshard`'s index in a closed form of this plan kind where that is
+        cheaper than every rank's segments, or None."""
+        return None
 
     def _unpadded(self) -> ShardPlan:
         """The plan of the tokens, unpadded, in the caller's order, on one rank (for ``shift``)."""
@@ -376,11 +383,13 @@ class ShardPlan(Plan):
         lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
         padded = int_tuple(name, padded_seqlens)
         unit = shared_alignment(padded, sequence_unit(cp_size, tp_size, layout, fp8, Padding.ALIGNED)) if padded else 1
-        try:
-            return cls(lens, padded, cp_size, tp_size, layout, fp8, alignment=unit)
-        except ValueError as exc:  # the plan's own checks, in the caller's words
-            text = str(exc).replace("padded_seqlens_py", name, 1)
-            raise ValueError(text[:text.rindex("Fix: ")] + f"Fix: {fix}.") from None
+        plan = object.__new__(cls)
+        for field_name, value in (("seqlens_py", lens), ("padded_seqlens_py", padded), ("cp_size", cp_size),
+                                  ("tp_size", tp_size), ("layout", layout), ("fp8", fp8), ("alignment", unit),
+                                  ("padding", Padding.ALIGNED), ("order", None)):
+            object.__setattr__(plan, field_name, value)
+        plan._check(name, fix)  # the plan's own checks, in the caller's words
+        return plan
 
     @classmethod
     def _built(cls, seqlens: tuple[int, ...], padded: tuple[int, ...], cp_size: int, tp_size: int, layout: Layout,
@@ -417,20 +426,25 @@ class ShardPlan(Plan):
     def __post_init__(self) -> None:
         # Runs for hand-built plans too (and dataclasses.replace): an invalid plan cannot exist, and
         # every plan starts with its own empty cache.
+        self._check()
+
+    def _check(self, name: str = "padded_seqlens_py", fix: str | None = None) -> None:
+        """Normalise and check the fields; the errors name the padded lengths ``name`` and end with
+        ``fix`` (an adapter's words, :meth:`from_padded`), else with how to build a valid plan."""
+        build = fix or "build plans with ShardPlan.build"
         object.__setattr__(self, "padding", Padding.parse(self.padding))
         check_value_fields(self, lambda cp, tp, layout, fp8: sequence_unit(cp, tp, layout, fp8, self.padding))
         base = alignment(self.cp_size, self.tp_size, self.layout)
         cp, tp, lens = self.cp_size, self.tp_size, self.seqlens_py
-        padded = int_tuple("padded_seqlens_py", self.padded_seqlens_py)
+        padded = int_tuple(name, self.padded_seqlens_py)
         object.__setattr__(self, "padded_seqlens_py", padded)
         if len(lens) != len(padded):
-            fail("padded_seqlens_py", padded, f"must hold one length per sequence ({len(lens)})",
-                 "build plans with ShardPlan.build")
+            fail(name, padded, f"must hold one length per sequence ({len(lens)})", build)
         if self.order is not None:
             order = int_tuple("order", self.order)
             if sorted(order) != list(range(len(lens))):
                 fail("order", order, f"must be a permutation of range({len(lens)}) (buffer position -> the "
-                     "caller's sequence)", "build plans with ShardPlan.build(..., reorder='balanced')")
+                     "caller's sequence)", fix or "build plans with ShardPlan.build(..., reorder='balanced')")
             object.__setattr__(self, "order", None if order == tuple(range(len(lens))) else order)
         a = self.alignment
         total = sum(padded)
@@ -442,18 +456,17 @@ class ShardPlan(Plan):
             first_bad = next((i for i, (n, p) in enumerate(zip(lens, padded)) if p < n or p % a), None)
         if first_bad is not None:
             i = first_bad
-            fail(f"padded_seqlens_py[{i}]", padded[i], f"must be >= the sequence length {lens[i]} and a multiple "
-                 f"of alignment={a}", "build plans with ShardPlan.build")
-        _check_total(total)
+            fail(f"{name}[{i}]", padded[i], f"must be >= the sequence length {lens[i]} and a multiple "
+                 f"of alignment={a}", build)
+        _check_total(total, fix)
         if total % cp or (total // cp) % tp:
-            fail("padded_seqlens_py", padded, f"total {total} must split into cp_size={cp} equal parts "
-                 f"each divisible by tp_size={tp}", "build plans with ShardPlan.build")
+            fail(name, padded, f"total {total} must split into cp_size={cp} equal parts "
+                 f"each divisible by tp_size={tp}", build)
         if self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and any(p % (2 * cp) for p in padded):
-            fail("padded_seqlens_py", padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}",
-                 "build plans with ShardPlan.build")
+            fail(name, padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}", build)
         if self.fp8 and total % fp8_total_alignment(base):
-            fail("padded_seqlens_py", padded, f"with fp8 the total {total} must divide by "
-                 f"{fp8_total_alignment(base)}", "build plans with ShardPlan.build(..., fp8=True)")
+            fail(name, padded, f"with fp8 the total {total} must divide by "
+                 f"{fp8_total_alignment(base)}", fix or "build plans with ShardPlan.build(..., fp8=True)")
 
     # -- sizes and offsets -----------------------------------------------------------------
 
@@ -502,12 +515,24 @@ class ShardPlan(Plan):
         return _index.rank_segments(_index.int64_array(self.padded_seqlens_py), lengths, self.cp_size, self.layout,
                                     cp_rank)
 
-    def _twin(self, target: Layout, order: str) -> ShardPlan:
+    def _closed_form_work(self) -> list[int]:
+        # the balancer's closed forms over the sequences, no segments (Note [Causal work under the
+        # contiguous layout] in index/balance.py)
+        if self.layout is Layout.ZIGZAG:
+            padded = _index.int64_array(self.padded_seqlens_py)
+            return zigzag_works(self._indices.lengths(), padded, self.cp_size).sum(0).tolist()
+        return rank_work(self.seqlens_py, self.padded_seqlens_py, range(self.num_seqs), self.cp_size)
+
+    def _closed_form_restore(self) -> np.ndarray | None:
+        # per token where the segments average fewer than 16 tokens (PlanIndices.unshard)
+        return _thd_restore(self) if _segments_per_token(self) > 1 / 16 else None
+
+    def _twin(self, target: Layout, order: TwinOrder) -> ShardPlan:
         cp, tp = self.cp_size, self.tp_size
         lens, padded = self.input_seqlens_py, self.input_padded_seqlens_py
-        if order == "same":
+        if order is TwinOrder.SAME:
             new_order = self.order
-        elif order == "caller":
+        elif order is TwinOrder.CALLER:
             new_order = None
         else:
             if target is not Layout.CONTIGUOUS:
@@ -559,10 +584,10 @@ class ShardPlan(Plan):
                 f"local_len={self.local_len})")
 
 
-def _check_total(total: int) -> None:
+def _check_total(total: int, fix: str | None = None) -> None:
     if total >= 2**31:
         fail("seqlens", f"a batch of {total} padded rows", "must stay below 2**31 (cu_seqlens are int32, as "
-             "Megatron and TransformerEngine take them)", "split the micro-batch")
+             "Megatron and TransformerEngine take them)", fix or "split the micro-batch")
 
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
@@ -601,7 +626,8 @@ def halo_exchange(plan: Plan, cp_rank: int, shifts: Sequence[int],
     return plan.indices().halo(cp_rank, ks, torch.device("cpu" if device is None else device))
 
 
-def check_plan_type(plan: Any, fix: str = "build one with ShardPlan.build or BshdPlan.build") -> None:
-    """A clear ``TypeError`` unless ``plan`` is a plan (either kind)."""
+def check_plan_type(plan: Any, fix: str = "build one with ShardPlan.build or BshdPlan.build", name: str = "plan"
+                    ) -> None:
+    """A clear ``TypeError`` unless ``plan`` (the argument ``name``) is a plan (either kind)."""
     if not isinstance(plan, Plan):
-        fail("plan", type(plan).__name__, "must be a ShardPlan or BshdPlan", fix, kind=TypeError)
+        fail(name, type(plan).__name__, "must be a ShardPlan or BshdPlan", fix, kind=TypeError)

@@ -6,6 +6,7 @@ whose linear blocks run inside the step through its ``mix``).
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from cpshard.base.errors import check_int, fail
+from cpshard.base.errors import check_int, fail, parse_choice
 from cpshard.base.layout import Layout, Padding
 from cpshard.distributed.collectives import gather, shift_sharded_multi, sum_over_group
 from cpshard.loss.mtp import mtp_loss
@@ -27,13 +28,35 @@ from cpshard.plan.values import ShardPlan
 from cpshard.testing.attention import attention
 from cpshard.tools.model import DTYPES, MTP_DEPTHS, MTP_SCALE, Mix, TinyDecoder
 
-__all__ = ["RANK_OVERHEAD", "Config", "Outcome", "Progress", "Report", "Result", "compare", "configurations",
-           "estimate_seconds", "naive_skip_reason", "step", "timed_reference"]
+__all__ = ["RANK_OVERHEAD", "Config", "Kernel", "Model", "Outcome", "Progress", "Report", "Result", "compare",
+           "configurations", "estimate_seconds", "naive_skip_reason", "step", "timed_reference"]
 
 #: max |difference| allowed, relative to max(1, max |cp = 1 value|) of each quantity
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 QUANTITIES = ("loss", "logprobs", "mtp_loss", "grads")
 MAX_TOKENS = 8192  # the reference attention's work grows with the square of a sequence's length
+
+
+class Model(str, enum.Enum):
+    """The model ``cpshard verify`` trains: the tiny decoder, or the hybrid that changes layout inside."""
+
+    DECODER = "decoder"
+    HYBRID = "hybrid"
+
+    @classmethod
+    def parse(cls, value: object) -> Model:
+        return parse_choice(cls, value, "model", "verify model", "cpshard.verify.Model")
+
+
+class Kernel(str, enum.Enum):
+    """The CP attention a configuration runs: the reference, or the layout-naive one (to be caught)."""
+
+    REFERENCE = "reference"
+    NAIVE = "naive"
+
+    @classmethod
+    def parse(cls, value: object) -> Kernel:
+        return parse_choice(cls, value, "attention", "attention kernel", "cpshard.verify.Kernel")
 
 
 # -- configurations and results ---------------------------------------------------------------

@@ -51,6 +51,8 @@ from cpshard.tools.results import (  # step and the estimate are verify's names 
     RANK_OVERHEAD,
     TOLERANCE,
     Config,
+    Kernel,
+    Model,
     Outcome,
     Progress,
     Report,
@@ -65,8 +67,8 @@ from cpshard.tools.results import (  # step and the estimate are verify's names 
     timed_reference,
 )
 
-__all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Report", "Result", "TinyDecoder",
-           "estimate_seconds", "format_table", "scale_lengths", "verify", "verify_launched"]
+__all__ = ["DEFAULT_LENGTHS", "MAX_TOKENS", "RANK_OVERHEAD", "Config", "Kernel", "Model", "Report", "Result",
+           "TinyDecoder", "estimate_seconds", "format_table", "scale_lengths", "verify", "verify_launched"]
 
 #: long, short, one token, shorter than the alignment of cp = 4 (2 * cp * tp = 8 or 16), empty
 DEFAULT_LENGTHS: tuple[int, ...] = (97, 23, 1, 5, 0, 40, 3)
@@ -158,9 +160,10 @@ def naive_shown(plan: Plan) -> bool:
 
 
 def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2, 4), tps: Sequence[int] = (1, 2),
-           layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64", attention: str = "reference",
-           paddings: Sequence[str] = ("aligned",), reorders: Sequence[str | None] = (None,), progress: bool = True,
-           timeout: float = 600.0, model: str = "decoder") -> Report:
+           layouts: Sequence[str] = ("zigzag", "contiguous"), dtype: str = "float64",
+           attention: Kernel | str = Kernel.REFERENCE, paddings: Sequence[str] = ("aligned",),
+           reorders: Sequence[str | None] = (None,), progress: bool = True, timeout: float = 600.0,
+           model: Model | str = Model.DECODER) -> Report:
     """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
 
     ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
@@ -170,7 +173,7 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     the contiguous twin, the same MTP depths; ``layouts`` and ``attention`` do not apply and must stay
     at their defaults), whose naive scan must be caught.
     """
-    if model == "hybrid":
+    if Model.parse(model) is Model.HYBRID:
         from cpshard.tools.hybrid import verify_hybrid
         if attention != "reference" or tuple(layouts) != ("zigzag", "contiguous"):
             fail("layouts" if attention == "reference" else "attention",
@@ -180,12 +183,9 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
                  "leave layouts and attention at their defaults")
         return verify_hybrid(lengths, cps=cps, tps=tps, dtype=dtype, paddings=paddings, reorders=reorders,
                              progress=progress, timeout=timeout)
-    if model != "decoder":
-        fail("model", repr(model), "must be 'decoder' or 'hybrid'", "pass model='hybrid' or leave the default")
+    attention = Kernel.parse(attention).value
     start = time.perf_counter()
     lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype, reorders)
-    if attention not in ("reference", "naive"):
-        fail("attention", repr(attention), "must be 'reference' or 'naive'", "pass attention='reference'")
     configs = [dataclasses.replace(c, attention=attention)
                for c in configurations(cps, tps, layouts, paddings, reorders)]
     naive = Config(min([c for c in cps if c > 1], default=2), tps[0], "zigzag", "naive")
