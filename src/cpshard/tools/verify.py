@@ -41,7 +41,7 @@ import torch
 from cpshard.base.errors import check_int, fail
 from cpshard.distributed.collectives import max_over
 from cpshard.plan.values import Plan, ShardPlan
-from cpshard.testing.attention import attention, attention_mask, attention_work, naive_attention, naive_attention_mask
+from cpshard.testing.attention import attention, attention_mask, naive_attention, naive_attention_mask
 from cpshard.testing.spawn import joined_group, run_ranks, world_group
 from cpshard.tools.model import DTYPES, TinyDecoder, _batch
 from cpshard.tools.results import (  # step and the estimate are verify's names too
