@@ -27,11 +27,12 @@ CASES = [
     ("pack.py", ["--quick", "--batches", "1", "--no-large"], ["verl+bal", "pack+bal", "bound"]),
     ("collective_counter.py", ["--quick"], ["import + first counted op", "baseline/new", "all_reduce"]),
     ("scale.py", ["--sizes", "64", "--repeats", "1", "--only", "index", "--only", "pack"], ["unshard cold", "/verl"]),
+    ("verl_activation.py", ["--quick"], ["import verl + verl.models.mcore.model_forward", "on - off"]),
 ]
 
 
 def _skip_reason(script):
-    if script == "verl.py" and importlib.util.find_spec("verl") is None:
+    if script in ("verl.py", "verl_activation.py") and importlib.util.find_spec("verl") is None:
         return "verl is not installed (scripts/setup.sh installs it)"
     return None
 

@@ -566,7 +566,7 @@ def test_patch_replaces_every_binding_and_undoes_itself(caplog):
             assert mff.preprocess_thd_engine is cv.preprocess_thd_engine
             assert "verl.models.mcore.util.preprocess_thd_engine" in p.replaced
             assert cv.patch().replaced == []  # already patched: nothing more to do
-    assert any("now packs with cpshard" in r.message for r in caplog.records)
+    assert any(f"calls cpshard at {len(p.bound)} sites" in r.getMessage() for r in caplog.records)  # INFO once
     for name, fn in originals.items():
         assert getattr(vutil, name) is fn and getattr(mf, name) is fn
     assert mff.preprocess_thd_engine is originals["preprocess_thd_engine"]
@@ -625,8 +625,10 @@ def test_patch_skips_a_name_a_module_no_longer_binds(monkeypatch, caplog):
     monkeypatch.delattr(fused, "build_vlm_attn_mask_thd")
     originals = {name: getattr(vutil, name) for name in cv._DROP_INS}
     with caplog.at_level(logging.INFO, logger="cpshard.compat.verl"), cv.patch() as p:
-        assert p.skipped == ["verl.models.mcore.model_forward_fused.build_vlm_attn_mask_thd"]
-        assert "does not bind verl.models.mcore.model_forward_fused.build_vlm_attn_mask_thd" in caplog.text
+        site = "verl.models.mcore.model_forward_fused.build_vlm_attn_mask_thd"
+        assert p.skipped[site] == "this verl's model_forward_fused does not bind build_vlm_attn_mask_thd (nothing to " \
+                                  "replace)" and site not in p.bound
+        assert f"skipped {site}: this verl's model_forward_fused does not bind" in caplog.text
         assert not hasattr(fused, "build_vlm_attn_mask_thd")
         assert fused.preprocess_thd_engine is cv.preprocess_thd_engine and mf.build_vlm_attn_mask_thd is \
             cv.build_vlm_attn_mask_thd

@@ -82,7 +82,7 @@ def test_patch_binds_verl_mains_site_and_undoes_it(monkeypatch):
     module = _scheduler_module(monkeypatch, verls)
     with cv.patch() as p:
         assert module._local_padding_mask is cv.local_padding_mask
-        assert "verl.utils.dynamic_cp_scheduler._local_padding_mask" in p.replaced
+        assert "verl.utils.dynamic_cp_scheduler._local_padding_mask" in p.bound
     assert module._local_padding_mask is verls
 
 
@@ -94,7 +94,11 @@ def test_patch_leaves_a_changed_site_alone(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="cpshard.compat.verl"), cv.patch() as p:
         assert module._local_padding_mask is changed
         assert not any("dynamic_cp_scheduler" in name for name in p.replaced)
-    assert "takes (seq_lens, cp_size, cp_rank), not verl main's" in caplog.text
+        assert p.refused["verl.utils.dynamic_cp_scheduler._local_padding_mask"].startswith(
+            "takes (seq_lens, cp_size, cp_rank), not verl's (seq_lens, cp_size, cp_rank, tp_size, cp_layout, ")
+    assert "refused verl.utils.dynamic_cp_scheduler._local_padding_mask: takes (seq_lens, cp_size, cp_rank)" \
+        in caplog.text
+
 
 
 def test_a_given_plan_is_checked_against_every_size():

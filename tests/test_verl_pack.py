@@ -220,7 +220,7 @@ def test_patch_covers_it():
     original = mod.rearrange_micro_batches
     with cv.patch() as p:
         assert mod.rearrange_micro_batches is cv.rearrange_micro_batches
-        assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.replaced
+        assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.bound
     assert mod.rearrange_micro_batches is original
 
 
@@ -237,10 +237,12 @@ def test_patch_leaves_a_site_with_other_parameters_alone(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, module.__name__, module)
     with caplog.at_level(logging.WARNING, logger="cpshard.compat.verl"), cv.patch() as p:
         assert module.rearrange_micro_batches is changed
-        assert "verl.workers.engine.utils.rearrange_micro_batches" not in p.replaced
-        assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.replaced
-    assert "verl.workers.engine.utils.rearrange_micro_batches takes (data, max_token_len), not verl 0.9.1's" \
-        in caplog.text
+        site = "verl.workers.engine.utils.rearrange_micro_batches"
+        assert site not in p.bound and site not in p.skipped
+        assert p.refused[site].startswith("takes (data, max_token_len), not verl 0.9.1's (batch, max_token_len, ")
+        assert "verl.utils.seqlen_balancing.rearrange_micro_batches" in p.bound
+    assert f"refused {site}: takes (data, max_token_len), not verl 0.9.1's" in caplog.text
+
 
 
 def _failing_rank(rank, world, cases):

@@ -24,14 +24,13 @@ echo "--- whole outputs against that verl's util.py"
 PYTHONPATH="$WORK/verl" "$PY" scripts/upstream/compare_thd.py 2>&1 | tail -1
 echo "--- local_padding_mask against that verl's dynamic-CP padding mask (verl main only)"
 PYTHONPATH="$WORK/verl" "$PY" scripts/upstream/compare_dcp_mask.py 2>&1 | tail -1
-echo "--- patch() on that verl"
-PYTHONPATH="$WORK/verl" "$PY" -c "
-from cpshard.compat import verl as cv
-p = cv.patch(); print(len(p.replaced), 'sites bound; skipped:', p.skipped); p.undo(); print('undone')" 2>&1 | tail -2
 # 2. verl's own micro-batch tests through patch() (verl.workers.engine.utils imports a few more packages:
 #    installed --no-deps beside it); test_seqlen_balancing's spawned ranks moved to gloo and the CPU
 echo "--- verl's micro-batch tests against cpshard.compat.verl.rearrange_micro_batches (one asserts verl main's count: fails)"
 "$PY" -m pip install -q --no-deps --target "$WORK/extra" peft accelerate datasets multiprocess pandas pyarrow dill xxhash
+echo "--- what patch() binds in that verl (the site counts docs/verl.md reports), with and without those packages"
+PYTHONPATH="$WORK/verl:$WORK/extra" "$PY" -m cpshard.compat.verl 2>&1 | grep -vE "Warning|warn\(" || true
+PYTHONPATH="$WORK/verl" "$PY" -m cpshard.compat.verl 2>&1 | grep -E "sites$|^skipped|^refused|^  verl.*: " || true
 cp "$VERL_TREE/tests/utils/test_prepare_micro_batches_with_group_size.py" "$WORK/"
 cat > "$WORK/conftest.py" <<'PY'
 import pytest

@@ -14,13 +14,10 @@ Sources read (not copied): verl 0.9.1's ``verl/utils/seqlen_balancing.py`` (``re
 from __future__ import annotations
 
 import heapq
-import importlib
-import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from types import ModuleType
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +27,7 @@ from cpshard.base.layout import Layout, Padding
 from cpshard.packing.pack import _group_rows, _problem, pack, plan_work
 from cpshard.plan.values import ShardPlan
 
-__all__ = ["bind_site", "patch_sites", "positional", "rearrange_micro_batches", "verl_partition", "verl_partitioner"]
+__all__ = ["rearrange_micro_batches", "verl_partition", "verl_partitioner"]
 
 logger = logging.getLogger("cpshard.compat.verl")
 
@@ -194,7 +191,7 @@ def rearrange_micro_batches(
     *,
     cp_size: int | None = None,
     tp_size: int | None = None,
-    layout: Layout | str = "zigzag",
+    layout: Layout | str | None = None,
     padding: Padding | str = "aligned",
     reorder: str | None = None,
     seed: int = 0,
@@ -210,7 +207,9 @@ def rearrange_micro_batches(
     state if it is initialized, else 1 (verl's FSDP engines call this function too, through
     ``prepare_micro_batches``, and there no Megatron CP or TP pads a sequence: the budget is then
     verl's own, unpadded tokens); ``layout``, ``padding``, ``reorder``: the ones the micro-batches'
-    plans are built with.
+    plans are built with; ``layout=None`` (verl passes none): the layout in use (zigzag while
+    cpshard is off; under the patch the override ``CPSHARD_LAYOUT``, else the model's inside verl's
+    Megatron engine, else zigzag: :mod:`cpshard.compat.verl._layout`).
 
     The count: :func:`cpshard.pack`'s for this rank's lengths; with ``dp_group`` and
     ``same_micro_num_in_dp`` (``torch.distributed`` initialized) the largest over the group, in one
@@ -247,6 +246,10 @@ def _rearrange(batch: Any, max_token_len: Any, dp_group: Any, num_batches_divide
     seed = check_int("seed", seed, minimum=0, maximum=2**32 - 1)
     if cp_size is None or tp_size is None:
         cp_size, tp_size = _parallel_sizes(cp_size, tp_size)
+    if layout is None:
+        from cpshard.compat.verl._layout import in_use  # (the verl package imports this module)
+
+        layout = in_use("rearrange_micro_batches", cp_size)
     lens = _lengths(batch)
     if len(lens) % force_group_size:
         fail("force_group_size", force_group_size, f"must divide the batch size ({len(lens)}), as verl asserts",
@@ -304,45 +307,3 @@ def _rearrange(batch: Any, max_token_len: Any, dp_group: Any, num_batches_divide
         order = order[::2][::-1] + order[1::2]  # verl's rule: the lighter micro-batches at both ends
         indices = [indices[m] for m in order]
     return [_select(batch, idx) for idx in indices], indices
-
-
-# Where verl binds it by name (0.9.1): its own module (``prepare_dynamic_batch`` calls it from there)
-# and the engine's utilities (``from verl.utils.seqlen_balancing import rearrange_micro_batches``).
-_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
-
-
-def patch_sites(replace: Callable[[ModuleType, str, Any], None]) -> None:
-    """Put :func:`rearrange_micro_batches` at every importable site that binds verl's own (through
-    ``replace(module, name, new)``, :class:`cpshard.compat.verl.VerlPatch`'s, so ``undo()`` restores it).
-    A site whose function takes other positional parameters than verl 0.9.1's is left alone and logged."""
-    for name in _SITES:
-        bind_site(replace, name, "rearrange_micro_batches", rearrange_micro_batches, positional,
-                  positional(rearrange_micro_batches), "verl 0.9.1's")
-
-
-def positional(fn: Callable[..., Any]) -> list[str]:
-    """``fn``'s positional parameters' names (what a verl call site may pass by position)."""
-    return [p.name for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-
-
-def bind_site(replace: Callable[[ModuleType, str, Any], None], module_name: str, attr: str, new: Any,
-              params: Callable[[Callable[..., Any]], list[str]], want: list[str], whose: str) -> None:
-    """``replace(module, attr, new)`` where ``module_name`` imports and binds ``attr`` to a function whose
-    ``params(...)`` are ``want`` (``whose``: the verl the drop-in follows, for the log); a module that
-    does not import, or binds nothing there, is skipped; a function with other parameters is left
-    alone and logged. The optional sites of :func:`cpshard.compat.verl.patch` share it."""
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001  (verl's engine imports many optional packages)
-        logger.debug("cpshard.compat.verl: %s not importable (%s)", module_name, exc)
-        return
-    bound = getattr(module, attr, None)
-    if bound is None or bound is new:
-        return
-    got = params(bound)
-    if got != want:
-        logger.warning("cpshard.compat.verl: %s.%s takes (%s), not %s (%s); left alone", module_name, attr,
-                       ", ".join(got), whose, ", ".join(want))
-        return
-    replace(module, attr, new)

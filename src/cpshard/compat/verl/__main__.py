@@ -1,0 +1,104 @@
+"""``python -m cpshard.compat.verl [--json]``: what cpshard binds in verl in this environment.
+
+Run it in a worker image, with the job's environment variables, before a run: it imports verl (so
+``VERL_USE_EXTERNAL_MODULES`` / ``CPSHARD_VERL`` switch cpshard on as in a worker), then prints the
+patch in force, or, where nothing switched cpshard on, what :func:`cpshard.compat.verl.patch` would
+bind (it patches and undoes). Exit status 0 when every check passed, 1 when verl or cpshard's patch
+refused (the reason is printed), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cpshard.compat.verl import _activation, _patch
+
+__all__ = ["main", "status"]
+
+
+def _switched_on_by() -> str:
+    modules = [m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",")]
+    if "cpshard.compat.verl.enable" in modules:
+        return "VERL_USE_EXTERNAL_MODULES=cpshard.compat.verl.enable"
+    if os.environ.get("CPSHARD_VERL", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "CPSHARD_VERL=1 (the verl.plugins entry point)"
+    return "nothing in this environment (set VERL_USE_EXTERNAL_MODULES=cpshard.compat.verl.enable)"
+
+
+def _entry_point() -> str | None:
+    try:
+        found = importlib.metadata.entry_points(group="verl.plugins")
+    except Exception:  # noqa: BLE001  (broken metadata of another package)
+        return None
+    return next((f"{ep.name} = {ep.value}" for ep in found if ep.value.startswith("cpshard.")), None)
+
+
+def status() -> dict[str, Any]:
+    """What cpshard binds here: ``on`` (whether a patch is in force in this process after ``import verl``),
+    ``by``, ``verl``, ``layout``, ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of the whole
+    patch, or verl's import error), ``entry_point``."""
+    out: dict[str, Any] = {"by": _switched_on_by(), "entry_point": _entry_point(), "on": False, "verl": None,
+                           "layout": None, "bound": [], "skipped": {}, "refused": {}, "error": None}
+    try:
+        import verl
+
+        out["verl"] = getattr(verl, "__version__", None)
+        held = _patch.active()
+        if held is None:
+            quiet = logging.getLogger("cpshard.compat.verl")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # the report says it all
+            try:
+                with _patch.patch() as held:
+                    pass
+            finally:
+                quiet.setLevel(level)
+        else:
+            out["on"] = True
+    except Exception as exc:  # noqa: BLE001  (verl's import, or the patch's refusal: reported)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    out.update(layout=held.layout, bound=list(held.bound), skipped=dict(held.skipped), refused=dict(held.refused))
+    out["process"] = _activation.process_patch() is held
+    return out
+
+
+def _text(report: dict[str, Any]) -> str:
+    lines = [f"cpshard in verl {report['verl'] or '(not importable)'}, pid {os.getpid()}",
+             f"switched on by: {report['by']}",
+             f"verl.plugins entry point: {report['entry_point'] or 'not registered'} (patches where CPSHARD_VERL=1)"]
+    if report["error"]:
+        return "\n".join([*lines, f"refused: {report['error']}"])
+    lines.append(("on in this process" if report["on"] else "off in this process; patch() would bind:")
+                 + f" {len(report['bound'])} sites")
+    lines.append(f"layout: {report['layout']}")
+    modules: dict[str, list[str]] = {}
+    for site in report["bound"]:
+        cut = 2 if ".MegatronEngine." in site else 1  # a class's method: module, then Class.method
+        owner, name = site.rsplit(".", cut)[0], ".".join(site.rsplit(".", cut)[1:])
+        modules.setdefault(owner, []).append(name)
+    lines += [f"  {owner} ({len(names)}): {', '.join(names)}" for owner, names in modules.items()]
+    for what in ("skipped", "refused"):
+        lines.append(f"{what}: {len(report[what])}")
+        lines += [f"  {site}: {reason}" for site, reason in report[what].items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cpshard.compat.verl", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    report = status()
+    print(json.dumps(report, indent=1) if args.json else _text(report))
+    return 1 if report["error"] or report["refused"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

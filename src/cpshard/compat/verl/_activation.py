@@ -1,0 +1,60 @@
+"""cpshard switched on for the life of a process, the way verl loads a plugin in every process.
+
+verl's ``import verl`` imports each module of ``VERL_USE_EXTERNAL_MODULES`` (a comma-separated list)
+and loads the ``verl.plugins`` entry points, in the driver and in every Ray worker, since each imports
+verl. ``cpshard.compat.verl.enable`` is such a module: importing it calls :func:`activate`. The entry
+point (:mod:`cpshard.compat.verl.plugin`) calls it only where ``CPSHARD_VERL=1``.
+
+Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/__init__.py`` and
+``verl/utils/import_utils.py`` (``import_external_libs``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from cpshard.compat.verl import _layout, _patch
+from cpshard.compat.verl._patch import VerlPatch
+
+__all__ = ["activate"]
+
+logger = logging.getLogger("cpshard.compat.verl")
+_PROCESS: list[VerlPatch | None] = [None]
+
+
+def activate() -> VerlPatch:
+    """Switch cpshard on in this process until ``undo()``: :func:`cpshard.compat.verl.patch`, once.
+
+    Idempotent and thread-safe: every call returns the same :class:`VerlPatch` while it is active.
+    ``CPSHARD_LAYOUT`` is read (and checked: ``ValueError``) first; then verl is imported, outside the
+    lock (which may itself run this through ``VERL_USE_EXTERNAL_MODULES``: that inner call does the
+    work), then the patch binds under the lock. A ``with patch():`` block in force is taken over: its
+    bindings stay for the process. The ``cpshard.compat.verl`` logger gets level INFO where it has
+    none (verl configures the root logger at WARNING, which would hide the line of what was bound).
+    """
+    current = _PROCESS[0]
+    if current is not None and current.active:
+        return current
+    _layout.setting()  # a clear error before anything is imported or bound
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    # verl first, outside the lock: its import may run this activation (its external modules), which
+    # takes the lock; holding it here while another thread imports verl would deadlock
+    _patch._import_verl()
+    with _patch.LOCK:
+        current = _PROCESS[0]
+        if current is not None and current.active:
+            return current
+        held = _patch.active()
+        if held is not None:  # a with patch() block: its bindings become the process's
+            logger.info("cpshard.compat.verl: switched on for this process; the patch in force is undone and "
+                        "bound again for the process")
+            held.undo()
+        current = _PROCESS[0] = _patch._patch(None, " for this process")
+        return current
+
+
+def process_patch() -> VerlPatch | None:
+    """The patch :func:`activate` made, while it is active."""
+    current = _PROCESS[0]
+    return current if current is not None and current.active else None
