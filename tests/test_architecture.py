@@ -104,8 +104,8 @@ PENDING_PRIVATE = {
     "cpshard.packing.refine: cpshard.index.balance._lpt",
     "cpshard.packing.refine: cpshard.index.balance._score",
     "cpshard.packing.refine: cpshard.index.balance._tri",
-    "cpshard.compat.verl: cpshard.megatron._import.INSTALL_HINT",  # compat/ reworked in parallel
-    "cpshard.compat.verl: cpshard.megatron._import.import_megatron",
+    "cpshard.compat.verl._patch: cpshard.megatron._import.INSTALL_HINT",  # compat/ reworked in parallel
+    "cpshard.compat.verl._patch: cpshard.megatron._import.import_megatron",
     "cpshard.tools.cli: cpshard.compat._verl_pack.verl_partition",  # the CLI's split, later
     "cpshard.tools.cli: cpshard.compat._verl_pack.verl_partitioner",
 }
