@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import warnings
@@ -25,6 +26,24 @@ def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None =
         sync()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
+
+
+def gc_off_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """``(least, median)`` wall time of ``fn()`` in ms over ``repeats`` calls, Python's cyclic garbage
+    collector off during each call (as ``timeit`` does: verl's Karmarkar-Karp allocates many small
+    objects, and a collection in the middle of one call triples its time; off, a comparison with it
+    favours verl)."""
+    times = []
+    for _ in range(repeats):
+        gc.collect()
+        gc.disable()
+        try:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        finally:
+            gc.enable()
+    return 1e3 * min(times), 1e3 * statistics.median(times)
 
 
 def slowest_rank_ms(fn: Callable[[], Any], repeats: int) -> float:

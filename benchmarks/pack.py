@@ -37,14 +37,13 @@ The step ratio is ``max_d sum_m max_r work / (total work / (dp cp))`` (Note [Mic
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from _timing import gc_off_ms
 from cpshard import ShardPlan
 from cpshard.compat._verl_pack import verl_partition, verl_partitioner
 from cpshard.pack import pack, plan_work, step_ratio
@@ -84,20 +83,9 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _times_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """The median and the least time of ``fn`` with Python's cyclic garbage collector off (as ``timeit``
-    does: verl's Karmarkar-Karp allocates many small objects, and a collection in the middle of one
-    call triples its time; off, the comparison favours verl)."""
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        gc.disable()
-        try:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        finally:
-            gc.enable()
-    return 1e3 * statistics.median(times), 1e3 * min(times)
+    """``(median, least)`` ms of ``fn``, the garbage collector off (``_timing.gc_off_ms``)."""
+    least, median = gc_off_ms(fn, repeats)
+    return median, least
 
 
 def main() -> None:

@@ -34,19 +34,18 @@ The figure (``--png``): time against sequences, log-log, one line per path (cp 8
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from _timing import gc_off_ms
 from cpshard import ShardPlan, pack, shard, unshard
 from cpshard.compat._verl_pack import verl_partition, verl_partitioner
 
@@ -54,19 +53,7 @@ MAX_TOKENS = 32768
 MEAN_LEN = 2048
 
 
-def times_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """``(least, median)`` ms of ``repeats`` calls of ``fn``, the cyclic garbage collector off."""
-    out = []
-    for _ in range(repeats):
-        gc.collect()
-        gc.disable()
-        try:
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-        finally:
-            gc.enable()
-    return 1e3 * min(out), 1e3 * statistics.median(out)
+times_ms = gc_off_ms  # (least, median) ms, the garbage collector off
 
 
 def short_lengths(n: int, seed: int = 0) -> list[int]:
