@@ -193,7 +193,7 @@ def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     fn(out, inp, group=group)
 
 
-# -- call headers (Note [Call headers] in _header.py) ------------------------------------------
+# -- call headers (Note [Call headers] in distributed/header.py) ------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -536,7 +536,7 @@ def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool 
     """``values`` summed over the ranks of ``group`` (one ``all_reduce``), as a new tensor.
 
     For token counts; the group's size must be ``plan.cp_size``. No gradient flows. The sum carries
-    a trailer of the call (plan, dtype, shape; Note [Stamped reductions] in ``_header.py``): ranks
+    a trailer of the call (plan, dtype, shape; Note [Stamped reductions] in ``cpshard/distributed/header.py``): ranks
     that sum something else raise a ``ValueError`` instead of returning. ``check``: as in
     :func:`gather` (the agreement first, which names the ranks and plans).
     """
@@ -596,7 +596,7 @@ def reduce_over(values: torch.Tensor, group: Any, *, op: str, plans: Sequence[Pl
                 call: dict[str, Any] | None = None, checked: bool = False, failed: bool = False,
                 reduce: str = "sum") -> torch.Tensor:
     """``values`` reduced (``"sum"`` or ``"max"``) over ``group`` in one stamped ``all_reduce`` (Note
-    [Stamped reductions] in ``_header.py``), for a call of layer 4 named ``op`` with ``plans`` and
+    [Stamped reductions] in ``distributed/header.py``), for a call of layer 4 named ``op`` with ``plans`` and
     ``call`` (what every rank must pass alike). ``failed``: this rank rejected its input and joins
     only so that its peers raise too (``values`` then only give the size). Raises ``ValueError`` on
     every rank that sees a failure word or another call's digest. No gradient flows."""

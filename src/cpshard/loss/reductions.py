@@ -38,7 +38,7 @@ small all-gather over the CP group, for every loss (those without a collective o
 
 Note [Failure in a loss]
 ------------------------
-Every sum of a loss is stamped (Note [Stamped reductions] in ``_header.py``: the loss, its plan and
+Every sum of a loss is stamped (Note [Stamped reductions] in ``cpshard/distributed/header.py``: the loss, its plan and
 arguments, folded into the same ``all_reduce``), so ranks that disagree about the call raise instead
 of returning a wrong share, checks on or off. With checks off a rank's own bad input raises there,
 before any collective (the project's rule), and its CP peers wait in the count sum until it exits.

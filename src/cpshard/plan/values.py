@@ -33,9 +33,9 @@ from cpshard.base.layout import (
     sequence_unit,
     shared_alignment,
 )
-from cpshard.index import halo as _halo
 from cpshard.index import segments as _index
 from cpshard.index.balance import balanced_order, rank_work, zigzag_works
+from cpshard.index.halo import HaloExchange
 from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
 from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token, _thd_restore
@@ -604,7 +604,7 @@ def shift_exchange(plan: Plan, cp_rank: int, shift: int, device: torch.device | 
 
     Pure index math, the same on every rank (Note [Sharded shift exchange] in ``index/shift.py``):
     call it for every rank in one process to see or test a whole exchange
-    (``ShiftExchange.apply`` and ``_exchange.all_to_all_in_process`` run it there). CPU unless ``device``.
+    (``ShiftExchange.apply`` and ``cpshard.index.shift.all_to_all_in_process`` run it there). CPU unless ``device``.
     """
     check_plan_type(plan)
     cp_rank = check_rank(cp_rank, plan.cp_size)
@@ -613,7 +613,7 @@ def shift_exchange(plan: Plan, cp_rank: int, shift: int, device: torch.device | 
 
 
 def halo_exchange(plan: Plan, cp_rank: int, shifts: Sequence[int],
-                  device: torch.device | str | None = None) -> _halo.HaloExchange:
+                  device: torch.device | str | None = None) -> HaloExchange:
     """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``.
 
     One exchange of each segment's halo serves every shift and tensor (Note [Halo exchange for

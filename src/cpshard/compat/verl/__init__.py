@@ -9,8 +9,8 @@ masks, router-replay indices and teacher top-k rows of one step share it, and ``
 where verl versions differ.
 
 A drop-in is verl's contract, bit for bit: every row of every output, pad rows and position ids
-included, equals verl's (the per-row rules are :mod:`cpshard.compat._verl_rows`, over the plan's
-own views), except where verl loses or corrupts a token; the README's "Differences from verl"
+included, equals verl's (the per-row rules, stated over the plan's
+own views), except where verl loses or corrupts a token; docs/verl.md's "Differences from verl"
 lists those rows:
 
 - a sequence of no rows under zigzag ``need_roll`` overwrites the previous row's label with 0;

@@ -61,7 +61,7 @@ def preprocess_thd_engine(
     Args:
         input_ids: jagged nested tensor ``(B, j, ...)``, any dtype (tokens, labels, masks, top-k rows).
         need_roll: next-token labels: token ``p`` receives token ``p + 1`` of its sequence; the
-            last token and the pad rows what verl's roll gives them (:mod:`cpshard.compat._verl_rows`).
+            last token and the pad rows what verl's roll gives them (docs/verl.md, Differences from verl).
         local_cp_size: verl's dynamic CP: this micro-batch uses a group of that many ranks
             (``cp_group``, else Megatron's dynamic group of that size).
         cp_layout: ``"zigzag"`` or ``"contiguous"``; None (not passed): the layout in use
@@ -70,7 +70,7 @@ def preprocess_thd_engine(
         tp_size, cp_size, cp_rank, cp_group: parallel state; read from Megatron when not given.
         plan: the micro-batch's plan (:func:`thd_plan`); built from the arguments when None.
         verl_version: whose rows to reproduce where verl versions differ (the roll at a sequence's
-            end, see :mod:`cpshard.compat._verl_rows`); default the installed verl's.
+            end, see docs/verl.md); default the installed verl's.
 
     Every row equals verl's, pad rows and position ids included, except where verl loses a token
     (README, "Differences from verl").
