@@ -167,8 +167,9 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     """Run every configuration against ``cp = 1`` on spawned gloo groups (one per ``cp``).
 
     ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
-    configurations must then fail). The naive attention under zigzag is always run once more, at the
-    smallest ``cp > 1`` requested (2 if none), ``tp = 1``: ``Report.naive_kernel_caught``.
+    configurations must then fail). The naive attention under zigzag is run once more, at the
+    smallest ``cp > 1`` (2 if none) and the smallest ``tp`` requested: ``Report.naive_kernel_caught``;
+    on a batch where it cannot differ it is skipped up front, saying why (``Report.naive_skipped``).
     ``model="hybrid"``: the hybrid decoder of ``cpshard.tools.hybrid`` instead (zigzag attention, a scan on
     the contiguous twin, the same MTP depths; ``layouts`` and ``attention`` do not apply and must stay
     at their defaults), whose naive scan must be caught.
