@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import os
 import sys
 import threading
 import types
@@ -287,21 +288,35 @@ def test_activation_takes_over_a_with_block(monkeypatch):
     assert vutil.preprocess_thd_engine is original
 
 
+def test_the_entry_point_imports_nothing_more_unless_asked():
+    """verl imports the entry point in every process of everyone who has cpshard installed: unless
+    CPSHARD_VERL=1 it must not pull in the drop-ins or the communication layer."""
+    import subprocess
+
+    code = ("import sys, cpshard.compat.verl_plugin; "
+            "print(sorted(m for m in sys.modules if m.startswith(('cpshard.compat.verl.', 'cpshard.distributed'))"
+            " or m == 'cpshard.compat.verl'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("CPSHARD_VERL", "CPSHARD_LAYOUT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                         timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize("value", ["", "0", "1", "sometimes"])
 def test_the_entry_point_patches_only_where_asked(monkeypatch, caplog, value):
     """``verl.plugins`` loads the entry point for everyone with cpshard installed: only CPSHARD_VERL=1
     switches cpshard on; a value it does not know is an error logged at ERROR (verl hides a plugin's)."""
     monkeypatch.setenv("CPSHARD_VERL", value)
     monkeypatch.delenv("CPSHARD_LAYOUT", raising=False)
-    monkeypatch.delitem(sys.modules, "cpshard.compat.verl.plugin", raising=False)
+    monkeypatch.delitem(sys.modules, "cpshard.compat.verl_plugin", raising=False)
     try:
         if value == "sometimes":
             with caplog.at_level(logging.ERROR, logger="cpshard.compat.verl"), \
                     pytest.raises(ValueError, match=r"^CPSHARD_VERL='sometimes': must be 1"):
-                importlib.import_module("cpshard.compat.verl.plugin")
+                importlib.import_module("cpshard.compat.verl_plugin")
             assert "the verl.plugins entry point (CPSHARD_VERL) could not switch cpshard on" in caplog.text
         else:
-            importlib.import_module("cpshard.compat.verl.plugin")
+            importlib.import_module("cpshard.compat.verl_plugin")
         assert (cv.active() is not None) is (value == "1")
         assert (_activation.process_patch() is not None) is (value == "1")
     finally:

@@ -3,7 +3,7 @@
 verl's ``import verl`` imports each module of ``VERL_USE_EXTERNAL_MODULES`` (a comma-separated list)
 and loads the ``verl.plugins`` entry points, in the driver and in every Ray worker, since each imports
 verl. ``cpshard.compat.verl.enable`` is such a module: importing it calls :func:`activate`. The entry
-point (:mod:`cpshard.compat.verl.plugin`) calls it only where ``CPSHARD_VERL=1``.
+point (:mod:`cpshard.compat.verl_plugin`) calls it only where ``CPSHARD_VERL=1``.
 
 Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/__init__.py`` and
 ``verl/utils/import_utils.py`` (``import_external_libs``).

@@ -6,6 +6,10 @@ the process opts in with ``CPSHARD_VERL=1`` (``0`` or unset: off). verl logs a p
 at DEBUG and goes on, so an error here (a bad ``CPSHARD_VERL`` or ``CPSHARD_LAYOUT``, a refused verl)
 is logged at ERROR before it is raised. ``VERL_USE_EXTERNAL_MODULES=cpshard.compat.verl.enable`` is
 the stricter way: there the error stops ``import verl``.
+
+It lives outside the :mod:`cpshard.compat.verl` package on purpose: importing a submodule of that
+package imports the whole package (the drop-ins, the collectives, torch.distributed) in every verl
+process of everyone who has cpshard installed; here nothing more is imported unless ``CPSHARD_VERL=1``.
 """
 
 from __future__ import annotations
