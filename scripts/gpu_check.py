@@ -34,24 +34,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from _timing import median_ms  # noqa: E402
 
 
 def _median_ms(fn: Any, repeats: int = 20) -> float:
-    fn()
-    _sync()
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t)
-    return 1e3 * sorted(times)[len(times) // 2]
+    """Median ms of ``fn()`` (``benchmarks/_timing.median_ms``), the device synchronized around each call."""
+    return median_ms(fn, repeats, torch.device("cuda") if torch.cuda.is_available() else None)
 
 
 def step_part() -> dict[str, Any]:
