@@ -11,7 +11,7 @@ Per world size and batch, for the all-gather of ``gather`` and the all-to-all of
 - "bare": the collective alone on the same bytes, as before the headers (``all_gather_single`` /
   ``all_to_all_single`` of the rows, no header);
 - "headed": the same collective with each contribution (all-gather) or chunk (all-to-all) led by the
-  64-byte header, checked on arrival (``distributed._all_gather_stamped`` / ``_all_to_all``);
+  64-byte header, checked on arrival (``distributed.stamp.all_gather_stamped`` / ``all_to_all``);
 - "call": the public call, checks off (the default), and "checked": with ``check=True`` (the
   agreement all-gather of 144 bytes per rank first).
 
@@ -46,15 +46,9 @@ from _timing import slowest_rank_ms as timed
 def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, int, float, float, float, float]]:
     from cpshard import ShardPlan, shard, twin_plan
     from cpshard.base.dtypes import wire
-    from cpshard.distributed.collectives import (
-        _all_gather_stamped,
-        _all_to_all,
-        _Stamp,
-        gather,
-        relayout,
-        shift_sharded,
-    )
+    from cpshard.distributed import gather, relayout, shift_sharded
     from cpshard.distributed.header import HEADER_BYTES
+    from cpshard.distributed.stamp import Stamp, all_gather_stamped, all_to_all
     from cpshard.plan.twins import relayout_route
 
     group = dist.group.WORLD
@@ -67,13 +61,13 @@ def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, i
     out = []
 
     # all-gather (gather)
-    stamp = _Stamp("gather", rank, False, (plan,), call)
+    stamp = Stamp("gather", rank, False, (plan,), call)
     buf = torch.empty((world * rows.shape[0], 8))
 
     def bare_gather() -> None:
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(wire(buf), wire(rows), group=group)
     out.append(("gather", HEADER_BYTES,
-                timed(bare_gather, repeats), timed(lambda: _all_gather_stamped(rows, group, world, stamp), repeats),
+                timed(bare_gather, repeats), timed(lambda: all_gather_stamped(rows, group, world, stamp), repeats),
                 timed(lambda: gather(local, plan, group), repeats),
                 timed(lambda: gather(local, plan, group, check=True), repeats)))
 
@@ -82,9 +76,9 @@ def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, i
     dst = twin_plan(plan, "contiguous")
     route = relayout_route(plan, dst, rank, rows.device)
     for name, x, stamp, public in (
-            ("shift_sharded", ex, _Stamp("shift_sharded", rank, False, (plan,), call),
+            ("shift_sharded", ex, Stamp("shift_sharded", rank, False, (plan,), call),
              lambda c: shift_sharded(local, plan, group, shift=1, check=c)),
-            ("relayout", route, _Stamp("relayout", rank, False, (plan, dst), call),
+            ("relayout", route, Stamp("relayout", rank, False, (plan, dst), call),
              lambda c: relayout(local, plan, dst, group, check=c))):
         send = rows.index_select(0, x.send_rows)
 
@@ -93,7 +87,7 @@ def _body(rank: int, world: int, tokens: int, repeats: int) -> list[tuple[str, i
             dist.all_to_all_single(recv, send, list(x.recv_splits), list(x.send_splits), group=group)
 
         out.append((name, HEADER_BYTES * world, timed(bare, repeats),
-                    timed(lambda x=x, send=send, stamp=stamp: _all_to_all(send, x.recv_splits, x.send_splits,
+                    timed(lambda x=x, send=send, stamp=stamp: all_to_all(send, x.recv_splits, x.send_splits,
                                                                           group, stamp), repeats),
                     timed(lambda public=public: public(False), repeats),
                     timed(lambda public=public: public(True), repeats)))

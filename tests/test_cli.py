@@ -272,7 +272,7 @@ def test_pack_prints_the_partition_works_and_ratios(capsys):
 def test_pack_json_matches_the_library(capsys):
     import json
 
-    from cpshard.compat._verl_pack import verl_partition
+    from cpshard.compat import verl_partition
     from cpshard.pack import pack
 
     lens = [37, 5, 64, 12, 90, 3, 41, 77, 18, 60]

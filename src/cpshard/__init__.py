@@ -54,9 +54,10 @@ __version__ = "0.2.0"
 
 _aliases.install()  # the module paths before the subpackages (cpshard.mtp, cpshard.spawn, ...)
 
-# The summary and the figure come from the CLI's modules (argparse, and matplotlib for the figure):
+# The summary and the figure come from the tools' modules (matplotlib for the figure):
 # imported on first use, so that ``import cpshard`` stays the index math and data movement alone.
-_LAZY = {"describe_plan": "cpshard.cli", "describe_bshd": "cpshard.cli", "draw_plans": "cpshard.plot"}
+_LAZY = {"describe_plan": "cpshard.tools.describe", "describe_bshd": "cpshard.tools.describe",
+         "draw_plans": "cpshard.tools.plot"}
 
 
 def __getattr__(name: str) -> object:

@@ -1,7 +1,9 @@
-"""Across context-parallel ranks: gather outputs, shift sharded tensors, check that plans agree.
+"""Across context-parallel ranks: gather outputs, shift sharded tensors, change layout, gather the rows
+and states the reference computations share.
 
-The only module of cpshard that communicates (``cpshard.spawn`` starts the processes; the agreement
-protocol's rules are pure, in ``distributed/agree.py``). Every function takes the CP process
+The data collectives of cpshard (``cpshard.spawn`` starts the processes; the sums are in
+``distributed/sums.py``, the checks before every call in ``distributed/checks.py``, the agreement
+protocol's rules, pure, in ``distributed/agree.py``). Every function takes the CP process
 group as its third argument, with no default: in a real job the world is DP x CP x TP, and a
 same-size wrong group would mix replicas' data without an error (pass
 ``torch.distributed.group.WORLD`` where the whole job is one CP group). A Megatron CP sub-group or a
@@ -11,7 +13,7 @@ before the first collective. Without checks, a check that fails on one rank only
 the others wait in their collective; ``check=True`` costs one small extra collective that shares
 every rank's verdict and plan fingerprint first, so that bad input on any rank, or ranks that built
 different plans, raise on every rank and nothing hangs. ``check=None`` (the default) follows the
-process-wide switch: :func:`set_checks`, or the environment variable ``CPSHARD_CHECK=1``.
+process-wide switch: ``cpshard.distributed.set_checks``, or the environment variable ``CPSHARD_CHECK=1``.
 
 Checks on or off, every all-gather and all-to-all carries a 64-byte header that identifies the call
 (plan, dtype, row shape, shifts and fills, check setting), compared on arrival, and every
@@ -22,278 +24,28 @@ raise instead of returning a wrong result (Notes [Call headers] and [Stamped red
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from cpshard.base.dtypes import movable, wire
+from cpshard.base.dtypes import movable
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.types import Group, Scalar
-from cpshard.distributed import agree as _protocol
-from cpshard.distributed import header as _header
-from cpshard.distributed.agree import checks_enabled, set_checks
+from cpshard.distributed.checks import check_local, checked_call, plan_fingerprint
+from cpshard.distributed.groups import initialized as initialized  # re-exported: the packing drop-in takes it here
+from cpshard.distributed.groups import solo
+from cpshard.distributed.stamp import Stamp, all_gather_stamped, all_to_all
+from cpshard.distributed.sums import max_over as max_over  # re-exported, as initialized
+from cpshard.distributed.sums import reduce_stamped
 from cpshard.index.shift import ShiftExchange
-from cpshard.ops.sharding import as_nested, check_plan_type, pad_and_fill, token_rows
+from cpshard.ops.sharding import as_nested, pad_and_fill, token_rows
 from cpshard.plan.args import check_shift
 from cpshard.plan.values import Plan
 
-__all__ = ["check_plan", "checks_enabled", "gather", "gather_tokens", "plan_fingerprint", "set_checks",
-           "shift_sharded"]
-
-_T = TypeVar("_T")
-
-
-# -- checks ----------------------------------------------------------------------------------
-
-
-def _require_group(group: Any) -> None:
-    """The group is initialized and holds this process. No communication."""
-    if not (dist.is_available() and dist.is_initialized()):
-        fail("group", repr(group), "needs an initialized torch.distributed process group",
-             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
-    if group is None:
-        fail("group", "None", "must be the context-parallel process group (there is no default: in a "
-             "DP x CP x TP job the world group would mix replicas' rows)",
-             "pass your CP group, or torch.distributed.group.WORLD if the whole job is one CP group", kind=TypeError)
-    if dist.get_rank(group) < 0:
-        fail("group", f"a group of ranks {_group_ranks(group)}", f"does not contain this process (global rank "
-             f"{dist.get_rank()})", "pass the context-parallel group this rank belongs to")
-
-
-def _group_ranks(group: Any) -> Any:
-    try:
-        return dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001 - only for the message
-        return "(unknown)"
-
-
-def _solo(plan: Plan, group: Group) -> bool:
-    """One rank and no group: every function here then runs without ``torch.distributed`` (the one
-    place that rule is written)."""
-    return group is None and plan.cp_size == 1
-
-
-def _group_rank(plan: Plan, group: Any) -> int:
-    """This process's rank in ``group``, after checking the group matches ``plan``. No communication.
-    ``group=None`` is accepted where ``plan.cp_size == 1`` (rank 0, nothing to communicate)."""
-    check_plan_type(plan)
-    if _solo(plan, group):
-        return 0
-    _require_group(group)
-    size = dist.get_world_size(group)
-    if size != plan.cp_size:
-        fail("group", f"a group of {size} ranks", f"must have plan.cp_size = {plan.cp_size} ranks",
-             "pass the context-parallel group the plan was built for (or build the plan with "
-             f"cp_size={size})")
-    return dist.get_rank(group)
-
-
-def _check_local(local: Any, plan: Plan) -> torch.Tensor:
-    check_plan_type(plan)
-    local = check_tensor("local", local)
-    lead = plan.local_shape
-    if local.dim() < len(lead) or tuple(local.shape[:len(lead)]) != lead:
-        fail("local", f"tensor of shape {tuple(local.shape)}", f"must lead with the plan's local_shape = {lead}",
-             "pass this rank's whole local output for the plan (pad rows included)")
-    return local
-
-
-def plan_fingerprint(plan: Plan) -> torch.Tensor:
-    """``(8,)`` int64 summary of a plan; equal plans give equal fingerprints. No communication.
-
-    What :func:`check_plan` exchanges, with two more words (a digest of the call's arguments and
-    whether the rank's input passed its checks; ``distributed/agree.py``).
-
-    ``[kind, cp_size, tp_size, layout, num_seqs, total_len or seq_len, hash, hash]``; the two hash
-    words are a BLAKE2b digest of the plan's value, so plans that differ anywhere differ here.
-    Hashed once per plan (its index service keeps it).
-    """
-    check_plan_type(plan)
-    return plan.indices().fingerprint().clone()  # a copy: the caller may write into it
-
-
-def _collective_device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_plan(plan: Plan, group: Any) -> None:
-    """Raise on every rank of ``group`` unless all of them built the same plan, sized for the group.
-
-    One all-gather (``all_gather_single``) of a small int64 fingerprint (:func:`plan_fingerprint`). It
-    cannot hang while every rank calls it: every rank sends the same size whatever its plan, and
-    the group-size check comes after the exchange, so a rank whose plan has the wrong ``cp_size``
-    makes every rank raise instead of leaving the others waiting. The error names which ranks built
-    which plan.
-    """
-    _agree(plan, group, None, {})
-
-
-def _checked(plan: Any, group: Any, check: bool | None,
-             validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int, dict[str, Any], bool]:
-    """Run ``validate()`` (local checks) and return its result with this rank's group rank.
-
-    ``validate`` returns ``(result, call)`` where ``call`` names the arguments every rank must
-    pass alike (dtype, row shape, shift, fill values). ``check=False``: a failing check raises at
-    once, before any collective. ``check=True``: the verdict, the plan's fingerprint and a digest of
-    ``call`` are shared with the other ranks first, so that a failure on any rank, different plans
-    or different arguments raise on every rank instead of one rank raising while the others wait
-    (or the collective mixing data of different dtypes). Also returns ``call`` and whether the
-    agreement ran: the data collective's header carries both (Note [Call headers] in ``distributed/header.py``).
-    """
-    if not _protocol.resolve_check(check) or (isinstance(plan, Plan) and _solo(plan, group)):
-        result, call = validate()
-        return result, _group_rank(plan, group), call, False
-    try:
-        result, call = validate()
-    except (ValueError, TypeError) as exc:
-        _agree(plan, group, exc, {})
-        raise  # _agree re-raises it; kept for the type checker
-    _agree(plan, group, None, call)
-    return result, _group_rank(plan, group), call, True
-
-
-def _agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
-    """The small collective behind ``check_plan`` and ``check=True`` (``distributed/agree.py``); raises on every
-    rank or none."""
-    _require_group(group)
-    words, error = _protocol.contribution(plan, error, call)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = _collective_device(group)
-    # led by a CHECK header: a peer that runs a data collective here instead (checks off there) is
-    # named, not read as fingerprint words (Note [Call headers])
-    stamp = _header.make(_header.CHECK, "check", rank, True, (), {})
-    mine = torch.cat([torch.tensor(stamp, dtype=torch.int64), words]).to(device)
-    every = torch.empty((size, mine.numel()), dtype=mine.dtype, device=device)
-    every[:, :_header.HEADER_WORDS].zero_()
-    _all_gather_flat(every.view(-1), mine, group)
-    rows = every.tolist()
-    _raise_on_mismatch("check=True agreement", rank, [r[:_header.HEADER_WORDS] for r in rows], stamp, range(size))
-    _protocol.judge([tuple(r[_header.HEADER_WORDS:]) for r in rows], rank, error, call)
-    _group_rank(plan, group)  # the same plan everywhere: a size mismatch now raises on every rank
-
-
-# -- gather ----------------------------------------------------------------------------------
-
-
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    """Concatenate every rank's ``inp`` into ``out`` along dim 0.
-
-    ``all_gather_single`` where torch has it (2.13 deprecates ``all_gather_into_tensor``, which
-    older releases, back to the 2.4 that cpshard supports, only have). Looked up at call time so
-    that wrappers installed on ``torch.distributed`` (collective counters) see the call.
-    """
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
-
-
-# -- call headers (Note [Call headers] in distributed/header.py) ------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stamp:
-    """One call's identity, carried by its data collectives: the operation, this rank, whether an
-    agreement preceded, the plan(s) and the arguments every rank must pass alike."""
-
-    op: str
-    rank: int
-    checked: bool
-    plans: tuple[Plan, ...]
-    call: dict[str, Any]
-
-    @functools.cached_property
-    def words(self) -> list[int]:
-        """This rank's header (built only when a collective runs)."""
-        plan_words = [w for p in self.plans for w in p.indices().fingerprint().tolist()]
-        return _header.make(_header.DATA, self.op, self.rank, self.checked, plan_words, self.call)
-
-    def reduction_word(self, size: int, reduce: str) -> int:
-        """The digest a reduction of ``size`` values folds into its trailer (Note [Stamped
-        reductions]): the header's words but the sender's rank, the operation by name, the size."""
-        call = tuple(sorted((k, repr(v)) for k, v in self.call.items()))
-        return _reduction_word(self.op, self.checked, self.plans, call, size, reduce)
-
-    def backward(self, op: str) -> _Stamp:
-        """The stamp of the reverse exchange in backward (another operation, the same call)."""
-        return dataclasses.replace(self, op=op)
-
-    def bytes_on(self, device: torch.device) -> torch.Tensor:
-        """The header as ``HEADER_BYTES`` uint8 on ``device`` (a non-blocking copy: no host sync)."""
-        host = torch.tensor(self.words, dtype=torch.int64).view(torch.uint8)
-        return host if device.type == "cpu" else host.to(device, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=256)
-def _reduction_word(op: str, checked: bool, plans: tuple[Plan, ...], call: tuple[tuple[str, str], ...], size: int,
-                    reduce: str) -> int:
-    """:meth:`_Stamp.reduction_word`, kept per call (plans are values: a step's calls repeat)."""
-    plan_words = tuple(w for p in plans for w in p.indices().fingerprint().tolist())
-    return _header.digest((op, checked, plan_words, list(call), size, reduce))
-
-
-@functools.lru_cache(maxsize=256)
-def _trailers(word: int, dtype: torch.dtype, ranks: int, reduce: str,
-              failed: bool) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """This rank's trailer (Note [Stamped reductions]) as ints and as a CPU tensor, and what the
-    reduced trailer is when every rank contributed the same (read-only: each call copies them)."""
-    mine = _header.trailer(word, dtype, ranks, reduce, failed)
-    scale = ranks if reduce == "sum" else 1
-    return mine, torch.tensor(mine, dtype=dtype), torch.tensor([0] + [scale * m for m in mine[1:]], dtype=dtype)
-
-
-def _raise_on_mismatch(op: str, rank: int, got: Sequence[Sequence[int]], mine: Sequence[int],
-                       senders: Sequence[int]) -> None:
-    bad = {}
-    for sender, words in zip(senders, got):
-        fields = _header.mismatch(words, mine, sender)
-        if fields:
-            bad[sender] = (fields, words)
-    if bad:
-        raise ValueError(_header.describe_mismatch(op, rank, bad, mine))
-
-
-def _verify(stamp: _Stamp, headers: torch.Tensor, senders: Sequence[int]) -> None:
-    """Compare the ``(n, HEADER_BYTES)`` uint8 headers received from ``senders`` with this rank's.
-
-    On the host (gloo, CPU tensors) a mismatch raises ValueError naming the ranks and fields; on a
-    device the comparison stays there (``torch._assert_async``: no host sync; a mismatch is a
-    device-side assertion, fatal to the process, as NCCL mismatches are)."""
-    words = headers.reshape(-1).view(torch.int64).view(-1, _header.HEADER_WORDS)  # a copy unless one row
-    if words.device.type == "cpu":
-        _raise_on_mismatch(stamp.op, stamp.rank, words.tolist(), stamp.words, senders)
-        return
-    expected = torch.tensor([[w if i != 2 else s for i, w in enumerate(stamp.words)] for s in senders],
-                            dtype=torch.int64).to(words.device, non_blocking=True)
-    message = (f"cpshard {stamp.op}: the ranks of the context-parallel group disagree about this call "
-               f"(rank {stamp.rank} received another header); rerun with check=True to name them")
-    try:
-        torch._assert_async((words == expected).all(), message)
-    except TypeError:  # torch without the message overload
-        torch._assert_async((words == expected).all())
-
-
-def _all_gather_stamped(local: torch.Tensor, group: Any, size: int, stamp: _Stamp) -> torch.Tensor:
-    """``(size, *local.shape)``: every rank's ``local`` (contiguous), each sent after this call's header
-    and checked against it (a strided view of the received buffer, no copy)."""
-    data = wire(local).reshape(-1)
-    h = _header.HEADER_BYTES
-    send = torch.empty(h + data.numel(), dtype=torch.uint8, device=local.device)
-    send[:h].copy_(stamp.bytes_on(local.device), non_blocking=True)
-    send[h:].copy_(data)
-    out = torch.empty((size, send.numel()), dtype=torch.uint8, device=local.device)
-    out[:, :h].zero_()  # a shorter message from a peer leaves "no header", not a stale one
-    _all_gather_flat(out.view(-1), send, group)
-    _verify(stamp, out[:, :h], range(size))
-    body = out[:, h:]
-    if local.dtype != torch.uint8:
-        body = body.view(local.dtype)
-    return body.view(size, *local.shape)
+__all__ = ["all_gather_rows", "gather", "gather_states", "gather_tokens", "joined", "relayout", "shift_sharded",
+           "shift_sharded_multi"]
 
 
 class _AllGatherOwnGrad(torch.autograd.Function):
@@ -301,9 +53,9 @@ class _AllGatherOwnGrad(torch.autograd.Function):
     reduced (the header is no data: only the rows' view takes part)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: _Stamp) -> torch.Tensor:
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: Stamp) -> torch.Tensor:
         ctx.rank = rank
-        return _all_gather_stamped(local.contiguous(), group, size, stamp)
+        return all_gather_stamped(local.contiguous(), group, size, stamp)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -316,14 +68,14 @@ def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any,
     (whose headers lie between the ranks' rows), or the rows themselves at ``cp = 1`` with no group:
     what ``token_rows`` reads."""
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
-        checked = _check_local(local, plan)
+        checked = check_local(local, plan)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
-    local, rank, call, checked = _checked(plan, group, check, validate)
+    local, rank, call, checked = checked_call(plan, group, check, validate)
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[len(plan.local_shape):])
-    if _solo(plan, group):
+    if solo(plan, group):
         return flat
-    stamp = _Stamp("gather", rank, checked, (plan,), call)
+    stamp = Stamp("gather", rank, checked, (plan,), call)
     return list(_AllGatherOwnGrad.apply(flat, group, rank, plan.cp_size, stamp).unbind(0))
 
 
@@ -364,46 +116,16 @@ def gather_tokens(local: torch.Tensor, plan: Plan, group: Any, *, check: bool | 
     return token_rows(_gathered_buffer(local, plan, group, check), plan)
 
 
-
-# -- sharded shift ---------------------------------------------------------------------------
-
-
-def _all_to_all(rows: torch.Tensor, recv_splits: Sequence[int], send_splits: Sequence[int], group: Any,
-                stamp: _Stamp) -> torch.Tensor:
-    """One ``all_to_all_single`` of ``rows`` (grouped by destination, ``send_splits[d]`` for rank ``d``):
-    the rows received, ``(sum(recv_splits), ...)`` in source order. Each destination's chunk is led by
-    this call's header, even an empty one, and every source's header is checked (Note [Call headers]);
-    the bytes travel as uint8, split in bytes."""
-    rows = rows.contiguous()
-    trailing = rows.shape[1:]
-    row_bytes = rows.element_size() * math.prod(trailing)
-    h = _header.HEADER_BYTES
-    header = stamp.bytes_on(rows.device)
-    pieces = wire(rows).reshape(-1).split([n * row_bytes for n in send_splits])
-    send = torch.cat([part for piece in pieces for part in (header, piece)])
-    recv = torch.empty(sum(recv_splits) * row_bytes + h * len(recv_splits), dtype=torch.uint8, device=rows.device)
-    parts = recv.split([part for n in recv_splits for part in (h, n * row_bytes)])
-    headers, bodies = parts[0::2], parts[1::2]
-    torch._foreach_zero_(list(headers))  # a shorter message leaves "no header", not a stale one
-    dist.all_to_all_single(recv, send, [h + n * row_bytes for n in recv_splits],
-                           [h + n * row_bytes for n in send_splits], group=group)
-    _verify(stamp, torch.stack(list(headers)), range(len(recv_splits)))
-    body = torch.cat(list(bodies))
-    if rows.dtype != torch.uint8:
-        body = body.view(rows.dtype)
-    return body.view(sum(recv_splits), *trailing)
-
-
 class _ShiftSharded(torch.autograd.Function):
     """Forward: local gather + one all-to-all of boundary rows. Backward: the reverse all-to-all."""
 
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, ex: ShiftExchange, group: Any, pad_value: Scalar,
-                fill: Scalar, stamp: _Stamp) -> torch.Tensor:
+                fill: Scalar, stamp: Stamp) -> torch.Tensor:
         ctx.ex, ctx.group, ctx.stamp = ex, group, stamp
         recv = None
         if ex.total_remote:
-            recv = _all_to_all(local.index_select(0, ex.send_rows), ex.recv_splits, ex.send_splits, group, stamp)
+            recv = all_to_all(local.index_select(0, ex.send_rows), ex.recv_splits, ex.send_splits, group, stamp)
         return ex.apply(local, recv, pad_value, fill)
 
     @staticmethod
@@ -415,7 +137,7 @@ class _ShiftSharded(torch.autograd.Function):
                 kept.index_fill_(0, rows, 0)
         grad_local = torch.zeros_like(grad).index_add_(0, ex.source, kept)
         if ex.total_remote:
-            back = _all_to_all(grad.index_select(0, ex.recv_rows), ex.send_splits, ex.recv_splits, ctx.group,
+            back = all_to_all(grad.index_select(0, ex.recv_rows), ex.send_splits, ex.recv_splits, ctx.group,
                                ctx.stamp.backward("shift_sharded backward"))
             grad_local.index_add_(0, ex.send_rows, back)
         return grad_local, None, None, None, None, None
@@ -445,16 +167,16 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
     from (a second all-to-all in backward). Pad and fill rows pass no gradient.
     """
     def validate() -> tuple[tuple[torch.Tensor, int, Any, Any], dict[str, Any]]:
-        checked = _check_local(local, plan)
+        checked = check_local(local, plan)
         k = check_shift(shift)
         pad, fil = pad_and_fill(pad_value, fill, k, checked.dtype)
         call = {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):]), "shift": k,
                 "pad_value": pad, "fill": fil}
         return (checked, k, pad, fil), call
 
-    (local, k, pad, fil), rank, call, checked = _checked(plan, group, check, validate)
+    (local, k, pad, fil), rank, call, checked = checked_call(plan, group, check, validate)
     ex = plan.indices().shift_exchange(rank, k, local.device)
-    stamp = _Stamp("shift_sharded", rank, checked, (plan,), call)
+    stamp = Stamp("shift_sharded", rank, checked, (plan,), call)
     lead = len(plan.local_shape)
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[lead:])
     moved = movable(flat, pad, fil)
@@ -464,11 +186,6 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
     else:
         out = _ShiftSharded.apply(flat, ex, group, pad, fil, stamp)
     return out.view(local.shape)
-
-
-# -- several shifts in one exchange; sums over the group (cpshard.mtp) -------------------------
-
-__all__ += ["group_rank", "group_size", "read_group", "shift_sharded_multi", "sum_over", "sum_over_group"]
 
 
 def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any, *, shifts: Sequence[int],
@@ -502,7 +219,7 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
     from cpshard.index import halo as _halo  # here, not at the top: this section stays apart from the rest
 
     def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
-        checked = [_check_local(t, plan) for t in tensors]
+        checked = [check_local(t, plan) for t in tensors]
         pads = list(pad_values) if pad_values is not None else [None] * len(checked)
         fils = list(fills) if fills is not None else [0] * len(checked)
         if not checked or len(pads) != len(checked) or len(fils) != len(checked):
@@ -518,136 +235,18 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
                 "shifts": ks, "pad_values": pads, "fills": fils}
         return (checked, ks, pads, fils), call
 
-    (checked, ks, pads, fils), rank, call, ran_check = _checked(plan, group, check, validate)
+    (checked, ks, pads, fils), rank, call, ran_check = checked_call(plan, group, check, validate)
     lead = len(plan.local_shape)
     rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
     ms = plan.indices().halo(rank, ks, rows[0].device)
     received: list[torch.Tensor | None] = [None] * len(rows)
     if ms.total_remote:
         packed = _halo.pack_rows(rows)
-        stamp = _Stamp("shift_sharded_multi", rank, ran_check, (plan,), call)
-        recv = _all_to_all(packed.index_select(0, ms.send_rows), ms.recv_splits, ms.send_splits, group, stamp)
+        stamp = Stamp("shift_sharded_multi", rank, ran_check, (plan,), call)
+        recv = all_to_all(packed.index_select(0, ms.send_rows), ms.recv_splits, ms.send_splits, group, stamp)
         received = list(_halo.unpack_rows(recv, rows))
     return [ms.apply(r, got, pad, fil).view(len(ks), *t.shape)
             for r, got, pad, fil, t in zip(rows, received, pads, fils, checked)]
-
-
-def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
-    """``values`` summed over the ranks of ``group`` (one ``all_reduce``), as a new tensor.
-
-    For token counts; the group's size must be ``plan.cp_size``. No gradient flows. The sum carries
-    a trailer of the call (plan, dtype, shape; Note [Stamped reductions] in ``cpshard/distributed/header.py``): ranks
-    that sum something else raise a ``ValueError`` instead of returning. ``check``: as in
-    :func:`gather` (the agreement first, which names the ranks and plans).
-    """
-    def validate() -> tuple[torch.Tensor, dict[str, Any]]:
-        checked = check_tensor("values", values)
-        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape)}
-
-    values, rank, call, ran_check = _checked(plan, group, check, validate)
-    if _solo(plan, group):
-        return values.detach().clone()
-    return _reduce_stamped(values, group, _Stamp("sum_over_group", rank, ran_check, (plan,), call))
-
-
-def sum_over(values: torch.Tensor, group: Any) -> torch.Tensor:
-    """``values`` summed over the ranks of any ``group`` (one ``all_reduce``), as a new tensor.
-
-    For totals over the data-parallel group (``cpshard.loss``'s ``dp_group``). No gradient flows.
-    Stamped with the dtype and shape (Note [Stamped reductions]; no plan: DP ranks hold other batches).
-    """
-    values = check_tensor("values", values)
-    _require_group(group)
-    call = {"dtype": values.dtype, "row shape": tuple(values.shape)}
-    stamp = _Stamp("sum_over", dist.get_rank(group), False, (), call)
-    return _reduce_stamped(values, group, stamp)
-
-
-def max_over(values: torch.Tensor, group: Any) -> torch.Tensor:
-    """``values``' elementwise maximum over the ranks of ``group`` (one ``all_reduce``, on the group's
-    device: CUDA under NCCL), as a new tensor on ``values``' device: the slowest rank's time, or the
-    largest micro-batch count of a DP group. No gradient flows. Stamped as :func:`sum_over`."""
-    values = check_tensor("values", values)
-    _require_group(group)
-    device = _collective_device(group)
-    call = {"dtype": values.dtype, "row shape": tuple(values.shape)}
-    stamp = _Stamp("max_over", dist.get_rank(group), False, (), call)
-    return _reduce_stamped(values.to(device), group, stamp, "max").to(values.device)
-
-
-def validated(plan: Any, group: Any, check: bool | None,
-              validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int, bool]:
-    """For a call of layer 4 (the scan, the attention): ``validate()``'s result, this rank's group
-    rank, and whether the agreement ran. With checks on (``check``, or :func:`set_checks`), a
-    failure of ``validate`` on any rank, different plans or different ``call`` values (dtype, shape)
-    raise on every rank, before any data collective; with checks off ``validate`` raises here."""
-    result, rank, _, ran = _checked(plan, group, check, validate)
-    return result, rank, ran
-
-
-def agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:
-    """The agreement of ``check=True`` for a call of layer 4 (a loss): raises on every rank of ``group``
-    or none (``error``: this rank's own, raised on it after the exchange; ``call``: the arguments
-    every rank must pass alike). One small all-gather (``distributed/agree.py``)."""
-    _agree(plan, group, error, call)
-
-
-def reduce_over(values: torch.Tensor, group: Any, *, op: str, plans: Sequence[Plan] = (),
-                call: dict[str, Any] | None = None, checked: bool = False, failed: bool = False,
-                reduce: str = "sum") -> torch.Tensor:
-    """``values`` reduced (``"sum"`` or ``"max"``) over ``group`` in one stamped ``all_reduce`` (Note
-    [Stamped reductions] in ``distributed/header.py``), for a call of layer 4 named ``op`` with ``plans`` and
-    ``call`` (what every rank must pass alike). ``failed``: this rank rejected its input and joins
-    only so that its peers raise too (``values`` then only give the size). Raises ``ValueError`` on
-    every rank that sees a failure word or another call's digest. No gradient flows."""
-    _require_group(group)
-    if failed:  # only the size counts; on the group's device (CUDA under NCCL)
-        values = torch.zeros(values.shape, dtype=values.dtype, device=_collective_device(group))
-    stamp = _Stamp(op, dist.get_rank(group), checked, tuple(plans), dict(call or {}))
-    return _reduce_stamped(values, group, stamp, reduce, failed)
-
-
-def _reduce_stamped(values: torch.Tensor, group: Any, stamp: _Stamp, reduce: str = "sum",
-                    failed: bool = False) -> torch.Tensor:
-    """One ``all_reduce`` of ``values`` led by the trailer of ``stamp`` (Note [Stamped reductions])."""
-    wide = values.detach().reshape(-1).to(_header.reduction_dtype(values.dtype))
-    real = torch.view_as_real(wide).reshape(-1) if wide.is_complex() else wide
-    ranks = dist.get_world_size(group)
-    mine, trailer, expected = _trailers(stamp.reduction_word(real.numel(), reduce), real.dtype, ranks, reduce, failed)
-    buf = torch.cat([trailer.to(real.device, non_blocking=True), real])
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM if reduce == "sum" else dist.ReduceOp.MAX, group=group)
-    head, body = buf[:len(mine)], buf[len(mine):]
-    if head.device.type == "cpu":
-        if not torch.equal(head, expected):
-            verdict = _header.trailer_mismatch(head.tolist(), mine, ranks, reduce) or "differs"
-            raise ValueError(_reduction_error(stamp, verdict))
-    else:  # on the device, no host sync: a device-side assertion, as the headers' (_verify)
-        torch._assert_async((head == expected.to(head.device, non_blocking=True)).all())
-    if wide.is_complex():
-        body = torch.view_as_complex(body.view(-1, 2))
-    return body.view(values.shape).to(values.dtype)
-
-
-def _reduction_error(stamp: _Stamp, verdict: str) -> str:
-    if verdict == "failed":
-        return (f"{stamp.op}: a rank of the group rejected its input (its own error says why; this is rank "
-                f"{stamp.rank}). Fix: correct the input on that rank; it joined this sum with a failure word so "
-                "that no rank of the group waits for it.")
-    return (f"{stamp.op}: the ranks of the group disagree about this reduction (this is rank {stamp.rank}): "
-            "another rank folded another call's digest into the sum (its plan, the number or dtype of the "
-            "values, the operation or its arguments, or the check setting differ, or it runs another collective "
-            "here). Its result would be wrong, so no rank returns it. Fix: call it on every rank with the same "
-            "plan and arguments; check=True (or set_checks(True)) on every rank names the ranks and their plans.")
-
-
-def initialized() -> bool:
-    """Whether ``torch.distributed`` is available and initialized (no communication)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-# -- the reference attention's gather (cpshard.attention) ----------------------------------------
-
-__all__ += ["all_gather_rows", "initialized", "max_over"]
 
 
 class _GatherRowsSumGrad(torch.autograd.Function):
@@ -657,17 +256,17 @@ class _GatherRowsSumGrad(torch.autograd.Function):
     ``all_reduce`` because gloo has no reduce-scatter."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: _Stamp) -> torch.Tensor:
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int, stamp: Stamp) -> torch.Tensor:
         local = local.contiguous()
         ctx.rows, ctx.rank, ctx.group, ctx.stamp = local.shape[0], rank, group, stamp
         # the ranks' rows out of the headed buffer: one copy, as the result is (size * rows, ...)
-        return _all_gather_stamped(local, group, size, stamp).reshape(size * local.shape[0], *local.shape[1:])
+        return all_gather_stamped(local, group, size, stamp).reshape(size * local.shape[0], *local.shape[1:])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         # summed in at least float32: gloo reduces half precision poorly or not at all
         wide = grad.to(torch.promote_types(grad.dtype, torch.float32)).contiguous()
-        wide = _reduce_stamped(wide, ctx.group, ctx.stamp.backward(f"{ctx.stamp.op} backward"))
+        wide = reduce_stamped(wide, ctx.group, ctx.stamp.backward(f"{ctx.stamp.op} backward"))
         own = wide[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
         return own.to(grad.dtype), None, None, None, None
 
@@ -690,10 +289,10 @@ def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: b
         checked = check_tensor("rows" if op == "all_gather_rows" else "states", rows)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:])}
 
-    rows, rank, call, ran_check = _checked(plan, group, check, validate)
-    if _solo(plan, group):
+    rows, rank, call, ran_check = checked_call(plan, group, check, validate)
+    if solo(plan, group):
         return rows
-    stamp = _Stamp(op, rank, ran_check, (plan,), call)
+    stamp = Stamp(op, rank, ran_check, (plan,), call)
     return _GatherRowsSumGrad.apply(rows, group, rank, plan.cp_size, stamp)
 
 
@@ -722,44 +321,12 @@ def joined(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
     return _Joined.apply(out, gathered)
 
 
-def read_group(group: Any, what: str) -> int | None:
-    """``torch.distributed.get_rank(group=)`` (``what="rank"``) or ``get_world_size(group=)``
-    (``"size"``), looked up at call time (tests may fake them), or None where torch does not know the
-    group (not initialized, or a stand-in object). No communication; what verl's helpers read."""
-    reader = getattr(dist, "get_rank" if what == "rank" else "get_world_size", None)
-    if reader is None or not dist.is_available():
-        return None
-    try:
-        return int(reader(group=group))
-    except (RuntimeError, ValueError, KeyError, AttributeError, TypeError):
-        return None
-
-
-def group_size(group: Any, name: str = "group") -> int:
-    """The number of ranks in ``group``, after checking it holds this process. No communication."""
-    try:
-        _require_group(group)
-    except (TypeError, ValueError) as exc:  # name the caller's argument, keep the rest of the message
-        raise type(exc)(str(exc).replace("group=", f"{name}=", 1)) from None
-    return dist.get_world_size(group)
-
-
-def group_rank(plan: Plan, group: Any) -> int:
-    """This process's rank in ``group`` (its CP rank), after checking the group fits ``plan``. No communication."""
-    return _group_rank(plan, group)
-
-
-# -- changing layout inside a model; states across ranks (cpshard.scan) --------------------------
-
-__all__ += ["gather_states", "joined", "relayout"]
-
-
-def _run_relayout(flat: torch.Tensor, route: Any, group: Any, stamp: _Stamp) -> torch.Tensor:
+def _run_relayout(flat: torch.Tensor, route: Any, group: Any, stamp: Stamp) -> torch.Tensor:
     """``flat``'s rows moved by ``route`` (``cpshard.plan.twins.Route``): one all-to-all, or none when no
     row of the group changes rank."""
     received = None
     if route.total_remote:
-        received = _all_to_all(flat.index_select(0, route.send_rows), route.recv_splits, route.send_splits, group,
+        received = all_to_all(flat.index_select(0, route.send_rows), route.recv_splits, route.send_splits, group,
                                stamp)
     return route.apply(flat, received)
 
@@ -769,7 +336,7 @@ class _Relayout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, forward_route: Any, backward_route: Any, group: Any,
-                stamp: _Stamp) -> torch.Tensor:
+                stamp: Stamp) -> torch.Tensor:
         ctx.route, ctx.group, ctx.stamp = backward_route, group, stamp
         return _run_relayout(flat.contiguous(), forward_route, group, stamp)
 
@@ -811,11 +378,11 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
 
     def validate() -> tuple[tuple[torch.Tensor, Plan], dict[str, Any]]:
         _, dst = check_twins(src_plan, dst_plan)
-        checked = _check_local(local, src_plan)
+        checked = check_local(local, src_plan)
         return (checked, dst), {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(src_plan.local_shape):]),
                                 "dst_plan": plan_fingerprint(dst).tolist()}
 
-    (checked, dst), rank, call, ran_check = _checked(src_plan, group, check, validate)
+    (checked, dst), rank, call, ran_check = checked_call(src_plan, group, check, validate)
     lead = len(src_plan.local_shape)
     trailing = checked.shape[lead:]
     flat = checked.reshape(math.prod(src_plan.local_shape), *trailing)
@@ -825,7 +392,7 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
     device = flat.device
     forward_route = relayout_route(src_plan, dst, rank, device)
     backward_route = relayout_route(dst, src_plan, rank, device)
-    stamp = _Stamp("relayout", rank, ran_check, (src_plan, dst), call)
+    stamp = Stamp("relayout", rank, ran_check, (src_plan, dst), call)
     out = _Relayout.apply(flat, forward_route, backward_route, group, stamp)
     if over is not None:  # only then: view(dtype), even to the same dtype, leaves the autograd graph
         out = out.view(checked.dtype)

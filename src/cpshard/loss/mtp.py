@@ -54,7 +54,9 @@ import torch
 from cpshard.base.errors import check_int, fail, parse_choice
 from cpshard.base.layout import GradReduction
 from cpshard.base.types import TokenRows
-from cpshard.distributed.collectives import group_rank, shift_sharded_multi, sum_over_group
+from cpshard.distributed.collectives import shift_sharded_multi
+from cpshard.distributed.groups import group_rank
+from cpshard.distributed.sums import sum_over_group
 from cpshard.loss.reductions import masked_rows
 from cpshard.ops.sharding import shard
 from cpshard.plan.values import Plan

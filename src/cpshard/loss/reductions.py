@@ -59,7 +59,9 @@ import torch
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import GradReduction
 from cpshard.distributed.agree import resolve_check
-from cpshard.distributed.collectives import agree, group_rank, group_size, reduce_over
+from cpshard.distributed.checks import agree
+from cpshard.distributed.groups import group_rank, group_size
+from cpshard.distributed.sums import reduce_over
 from cpshard.index.segments import to_device
 from cpshard.plan.values import Plan
 

@@ -22,7 +22,7 @@ import torch
 
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, layout_for
-from cpshard.distributed.collectives import read_group
+from cpshard.distributed.groups import read_group
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.plan.values import ShardPlan
 

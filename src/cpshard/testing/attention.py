@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import check_tensor, fail
-from cpshard.distributed.collectives import all_gather_rows, joined, validated
+from cpshard.distributed.checks import validated
+from cpshard.distributed.collectives import all_gather_rows, joined
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.causal import (
     attend_blocks,

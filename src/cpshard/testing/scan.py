@@ -186,7 +186,8 @@ def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, rows_plan: ShardPlan, check: bool | None) -> torch.Tensor:
-    from cpshard.distributed.collectives import gather_states, joined, validated
+    from cpshard.distributed.checks import validated
+    from cpshard.distributed.collectives import gather_states, joined
 
     def validate() -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
         pair = _check(a, x, plan)

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from cpshard.base.layout import Layout
-from cpshard.distributed.collectives import max_over, relayout, shift_sharded
+from cpshard.distributed.collectives import relayout, shift_sharded
+from cpshard.distributed.sums import max_over
 from cpshard.plan.twins import twin
 from cpshard.plan.values import ShardPlan
 from cpshard.testing.scan import linear_scan, naive_linear_scan

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from cpshard.base.errors import check_int, fail, parse_choice
 from cpshard.base.layout import Layout, Padding
-from cpshard.distributed.collectives import gather, shift_sharded_multi, sum_over_group
+from cpshard.distributed.collectives import gather, shift_sharded_multi
+from cpshard.distributed.sums import sum_over_group
 from cpshard.loss.mtp import mtp_loss
 from cpshard.ops.sharding import shard, unshard
 from cpshard.plan.causal import attention_work

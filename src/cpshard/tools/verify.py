@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cpshard.base.errors import check_int, fail
-from cpshard.distributed.collectives import max_over
+from cpshard.distributed.sums import max_over
 from cpshard.plan.values import Plan, ShardPlan
 from cpshard.testing.attention import attention, attention_mask, naive_attention, naive_attention_mask
 from cpshard.testing.spawn import joined_group, run_ranks, world_group
