@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     "base": 0,
     "index": 1,
     "plan": 2,
-    "ops": 3, "packing": 3,
+    "ops": 3, "packing": 3, "policy": 3,
     "distributed": 4,
     "loss": 5, "testing": 5,
     "megatron": 6,
@@ -387,6 +387,16 @@ def test_the_old_paths_are_the_new_modules():
     for old, new in _aliases.MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
         assert getattr(cpshard, old.rpartition(".")[2]) is importlib.import_module(new)
+    for old, homes in _aliases.SPLIT.items():  # a module split by idea: its old path holds every name of its homes
+        module = importlib.import_module(old)
+        assert getattr(cpshard, old.rpartition(".")[2]) is module
+        for home in map(importlib.import_module, homes):
+            assert all(getattr(module, n) is getattr(home, n) for n in home.__all__), (old, home.__name__)
+    layout = importlib.import_module("cpshard.layout")  # the names it had before the split, all of them
+    assert {"GradReduction", "LayerLayouts", "Layout", "Padding", "Reorder", "TwinOrder", "alignment", "fp8_alignment",
+            "fp8_total_alignment", "layer_layouts", "layout_for", "padded_lengths", "register_layout_rule", "round_up",
+            "sequence_unit", "shared_alignment", "total_problem", "unregister_layout_rule", "_RULES"} <= set(vars(layout))
+    assert layout._RULES is importlib.import_module("cpshard.policy.layouts")._RULES
     from cpshard.pack import packing_bound  # the module keeps its old path; cpshard.pack is the function
     assert callable(cpshard.pack) and not isinstance(cpshard.pack, type(cpshard))
     assert packing_bound is importlib.import_module("cpshard.packing.pack").packing_bound

@@ -21,8 +21,9 @@ Public API (documented in docs/ and the README):
   holds, padding, causal-work balance); :func:`draw_plans`: its ``--png`` figure (matplotlib).
 
 The package is layered, one subpackage per layer (``docs/ARCHITECTURE.md``): ``base`` (errors, dtypes,
-layouts), ``index`` (pure index math over segments), ``plan`` (the plan values, their index service,
-twins, causal math), ``ops`` and ``packing`` (data movement, micro-batch packing), ``distributed`` (the
+layouts and padding), ``index`` (pure index math over segments), ``plan`` (the plan values, their index
+service, twins, causal math), ``ops``, ``packing`` and ``policy`` (data movement, micro-batch packing,
+the layout a model needs), ``distributed`` (the
 only collectives), ``loss`` and ``testing`` (losses, the launcher and the reference computations),
 then ``megatron``, ``compat`` and ``tools`` (framework adapters, the CLI). The paths before the
 subpackages (``cpshard.mtp``, ``cpshard.spawn``, ...) still import (``_aliases``).
@@ -30,17 +31,8 @@ subpackages (``cpshard.mtp``, ``cpshard.spawn``, ...) still import (``_aliases``
 
 from cpshard import _aliases
 from cpshard.base import deps as _deps  # noqa: F401  (first: a missing NumPy is named with the fix)
-from cpshard.base.layout import (
-    GradReduction,
-    Layout,
-    Padding,
-    Reorder,
-    TwinOrder,
-    alignment,
-    layout_for,
-    register_layout_rule,
-    unregister_layout_rule,
-)
+from cpshard.base.convention import GradReduction
+from cpshard.base.layout import Layout, Padding, Reorder, TwinOrder, alignment
 from cpshard.index.halo import HaloExchange
 from cpshard.index.shift import Exchange, ShiftExchange
 from cpshard.ops.padded import from_padded, to_padded
@@ -49,6 +41,7 @@ from cpshard.packing.pack import Packing, pack  # eager: the function must shado
 from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.twins import twin_plan
 from cpshard.plan.values import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
+from cpshard.policy.layouts import layout_for, register_layout_rule, unregister_layout_rule
 
 __version__ = "0.2.0"
 
@@ -64,7 +57,7 @@ def __getattr__(name: str) -> object:
     import importlib
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if f"cpshard.{name}" in _aliases.MOVED:  # cpshard.layout, cpshard.spawn, ... as attributes too
+    if f"cpshard.{name}" in {**_aliases.MOVED, **_aliases.SPLIT}:  # cpshard.layout, cpshard.spawn, ... as attributes
         return importlib.import_module(f"cpshard.{name}")
     raise AttributeError(f"module 'cpshard' has no attribute {name!r}")
 

@@ -20,7 +20,6 @@ MOVED = {
     "cpshard.bshd": "cpshard.plan.bshd",
     "cpshard.causal": "cpshard.plan.causal",
     "cpshard.cli": "cpshard.tools.cli",
-    "cpshard.layout": "cpshard.base.layout",
     "cpshard.mtp": "cpshard.loss.mtp",
     "cpshard.padded": "cpshard.ops.padded",
     "cpshard.plot": "cpshard.tools.plot",
@@ -29,6 +28,11 @@ MOVED = {
     "cpshard.verify": "cpshard.tools.verify",
 }
 """Old path -> new path, loaded on first import."""
+
+SPLIT = {"cpshard.layout": ("cpshard.base.layout", "cpshard.base.convention", "cpshard.policy.layouts")}
+"""Old paths of modules split by idea -> their new homes: the old path is a module of its own that
+holds every name of its new homes (the same objects: what is mutated through it, such as a registered
+layout rule, is seen there; a name rebound on it is not)."""
 
 FUNCTION_NAMED = {"cpshard.pack": "cpshard.packing.pack"}
 """Old module paths that share their name with a function of ``cpshard`` (``cpshard.pack`` is the
@@ -51,15 +55,34 @@ class _Alias(importlib.abc.Loader):
         module.__spec__ = self.spec
 
 
+class _Union(importlib.abc.Loader):
+    def __init__(self, homes: tuple[str, ...]) -> None:
+        self.homes = homes
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # a plain module
+
+    def exec_module(self, module: ModuleType) -> None:
+        names: set[str] = set()
+        for home in self.homes:
+            new = importlib.import_module(home)
+            module.__dict__.update({k: v for k, v in vars(new).items() if not k.startswith("__")})
+            names.update(getattr(new, "__all__", ()))
+        module.__all__ = sorted(names)  # type: ignore[attr-defined]
+        module.__doc__ = f"The names of {', '.join(self.homes)} under their old path (``cpshard._aliases.SPLIT``)."
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in MOVED:
-            return None
-        return importlib.util.spec_from_loader(name, _Alias(MOVED[name]))
+        if name in MOVED:
+            return importlib.util.spec_from_loader(name, _Alias(MOVED[name]))
+        if name in SPLIT:
+            return importlib.util.spec_from_loader(name, _Union(SPLIT[name]))
+        return None
 
 
 def install() -> None:
-    """Serve :data:`MOVED`'s old paths (once per process; ``cpshard/__init__.py`` calls it)."""
+    """Serve :data:`MOVED`'s and :data:`SPLIT`'s old paths (once per process; ``cpshard/__init__.py`` calls it)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.append(_Finder())
     for old, new in FUNCTION_NAMED.items():

@@ -1,52 +1,27 @@
-"""Context-parallel layouts, their padding alignment, and the one place a model config picks a layout.
+"""Context-parallel layouts and the padding they need: the choices a plan is built with (``Layout``,
+``Padding``, the orders ``Reorder`` and ``TwinOrder``) and the padding arithmetic every plan builder
+and adapter shares (:func:`alignment`, :func:`padded_lengths`, :func:`total_problem`).
 
 Pure Python and NumPy; no tensors. See SPEC.md, "Padding" (the per-sequence alignment, and the padded
-lengths every plan builder derives from it: :func:`padded_lengths`) and "Layout choice"; also the names
-of the sequence order (``Reorder``) and of the gradient convention (``GradReduction``, SPEC.md "Losses
-and the gradient convention").
+lengths every plan builder derives from it). Which layout a model needs is policy, decided above the
+plan (``policy/layouts.py``: :func:`cpshard.layout_for`); the gradient convention's name is
+``base/convention.py``.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import numpy as np
 
-from cpshard.base.errors import check_int, fail, parse_choice
+from cpshard.base.choice import _Choice
+from cpshard.base.errors import check_int, fail
 
-__all__ = ["GradReduction", "LayerLayouts", "Layout", "Padding", "Reorder", "alignment", "layer_layouts", "layout_for",
-           "padded_lengths", "register_layout_rule", "total_problem", "TwinOrder",
-           "unregister_layout_rule"]
-
-
-_C = TypeVar("_C", bound="_Choice")
+__all__ = ["Layout", "Padding", "Reorder", "TwinOrder", "alignment", "fp8_alignment", "fp8_total_alignment",
+           "padded_lengths", "round_up", "sequence_unit", "shared_alignment", "total_problem"]
 
 
-class _Choice(str, enum.Enum):
-    """A named choice: shown as its value in messages ("zigzag", not "Layout.ZIGZAG"), parsed from
-    itself or its value with a clear error naming the argument (:data:`_CHOICES`)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    @classmethod
-    def parse(cls: type[_C], value: Any, name: str | None = None) -> _C:
-        """Accept a member or its string value; anything else is a clear error."""
-        argument, what = _CHOICES[cls.__name__]
-        return parse_choice(cls, value, name or argument, what, f"cpshard.{cls.__name__}")
-
-
-# per choice: the argument it is passed as, and what a member is called in an error message
-_CHOICES = {"Layout": ("layout", "known layout"), "Padding": ("padding", "padding mode"),
-            "Reorder": ("reorder", "known order (or None: the caller's)"),
-            "GradReduction": ("grad_reduction", "gradient reduction"), "TwinOrder": ("order", "twin order")}
-
-
-class Layout(_Choice):
+class Layout(_Choice, argument="layout", what="known layout"):
     """How a padded THD buffer is divided among context-parallel ranks.
 
     ``ZIGZAG`` cuts each sequence into ``2 * cp`` chunks; rank ``r`` holds chunks ``r`` and
@@ -61,7 +36,7 @@ class Layout(_Choice):
 
 
 
-class Padding(_Choice):
+class Padding(_Choice, argument="padding", what="padding mode"):
     """How much each sequence is padded (SPEC.md, "Padding").
 
     ``ALIGNED`` (the default) pads every sequence to the alignment Megatron users run: ``tp``,
@@ -76,7 +51,7 @@ class Padding(_Choice):
 
 
 
-class Reorder(_Choice):
+class Reorder(_Choice, argument="reorder", what="known order (or None: the caller's)"):
     """Which order a plan puts the sequences in (SPEC.md, "Balanced order").
 
     ``BALANCED`` (contiguous layout): the order that spreads causal-attention work evenly over the
@@ -88,7 +63,7 @@ class Reorder(_Choice):
 
 
 
-class TwinOrder(_Choice):
+class TwinOrder(_Choice, argument="order", what="twin order"):
     """The buffer order of a THD plan's twin (:meth:`~cpshard.Plan.twin`): ``SAME`` keeps the plan's,
     ``CALLER`` lays the sequences out in the caller's order, ``BALANCED`` in the order
     ``reorder="balanced"`` chooses (contiguous layout only)."""
@@ -96,23 +71,6 @@ class TwinOrder(_Choice):
     SAME = "same"
     CALLER = "caller"
     BALANCED = "balanced"
-
-
-class GradReduction(_Choice):
-    """How the caller reduces parameter gradients over ranks after backward (SPEC.md, "Losses and the
-    gradient convention"; Note [Gradient convention] in ``cpshard/loss.py``).
-
-    ``MEAN`` (the default everywhere): gradients are averaged over the CP group, and over the DP
-    group too, as Megatron-core's DDP and FSDP (and PyTorch's DDP) do; a loss then carries the
-    factor ``cp`` (times ``dp`` where it is normalized over the DP group). ``SUM``: gradients are
-    summed over the CP group (and over the DP group where the loss is normalized over it), no
-    factor. Either way the reduced gradient equals the one computed on the whole micro-batch (or on
-    the DP group's micro-batches) in one process at ``cp = 1``.
-    """
-
-    MEAN = "mean"
-    SUM = "sum"
-
 
 
 def alignment(cp_size: int, tp_size: int, layout: Layout | str, padding: Padding | str = Padding.ALIGNED) -> int:
@@ -152,6 +110,7 @@ def fp8_total_alignment(base: int) -> int:
 
 
 def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
     return -(-value // multiple) * multiple
 
 
@@ -234,97 +193,3 @@ def shared_alignment(padded: tuple[int, ...], unit: int) -> int:
     if all(p % unit == 0 for p in padded):
         return unit
     return max(math.gcd(*padded), 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout choice: one function from a model config to a layout, extensible by registration.
-
-_LayoutRule = Callable[[Any], "Layout | None"]
-_RULES: list[_LayoutRule] = []
-
-
-def register_layout_rule(rule: _LayoutRule) -> _LayoutRule:
-    """Register ``rule(config) -> Layout | None``; the first rule that answers decides.
-
-    Rules registered later are asked first, so a project can override the built-in choice.
-    Usable as a decorator.
-    """
-    _RULES.insert(0, rule)
-    return rule
-
-
-def unregister_layout_rule(rule: _LayoutRule) -> None:
-    """Remove ``rule``, registered with :func:`register_layout_rule` (a plugin's or a test's clean-up)."""
-    _RULES.remove(rule)
-
-
-@register_layout_rule
-def _declared(config: Any) -> Layout | None:
-    # What the config itself declares: Megatron-LM dev's TransformerConfig.cp_partition_mode, or
-    # attention_cp_layout (the name Megatron-LM main gives the attention layers' layout). Asked after
-    # the rules below: a dsv4_hybrid model is contiguous whatever the field says.
-    for name in ("cp_partition_mode", "attention_cp_layout"):
-        value = getattr(config, name, None)
-        if value is not None:
-            return Layout.parse(value, f"config.{name}")
-    return None
-
-
-@register_layout_rule
-def _dsv4_hybrid(config: Any) -> Layout | None:
-    # DeepSeek-V4's hybrid attention addresses rows through one rank-local global_start:
-    # zigzag silently gives wrong attention there, so it needs the contiguous layout.
-    if getattr(config, "experimental_attention_variant", None) == "dsv4_hybrid":
-        return Layout.CONTIGUOUS
-    return None
-
-
-def layout_for(config: Any) -> Layout:
-    """The context-parallel layout a model config needs (SPEC.md, "Layout choice").
-
-    ``CONTIGUOUS`` when ``config.experimental_attention_variant == "dsv4_hybrid"`` (or when a
-    registered rule says so), else the layout the config declares (Megatron-LM dev's
-    ``cp_partition_mode``, or ``attention_cp_layout``), else ``ZIGZAG``. Decide once per step and shard every tensor of
-    that step (tokens, labels, masks, router indices, value-head outputs) with the same plan.
-    """
-    for rule in _RULES:
-        choice = rule(config)
-        if choice is not None:
-            return Layout.parse(choice)
-    return Layout.ZIGZAG
-
-
-@dataclass(frozen=True)
-class LayerLayouts:
-    """The layout each kind of layer of a hybrid model runs on: softmax attention, and linear
-    attention or state-space layers (GatedDeltaNet, Mamba). Where they differ, the step builds one
-    plan for each, twins (``plan.twin(layouts.linear)``), and converts between them with
-    ``cpshard.distributed.relayout``."""
-
-    attention: Layout
-    linear: Layout
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether the two kinds of layer need different layouts (a relayout between them)."""
-        return self.attention is not self.linear
-
-
-def layer_layouts(config: Any) -> LayerLayouts:
-    """Which layout a model's attention layers and its linear (recurrent) layers need.
-
-    Megatron-LM main names them on the config (``attention_cp_layout``, ``linear_cp_layout``); where
-    a name is absent that kind of layer takes :func:`layout_for`'s choice, so a model that is not
-    hybrid gets the same layout twice. Linear layers need each document's rows in order on
-    consecutive ranks (their state passes from rank to rank), so a config naming
-    ``linear_cp_layout="zigzag"`` is refused.
-    """
-    base = layout_for(config)
-    declared = {kind: getattr(config, f"{kind}_cp_layout", None) for kind in ("attention", "linear")}
-    attention, linear = (base if declared[kind] is None else Layout.parse(declared[kind], f"config.{kind}_cp_layout")
-                         for kind in ("attention", "linear"))
-    if declared["linear"] is not None and linear is Layout.ZIGZAG:
-        fail("config.linear_cp_layout", repr(declared["linear"]), "linear-attention and state-space layers pass "
-             "their state from rank to rank and need each document's rows in order (contiguous)",
-             "set linear_cp_layout='contiguous'")
-    return LayerLayouts(attention, linear)

@@ -51,8 +51,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_int, fail, parse_choice
-from cpshard.base.layout import GradReduction
 from cpshard.base.types import TokenRows
 from cpshard.distributed.collectives import shift_sharded_multi
 from cpshard.distributed.groups import group_rank

@@ -56,8 +56,8 @@ from typing import Any
 
 import torch
 
+from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_tensor, fail
-from cpshard.base.layout import GradReduction
 from cpshard.distributed.agree import resolve_check
 from cpshard.distributed.checks import agree
 from cpshard.distributed.groups import group_rank, group_size

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import check_int, fail
-from cpshard.base.layout import Layout, layout_for
+from cpshard.base.layout import Layout
 from cpshard.distributed.groups import read_group
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.plan.values import ShardPlan
+from cpshard.policy.layouts import layout_for
 
 __all__ = ["ParallelContext", "fp8_padding", "parallel_context", "plan_from_parallel_state"]
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpshard.base.errors import fail
-from cpshard.base.layout import Layout, layout_for
+from cpshard.base.layout import Layout
+from cpshard.policy.layouts import layout_for
 
 __all__ = ["ENV", "Setting", "current", "describe", "engine_layout", "in_use", "once", "running", "setting", "switch"]
 
