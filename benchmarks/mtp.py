@@ -106,8 +106,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, A
     import torch.distributed as dist
 
     from cpshard import ShardPlan
-    from cpshard.megatron import process_mtp_loss
-    from cpshard.megatron._import import import_megatron
+    from cpshard.megatron import import_megatron, process_mtp_loss
 
     mod = import_megatron("transformer.multi_token_prediction")
     psp_cls = import_megatron("packed_seq_params").PackedSeqParams

@@ -216,7 +216,7 @@ def _contiguous_check(rank: int, group: Any, seqlens: list[int], labels: torch.T
 def _ranks(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One gloo rank (cpshard.spawn.run_ranks): every batch, returned to the parent for the report."""
     group = dist.new_group(list(range(world)))
-    from cpshard.megatron._import import import_roll_tensor
+    from cpshard.megatron import import_roll_tensor
     roll_tensor, PackedSeqParams = import_roll_tensor()
     return [_run_batch(rank, group, b, args, roll_tensor, PackedSeqParams) for b in args.batches]
 

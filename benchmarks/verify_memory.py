@@ -23,12 +23,12 @@ import time
 def _one(lengths: list[int], cp: int, dtype: str) -> dict:
     import torch
 
-    from cpshard.verify import DTYPES, Config, TinyDecoder, _batch, _plan, step
+    from cpshard.verify import DTYPES, Config, TinyDecoder, config_plan, step, token_batch
 
     torch.set_num_threads(1)
     start = time.perf_counter()
     if cp == 1:
-        step(TinyDecoder(DTYPES[dtype]), _batch(lengths), _plan(lengths, Config(1, 1, "zigzag")), 0, None)
+        step(TinyDecoder(DTYPES[dtype]), token_batch(lengths), config_plan(lengths, Config(1, 1, "zigzag")), 0, None)
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     else:
         from cpshard.spawn import run_ranks
@@ -40,9 +40,9 @@ def _one(lengths: list[int], cp: int, dtype: str) -> dict:
 def _rank(rank: int, world: int, lengths: list[int], dtype: str) -> int:
     import torch.distributed as dist
 
-    from cpshard.verify import DTYPES, Config, TinyDecoder, _batch, _plan, step
+    from cpshard.verify import DTYPES, Config, TinyDecoder, config_plan, step, token_batch
 
-    step(TinyDecoder(DTYPES[dtype]), _batch(lengths), _plan(lengths, Config(world, 1, "zigzag")), rank,
+    step(TinyDecoder(DTYPES[dtype]), token_batch(lengths), config_plan(lengths, Config(world, 1, "zigzag")), rank,
          dist.group.WORLD)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 

@@ -102,8 +102,6 @@ PENDING_PRIVATE = {
     "cpshard.packing.refine: cpshard.index.balance._lpt",
     "cpshard.packing.refine: cpshard.index.balance._score",
     "cpshard.packing.refine: cpshard.index.balance._tri",
-    "cpshard.compat.verl._patch: cpshard.megatron._import.INSTALL_HINT",  # compat/ reworked in parallel
-    "cpshard.compat.verl._patch: cpshard.megatron._import.import_megatron",
 }
 #: ``ShardPlan | BshdPlan`` unions left outside the plan package (compat/ is reworked in parallel).
 PENDING_UNIONS = {"cpshard.compat._verl_rows"}
@@ -395,7 +393,8 @@ def test_the_old_paths_are_the_new_modules():
     layout = importlib.import_module("cpshard.layout")  # the names it had before the split, all of them
     assert {"GradReduction", "LayerLayouts", "Layout", "Padding", "Reorder", "TwinOrder", "alignment", "fp8_alignment",
             "fp8_total_alignment", "layer_layouts", "layout_for", "padded_lengths", "register_layout_rule", "round_up",
-            "sequence_unit", "shared_alignment", "total_problem", "unregister_layout_rule", "_RULES"} <= set(vars(layout))
+            "sequence_unit", "shared_alignment", "total_problem", "unregister_layout_rule",
+            "_RULES"} <= set(vars(layout))
     assert layout._RULES is importlib.import_module("cpshard.policy.layouts")._RULES
     from cpshard.pack import packing_bound  # the module keeps its old path; cpshard.pack is the function
     assert callable(cpshard.pack) and not isinstance(cpshard.pack, type(cpshard))

@@ -170,11 +170,11 @@ def test_estimate_follows_its_rule():
 
 
 def test_duration_text():
-    from cpshard.verify import _duration
+    from cpshard.verify import duration_text
 
-    assert [_duration(s) for s in (0.2, 42.4, 90, 462, 4000)] == ["1 s", "42 s", "1 min 30 s", "7 min 42 s",
+    assert [duration_text(s) for s in (0.2, 42.4, 90, 462, 4000)] == ["1 s", "42 s", "1 min 30 s", "7 min 42 s",
                                                                    "1 h 06 min"]
-    assert re.fullmatch(r"\d+ s", _duration(3.5))
+    assert re.fullmatch(r"\d+ s", duration_text(3.5))
 
 
 # -- the summary and the figure, public -----------------------------------------------------------------------

@@ -88,13 +88,13 @@ import cpshard
 def test_missing_megatron_is_named_with_its_commands(monkeypatch):
     import importlib.util
 
-    from cpshard.megatron import _import
+    from cpshard.megatron import import_megatron
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
-    monkeypatch.delitem(sys.modules, _import._PAGED_STASH, raising=False)
+    monkeypatch.delitem(sys.modules, "megatron.core.transformer.moe.ops.paged_stash", raising=False)
     monkeypatch.delitem(sys.modules, "megatron", raising=False)
     with pytest.raises(ImportError) as info:
-        _import._preload_paged_stash()
+        import_megatron("packed_seq_params")
     text = str(info.value)
     assert "pip install --no-deps --ignore-requires-python megatron-core==0.19.2" in text
     assert "_import.py" not in text

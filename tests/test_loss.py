@@ -172,7 +172,7 @@ def test_verl_agg_loss_modes_at_cp1():
     """verl 0.9.1's agg_loss on the padded (B, S) batch, one process: each mode equals the README's row
     (seq-mean-token-mean to 1e-7: verl adds 1e-8 to each sequence's count, cpshard divides exactly)."""
     try:
-        from cpshard.megatron._import import import_megatron
+        from cpshard.megatron import import_megatron
 
         import_megatron("parallel_state")  # verl imports Megatron: the triton-free import first
     except ImportError:

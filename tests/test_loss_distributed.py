@@ -245,7 +245,7 @@ def _megatron_schedule(rank, world, group):
     """The README's Megatron rows through megatron-core's own forward_step_calc_loss (its cp factor
     for a two-value loss_func, its division by the rank's count for a three-value one), then its
     DDP reduction (averaged over CP; per-token mode: summed, divided by num_tokens summed over CP)."""
-    from cpshard.megatron._import import import_megatron
+    from cpshard.megatron import import_megatron
 
     try:
         forward_step_calc_loss = import_megatron("pipeline_parallel.schedules").forward_step_calc_loss

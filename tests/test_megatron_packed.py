@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cpshard import ShardPlan
 from cpshard.megatron import (
     ParallelContext,
+    import_megatron,
     install_cpu_stand_ins,
     megatron_version,
     packed_seq_params,
@@ -25,7 +26,6 @@ from cpshard.megatron import (
     plan_from_parallel_state,
     supports_cp_partition_mode,
 )
-from cpshard.megatron._import import import_megatron
 from strategies import props
 
 try:

@@ -20,9 +20,8 @@ from hypothesis import strategies as st
 from cpshard import BshdPlan, Layout, ShardPlan, shard
 from cpshard.index import halo as _halo
 from cpshard.index.shift import all_to_all_in_process
-from cpshard.megatron import megatron_version, mtp_loss_impl, plan_for_mtp, process_mtp_loss
+from cpshard.megatron import import_megatron, megatron_version, mtp_loss_impl, plan_for_mtp, process_mtp_loss
 from cpshard.megatron import mtp as megatron_mtp
-from cpshard.megatron._import import import_megatron
 from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
 from cpshard.plan import halo_exchange, shift_exchange
 from reference import ref_shard
@@ -546,7 +545,7 @@ def test_fused_linear_cross_entropy_like_megatron(monkeypatch):
     comes from the output layer (``output_cross_entropy_loss=True``, no logits), and no acceptance
     counts are computed (there are no logits to count them from); the releases always build logits."""
     mod = megatron_module()
-    if not megatron_mtp._fuses_linear_cross_entropy(
+    if not megatron_mtp.fuses_linear_cross_entropy(
             mod, SimpleNamespace(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="linear")):
         pytest.skip(f"megatron-core {megatron_version()}'s process_mtp_loss builds logits whatever the fusion "
                     "(Megatron-LM dev fuses)")
@@ -580,7 +579,7 @@ def test_fused_linear_cross_entropy_like_megatron(monkeypatch):
 
 def test_mtp_loss_impl_chooses_and_logs_once(caplog):
     mod = megatron_module()
-    megatron_mtp._logged.clear()
+    megatron_mtp.forget_logged_choices()
     with caplog.at_level(logging.INFO, logger="cpshard.megatron"):
         one, four = mtp_loss_impl(1), mtp_loss_impl(4)
         mtp_loss_impl(1)

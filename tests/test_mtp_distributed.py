@@ -100,7 +100,7 @@ def _exactness(rank, world):
 
 def _drop_in(plan, rank, group, data, n, *, fn, per_token, counts=None, contiguous=False):
     """Megatron's calling convention: [(1 + n) L, 1, h] hidden, [1, L] labels, packed_seq_params."""
-    from cpshard.megatron._import import import_megatron
+    from cpshard.megatron import import_megatron
 
     ids, labels, mask, hidden, weight = data
     psp = import_megatron("packed_seq_params").PackedSeqParams(
@@ -136,8 +136,7 @@ def _megatron_and_local_counts(rank, world):
     Under zigzag Megatron's function equals cpshard's counts="local" (same labels, same per-rank
     counts); under contiguous it differs even from that (its roll assumes zigzag: wrong labels).
     """
-    from cpshard.megatron import process_mtp_loss
-    from cpshard.megatron._import import import_megatron
+    from cpshard.megatron import import_megatron, process_mtp_loss
 
     megatrons = None
     try:

@@ -161,7 +161,8 @@ def test_pack_png_axis_reads_in_units_and_micro_batches_are_labelled(tmp_path):
 
 
 def test_micro_batch_labels_shrink_to_fit():
-    from cpshard.plot import _mb_label
+    from cpshard.plot import micro_batch_label
 
-    assert _mb_label(3, 12, 200) == "mb 3: 12 seqs" and _mb_label(0, 1, 200) == "mb 0: 1 seq"
-    assert _mb_label(3, 12, 30) == "mb 3" and _mb_label(3, 12, 15) == "3" and _mb_label(3, None, 200) == "mb 3" and _mb_label(3, 12, 5) == ""
+    assert micro_batch_label(3, 12, 200) == "mb 3: 12 seqs" and micro_batch_label(0, 1, 200) == "mb 0: 1 seq"
+    assert micro_batch_label(3, 12, 30) == "mb 3" and micro_batch_label(3, 12, 15) == "3"
+    assert micro_batch_label(3, None, 200) == "mb 3" and micro_batch_label(3, 12, 5) == ""

@@ -33,7 +33,7 @@ def _values(rank):
 
 
 def _import_megatron_then_return(rank, world):
-    from cpshard.megatron._import import import_megatron
+    from cpshard.megatron import import_megatron
 
     import_megatron("transformer.multi_token_prediction")  # replaces torch.storage._load_from_bytes
     assert "megatron.core.safe_globals" in sys.modules
@@ -63,7 +63,7 @@ def _same(a, b):
 def test_tensors_come_back_after_a_rank_imported_megatron():
     """megatron-core replaces torch.storage._load_from_bytes when it is imported; a tensor pickled
     the usual way would then make the parent import Megatron (and Triton) to read it."""
-    from cpshard.megatron._import import import_megatron
+    from cpshard.megatron import import_megatron
     try:
         import_megatron("transformer.multi_token_prediction")
     except ImportError as exc:

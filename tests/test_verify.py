@@ -109,10 +109,10 @@ def test_cp1_with_tp_padding_equals_reference_and_comparison_can_fail():
     lens = (9, 1, 4)
     want = reference(lens, torch.float64)
     config = Config(1, 2, "zigzag")
-    from cpshard.verify import TinyDecoder, _batch
+    from cpshard.verify import TinyDecoder, token_batch
 
     plan = ShardPlan.build(lens, cp_size=1, tp_size=2)
-    got = step(TinyDecoder(), _batch(lens), plan, 0, None)
+    got = step(TinyDecoder(), token_batch(lens), plan, 0, None)
     result = compare(config, got, want, plan, 1e-9)
     assert result.ok and max(result.max_abs_diff.values()) < 1e-13
     assert result.attention_work == [45 + 1 + 10]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpshard.megatron._import import import_megatron
+from cpshard.megatron import import_megatron
 
 mpu = import_megatron("parallel_state")
 psp_module = import_megatron("packed_seq_params")

@@ -32,13 +32,20 @@ from cpshard.megatron.state import _group_read
 from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.values import Plan, ShardPlan
 
-__all__ = ["MtpLossImpl", "megatron_mtp_module", "mtp_loss_impl", "plan_for_mtp", "process_mtp_loss"]
+__all__ = ["MtpLossImpl", "forget_logged_choices", "fuses_linear_cross_entropy", "megatron_mtp_module", "mtp_loss_impl",
+           "plan_for_mtp", "process_mtp_loss"]
 
 _log = logging.getLogger("cpshard.megatron")
 _logged: set[tuple[str, str]] = set()
 _NOT_LOADED = object()
 _module: Any = _NOT_LOADED
 _module_error = ""
+
+
+def forget_logged_choices() -> None:
+    """Forget which choices :func:`mtp_loss_impl` has logged, so that the next one logs again (it logs
+    each choice once a process). A test hook."""
+    _logged.clear()
 
 
 def megatron_mtp_module() -> tuple[Any, str]:
@@ -156,7 +163,7 @@ def process_mtp_loss(
 
     shape = tuple(like.shape)
     mod, _ = megatron_mtp_module()
-    fused = _fuses_linear_cross_entropy(mod, config)
+    fused = fuses_linear_cross_entropy(mod, config)
     last: dict[str, torch.Tensor] = {}  # each depth's per-token loss, for the tracker's loss sum (dev)
 
     def logits_of(hidden: torch.Tensor) -> torch.Tensor:
@@ -192,7 +199,7 @@ def process_mtp_loss(
     return result.hidden
 
 
-def _fuses_linear_cross_entropy(mod: Any, config: Any) -> bool:
+def fuses_linear_cross_entropy(mod: Any, config: Any) -> bool:
     """Whether the installed Megatron's ``process_mtp_loss`` takes each depth's loss from the output
     layer (``output_cross_entropy_loss=True``, no logits) under this config: Megatron-LM dev does with
     ``cross_entropy_loss_fusion`` and ``cross_entropy_fusion_impl == "linear"``; 0.19 and main always

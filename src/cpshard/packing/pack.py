@@ -73,8 +73,8 @@ from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, Padding, Reorder, sequence_unit
 from cpshard.index.balance import _tri, zigzag_works
 from cpshard.packing.refine import Buffers, assign
-from cpshard.plan.args import parse_seqlens
 from cpshard.plan.values import ShardPlan
+from cpshard.plan.args import parse_seqlens
 
 __all__ = ["Packing", "pack", "packing_bound", "step_ratio"]
 

@@ -114,7 +114,8 @@ def read_lengths_file(path: str) -> list[int]:
 def _add_lengths(p: argparse.ArgumentParser, default: Sequence[int], example: str) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--lengths", type=_lengths, default=list(default),
-                       help=f"sequence lengths, comma-separated, e.g. {example} (default {','.join(map(str, default))})")
+                       help=f"sequence lengths, comma-separated, e.g. {example} "
+                       f"(default {','.join(map(str, default))})")
     which.add_argument("--lengths-file", type=read_lengths_file, default=None, metavar="PATH",
                        help="sequence lengths from a file: integers separated by newlines, spaces or commas, "
                        "or a JSON list")

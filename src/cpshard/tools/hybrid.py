@@ -33,7 +33,7 @@ from cpshard.plan.twins import twin
 from cpshard.plan.values import ShardPlan
 from cpshard.testing.scan import linear_scan, naive_linear_scan
 from cpshard.testing.spawn import run_ranks, world_group
-from cpshard.tools.model import DTYPES, HIDDEN, LAYERS, TinyDecoder, _batch, _rms_norm
+from cpshard.tools.model import DTYPES, HIDDEN, LAYERS, TinyDecoder, _rms_norm, token_batch
 from cpshard.tools.results import (
     TOLERANCE,
     Config,
@@ -137,7 +137,7 @@ def _plans(lengths: Sequence[int], c: Config) -> tuple[ShardPlan, ShardPlan]:
 
 def _run(lengths: tuple[int, ...], c: Config, dtype: torch.dtype, rank: int, group: Any) -> Outcome:
     plan, contiguous = _plans(lengths, c)
-    return hybrid_step(HybridDecoder(dtype), _batch(lengths), plan, contiguous, rank, group,
+    return hybrid_step(HybridDecoder(dtype), token_batch(lengths), plan, contiguous, rank, group,
                        naive=c.attention == "naive")
 
 

@@ -18,7 +18,8 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 VOCAB, HIDDEN, HEADS, LAYERS, MTP_DEPTHS, MTP_SCALE = 61, 32, 4, 2, 2, 0.3
 
 
-def _batch(lengths: Sequence[int]) -> list[torch.Tensor]:
+def token_batch(lengths: Sequence[int]) -> list[torch.Tensor]:
+    """The token ids ``verify`` runs on: one ``(n,)`` int64 tensor per length, the same on every rank (seed 1)."""
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
 

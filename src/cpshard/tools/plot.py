@@ -218,7 +218,7 @@ def draw_plans(plans: Sequence[ShardPlan], path: str, *, notes: str = "") -> Any
     return fig
 
 
-def _mb_label(m: int, seqs: int | None, px: float) -> str:
+def micro_batch_label(m: int, seqs: int | None, px: float) -> str:
     """A micro-batch's label in a box ``px`` pixels wide: ``mb 3: 12 seqs`` where it fits, ``3`` where
     only the index does, nothing in a sliver."""
     full = f"mb {m}" + ("" if seqs is None else f": {seqs} seq" + ("" if seqs == 1 else "s"))
@@ -265,7 +265,7 @@ def draw_packing(packing: Any, path: str, *,
                 ax.broken_barh([(start, slow)], (d - 0.4, 0.8), facecolors=[(*colour[:3], 0.3)], edgecolor="white",
                                linewidth=0.4)
                 ax.broken_barh([(start, mean)], (d - 0.4, 0.8), facecolors=[colour], linewidth=0)
-                text = _mb_label(m, sizes[d][m] if work is packing.work else None, slow / xmax * lane_px)
+                text = micro_batch_label(m, sizes[d][m] if work is packing.work else None, slow / xmax * lane_px)
                 if text:
                     ax.text(start + slow / 2, d, text, ha="center", va="center", fontsize=7, clip_on=True,
                             bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.75, "linewidth": 0})

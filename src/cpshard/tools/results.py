@@ -385,11 +385,12 @@ def timed_reference(run: Callable[[tuple[int, ...]], Outcome], lengths: tuple[in
     bar.step(f"cp=1 reference {seconds:.1f} s")
     cpus = _cpus()
     guess = estimate_seconds(seconds, plans_by_cp, cpus, warmup=warmup)
-    bar.note(f"about {_duration(guess)} more on {cpus} CPU core{'s' if cpus > 1 else ''} ({_ESTIMATE_RULE})")
+    bar.note(f"about {duration_text(guess)} more on {cpus} CPU core{'s' if cpus > 1 else ''} ({_ESTIMATE_RULE})")
     return want
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """A time as the progress bar says it: ``42 s``, ``7 min 42 s``."""
     if seconds < 90:
         return f"{max(1, round(seconds))} s"
     minutes, rest = divmod(round(seconds), 60)

@@ -43,7 +43,7 @@ from cpshard.distributed.sums import max_over
 from cpshard.plan.values import Plan, ShardPlan
 from cpshard.testing.attention import attention, attention_mask, naive_attention, naive_attention_mask
 from cpshard.testing.spawn import joined_group, run_ranks, world_group
-from cpshard.tools.model import DTYPES, TinyDecoder, _batch
+from cpshard.tools.model import DTYPES, TinyDecoder, token_batch
 from cpshard.tools.results import (  # step and the estimate are verify's names too
     _ESTIMATE_RULE,
     MAX_TOKENS,
@@ -58,9 +58,9 @@ from cpshard.tools.results import (  # step and the estimate are verify's names 
     Report,
     Result,
     _check_args,
-    _duration,
     compare,
     configurations,
+    duration_text,
     estimate_seconds,
     naive_skip_reason,
     step,
@@ -116,15 +116,16 @@ def scale_lengths(lengths: Sequence[int], tokens: int) -> list[int]:
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {"reference": attention, "naive": naive_attention}
 
 
-def _plan(lengths: Sequence[int], config: Config) -> ShardPlan:
+def config_plan(lengths: Sequence[int], config: Config) -> ShardPlan:
+    """The plan ``verify`` runs ``config`` with on these lengths."""
     return ShardPlan.build(lengths, cp_size=config.cp, tp_size=config.tp, layout=config.layout,
                            padding=config.padding, reorder=config.reorder)
 
 
 def reference(lengths: Sequence[int], dtype: torch.dtype, device: torch.device | None = None) -> Outcome:
     """The ``cp = 1``, ``tp = 1`` outcome every configuration is compared with (no communication)."""
-    return step(TinyDecoder(dtype).to(device or "cpu"), _batch(lengths), _plan(lengths, Config(1, 1, "zigzag")), 0,
-                None, device=device)
+    plan = config_plan(lengths, Config(1, 1, "zigzag"))
+    return step(TinyDecoder(dtype).to(device or "cpu"), token_batch(lengths), plan, 0, None, device=device)
 
 
 # -- spawned gloo groups ----------------------------------------------------------------------
@@ -134,11 +135,11 @@ def _rank_body(rank: int, world: int, lengths: tuple[int, ...], configs: list[Co
                progress: Progress) -> list[Outcome] | None:
     """Every configuration of one ``cp`` on this rank, in one process group. Rank 0 returns the outcomes."""
     group = world_group()
-    batch = _batch(lengths)
+    batch = token_batch(lengths)
     model = TinyDecoder(DTYPES[dtype_name])
     outcomes = []
     for config in configs:
-        outcome = step(model, batch, _plan(lengths, config), rank, group, attend_fn=_KERNELS[config.attention])
+        outcome = step(model, batch, config_plan(lengths, config), rank, group, attend_fn=_KERNELS[config.attention])
         slowest = torch.tensor([outcome.seconds])
         slowest = max_over(slowest, group)
         outcomes.append(dataclasses.replace(outcome, seconds=float(slowest)))
@@ -190,7 +191,7 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     configs = [dataclasses.replace(c, attention=attention)
                for c in configurations(cps, tps, layouts, paddings, reorders)]
     naive = Config(min([c for c in cps if c > 1], default=2), tps[0], "zigzag", "naive")
-    skipped = naive_skip_reason(naive_shown(_plan(lens, naive)), "attention under zigzag", naive.cp)
+    skipped = naive_skip_reason(naive_shown(config_plan(lens, naive)), "attention under zigzag", naive.cp)
     checks = [] if skipped else [naive]
     bar = Progress(total=len(configs) + 1 + len(checks), enabled=progress)
     if skipped:
@@ -200,12 +201,12 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     for c in dict.fromkeys(configs + checks):  # with attention="naive" the check is one of the configurations
         by_cp.setdefault(c.cp, []).append(c)
     want = timed_reference(lambda lens_: reference(lens_, torch_dtype), lens,
-                           {cp: [_plan(lens, c) for c in cs] for cp, cs in by_cp.items()}, bar)
+                           {cp: [config_plan(lens, c) for c in cs] for cp, cs in by_cp.items()}, bar)
     outcomes: dict[Config, Outcome] = {}
     for cp, group_configs in by_cp.items():
         if cp == 1:
             for c in group_configs:
-                outcomes[c] = step(TinyDecoder(torch_dtype), _batch(lens), _plan(lens, c), 0, None,
+                outcomes[c] = step(TinyDecoder(torch_dtype), token_batch(lens), config_plan(lens, c), 0, None,
                                    attend_fn=_KERNELS[c.attention])
                 bar.step(c.name)
             continue
@@ -213,8 +214,8 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
         bar.done += len(group_configs)
         outcomes.update(zip(group_configs, got))
     tol = TOLERANCE[torch_dtype]
-    results = [compare(c, outcomes[c], want, _plan(lens, c), tol) for c in configs]
-    naive_result = None if skipped else compare(naive, outcomes[naive], want, _plan(lens, naive), tol)
+    results = [compare(c, outcomes[c], want, config_plan(lens, c), tol) for c in configs]
+    naive_result = None if skipped else compare(naive, outcomes[naive], want, config_plan(lens, naive), tol)
     return Report(results, naive_result, lens, dtype, tol, time.perf_counter() - start, naive_skipped=skipped)
 
 
@@ -254,7 +255,7 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         configs = [dataclasses.replace(c, attention=attention)
                    for c in configurations([world], tps, layouts, paddings, reorders)]
         naive = Config(world, tps[0], "zigzag", "naive")
-        skipped = naive_skip_reason(naive_shown(_plan(lens, naive)), "attention under zigzag", world)
+        skipped = naive_skip_reason(naive_shown(config_plan(lens, naive)), "attention under zigzag", world)
         checks = [] if skipped else [naive]
         bar = Progress(total=len(configs) + 1 + len(checks), enabled=progress and rank == 0)
         if skipped:
@@ -263,13 +264,14 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
         want = reference(lens, torch_dtype, device) if rank == 0 else None
         ref_seconds = time.perf_counter() - ref_start
         bar.step(f"cp=1 reference {ref_seconds:.1f} s")
-        guess = estimate_seconds(ref_seconds, {world: [_plan(lens, c) for c in configs + checks]}, world, startup=0.0)
-        bar.note(f"about {_duration(guess)} more ({_ESTIMATE_RULE}; on GPUs far less)")
+        guess = estimate_seconds(ref_seconds, {world: [config_plan(lens, c) for c in configs + checks]}, world,
+                                 startup=0.0)
+        bar.note(f"about {duration_text(guess)} more ({_ESTIMATE_RULE}; on GPUs far less)")
         model = TinyDecoder(torch_dtype).to(device)
-        batch = _batch(lens)
+        batch = token_batch(lens)
         results: list[Result] = []
         for c in configs + checks:
-            plan = _plan(lens, c)
+            plan = config_plan(lens, c)
             got = step(model, batch, plan, rank, group, attend_fn=_KERNELS[c.attention], device=device)
             bar.step(f"{c.name} {got.seconds:.1f} s")
             if want is not None:

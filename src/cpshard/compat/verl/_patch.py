@@ -332,8 +332,8 @@ def _engine_hook(original: Any) -> Any:
 def _import_megatron_for_verl(version: str) -> None:
     """Import megatron-core the way cpshard does on a machine without Triton, before verl's modules
     import it themselves (verl's util imports ``megatron.core``; the Triton stand-in exists only
-    while the one file that needs it runs: :mod:`cpshard.megatron._import`)."""
-    from cpshard.megatron._import import INSTALL_HINT, import_megatron
+    while the one file that needs it runs: ``cpshard.megatron.import_megatron``)."""
+    from cpshard.megatron import INSTALL_HINT, import_megatron
 
     try:
         import_megatron("parallel_state")
