@@ -41,7 +41,7 @@ from cpshard.base.layout import Layout, alignment, fp8_alignment
 from cpshard.index.segments import expand_np
 from cpshard.ops.sharding import shard
 from cpshard.plan.bshd import BshdPlan
-from cpshard.plan.values import ShardPlan
+from cpshard.plan.values import Plan, ShardPlan
 
 __all__ = ["Rules", "bshd_rows", "rules_for", "thd_rows"]
 
@@ -95,8 +95,9 @@ def _put(rows: torch.Tensor, at: np.ndarray, values: torch.Tensor, src: np.ndarr
     return rows.index_put((torch.from_numpy(at).to(rows.device),), new)
 
 
-def _first_rows(plan: ShardPlan | BshdPlan) -> np.ndarray:
-    """Buffer sequence -> the flat input row of its first token (rows in the caller's order)."""
+def _first_rows(plan: Plan) -> np.ndarray:
+    """Buffer sequence -> the flat input row of its first token (rows in the caller's order): what every
+    plan kind answers (its input offsets and its order)."""
     first = np.asarray(plan.input_cu_seqlens_py[:-1], dtype=np.int64)
     return first if plan.order is None else first[np.asarray(plan.order)]
 

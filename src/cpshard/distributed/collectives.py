@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from cpshard.base.dtypes import movable
+from cpshard.base.dtypes import carrier, check_fill, movable
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.types import Group, Scalar
 from cpshard.distributed.checks import check_local, checked_call, plan_fingerprint
@@ -39,9 +39,11 @@ from cpshard.distributed.groups import solo
 from cpshard.distributed.stamp import Stamp, all_gather_stamped, all_to_all
 from cpshard.distributed.sums import max_over as max_over  # re-exported, as initialized
 from cpshard.distributed.sums import reduce_stamped
+from cpshard.index import halo as _halo
 from cpshard.index.shift import ShiftExchange
 from cpshard.ops.sharding import as_nested, pad_and_fill, token_rows
 from cpshard.plan.args import check_shift
+from cpshard.plan.twins import check_twins, relayout_route
 from cpshard.plan.values import Plan
 
 __all__ = ["all_gather_rows", "gather", "gather_states", "gather_tokens", "joined", "relayout", "shift_sharded",
@@ -215,9 +217,6 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
         ``shifts[s]``; pad rows take their pad value for every shift. No gradient flows (labels and
         masks); the inputs are read detached.
     """
-    from cpshard.base.dtypes import check_fill
-    from cpshard.index import halo as _halo  # here, not at the top: this section stays apart from the rest
-
     def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
         checked = [check_local(t, plan) for t in tensors]
         pads = list(pad_values) if pad_values is not None else [None] * len(checked)
@@ -373,9 +372,6 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
     Autograd: differentiable; the gradient is the reverse relayout of the output's gradient (one
     more all-to-all in backward), so every row's gradient returns to the rank and row it came from.
     """
-    from cpshard.base.dtypes import carrier
-    from cpshard.plan.twins import check_twins, relayout_route
-
     def validate() -> tuple[tuple[torch.Tensor, Plan], dict[str, Any]]:
         _, dst = check_twins(src_plan, dst_plan)
         checked = check_local(local, src_plan)

@@ -167,10 +167,17 @@ def scan_ranks(a: list[torch.Tensor], x: list[torch.Tensor], plan: ShardPlan) ->
     return [apply_carry(H, A, states, layout, r) for r, (H, A) in enumerate(local)]
 
 
-def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_kind(plan: Any) -> ShardPlan:
+    """The scan's one check of the plan's type (validation of the argument, not a switch on plan kinds:
+    the scan runs on packed THD rows only)."""
     if not isinstance(plan, ShardPlan):
         fail("plan", type(plan).__name__, "must be a ShardPlan (the scan runs on packed THD rows)",
              "build one with ShardPlan.build", kind=TypeError)
+    return plan
+
+
+def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_kind(plan)
     a, x = check_tensor("a", a), check_tensor("x", x)
     lead = plan.local_shape
     if a.dim() < 1 or tuple(a.shape[:1]) != lead:
@@ -222,6 +229,8 @@ def linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any, *
         ``(L, ...)``, 0 on pad rows. Communication: one ``all_gather_single`` of ``(2, ...)`` per rank
         in forward, one ``all_reduce`` of ``(cp, 2, ...)`` in backward; none at ``cp = 1``.
     """
+    # validation: a zigzag THD plan is refused with its fix here; another plan kind is refused by
+    # _check_kind under the agreement (check=True), as every other bad argument
     if isinstance(plan, ShardPlan) and plan.layout is Layout.ZIGZAG and plan.cp_size > 1:
         fail("plan", f"a zigzag plan (cp_size={plan.cp_size})", "the scan needs each document's rows in order on "
              "consecutive ranks, and zigzag's second chunk on rank r continues rank r + 1's rows",
@@ -235,8 +244,5 @@ def naive_linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: 
     """:func:`linear_scan` under one wrong belief: that the rows are ``plan``'s contiguous twin's.
     Right under the contiguous layout; wrong on zigzag rows. Kept to show that
     ``cpshard verify --model hybrid`` catches it. Same arguments."""
-    if not isinstance(plan, ShardPlan):
-        _check(a, x, plan)
-    belief = twin(plan, Layout.CONTIGUOUS)
-    assert isinstance(belief, ShardPlan)  # the twin of a ShardPlan is one
+    belief = _check_kind(twin(_check_kind(plan), Layout.CONTIGUOUS))  # a ShardPlan's twin is one
     return _scan(a, x, plan, group, belief, check)
