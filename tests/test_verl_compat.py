@@ -558,10 +558,10 @@ def test_patch_replaces_every_binding_and_undoes_itself(caplog):
     import verl.models.mcore.model_forward as mf
     import verl.models.mcore.model_forward_fused as mff
 
-    originals = {name: getattr(vutil, name) for name in cv._DROP_INS}
+    originals = {name: getattr(vutil, name) for name in cv.DROP_INS}
     with caplog.at_level(logging.DEBUG, logger="cpshard.compat.verl"):
         with cv.patch() as p:
-            for name, fn in cv._DROP_INS.items():
+            for name, fn in cv.DROP_INS.items():
                 assert getattr(vutil, name) is fn and getattr(mf, name) is fn
             assert mff.preprocess_thd_engine is cv.preprocess_thd_engine
             assert "verl.models.mcore.util.preprocess_thd_engine" in p.replaced
@@ -623,7 +623,7 @@ def test_patch_skips_a_name_a_module_no_longer_binds(monkeypatch, caplog):
     import verl.models.mcore.model_forward as mf
     import verl.models.mcore.model_forward_fused as fused
     monkeypatch.delattr(fused, "build_vlm_attn_mask_thd")
-    originals = {name: getattr(vutil, name) for name in cv._DROP_INS}
+    originals = {name: getattr(vutil, name) for name in cv.DROP_INS}
     with caplog.at_level(logging.INFO, logger="cpshard.compat.verl"), cv.patch() as p:
         site = "verl.models.mcore.model_forward_fused.build_vlm_attn_mask_thd"
         assert p.skipped[site] == "this verl's model_forward_fused does not bind build_vlm_attn_mask_thd (nothing to " \

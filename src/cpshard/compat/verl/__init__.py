@@ -45,7 +45,7 @@ from cpshard.compat.verl._bshd import (
 from cpshard.compat.verl._layout import ENV as LAYOUT_ENV
 from cpshard.compat.verl._patch import VerlPatch, active, patch
 from cpshard.compat.verl._plans import bshd_plan, local_padding_mask, thd_plan
-from cpshard.compat.verl._sites import DROP_INS as _DROP_INS  # noqa: F401  (verl's eight helpers -> the drop-ins)
+from cpshard.compat.verl._sites import DROP_INS as DROP_INS  # verl's eight helpers -> the drop-ins patch() binds
 from cpshard.compat.verl._thd import (
     postprocess_packed_seqs,
     postprocess_thd_engine,
