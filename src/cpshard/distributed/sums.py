@@ -40,7 +40,7 @@ def reduce_over(values: torch.Tensor, group: Any, *, op: str, plans: Sequence[Pl
                 call: dict[str, Any] | None = None, checked: bool = False, failed: bool = False,
                 reduce: str = "sum") -> torch.Tensor:
     """``values`` reduced (``"sum"`` or ``"max"``) over ``group`` in one stamped ``all_reduce`` (Note
-    [Stamped reductions] in ``distributed/header.py``), for a call of layer 4 named ``op`` with ``plans`` and
+    [Stamped reductions] in ``distributed/header.py``), for a call of layer 5 named ``op`` with ``plans`` and
     ``call`` (what every rank must pass alike). ``failed``: this rank rejected its input and joins
     only so that its peers raise too (``values`` then only give the size). Raises ``ValueError`` on
     every rank that sees a failure word or another call's digest. No gradient flows."""
