@@ -31,7 +31,7 @@ except ImportError as exc:
 
 from cpshard import ShardPlan, to_padded
 from cpshard.compat import verl as cv
-from cpshard.compat.verl import _activation, _sites
+from cpshard.compat.verl import _sites
 from cpshard.compat.verl.__main__ import main as status_main
 
 ENGINE = _sites.ENGINE
@@ -173,7 +173,7 @@ def test_an_invalid_layout_is_an_error_and_changes_nothing(monkeypatch):
                                          r".*Fix: set CPSHARD_LAYOUT=contiguous for DeepSeek-V4"):
         cv.patch()
     with pytest.raises(ValueError, match=r"^CPSHARD_LAYOUT='diagonal'"):
-        _activation.activate()
+        cv.activate()
     monkeypatch.delenv("CPSHARD_LAYOUT")
     with pytest.raises(ValueError, match=r"^layout='ring': must be"):
         cv.patch(layout="ring")
@@ -232,7 +232,7 @@ def test_activation_is_idempotent_thread_safe_and_undoes_everything(monkeypatch,
 
     def switch_on():
         barrier.wait(timeout=60)
-        got.append(_activation.activate())
+        got.append(cv.activate())
 
     threads = [threading.Thread(target=switch_on) for _ in range(8)]
     try:
@@ -266,7 +266,7 @@ def test_activation_is_idempotent_thread_safe_and_undoes_everything(monkeypatch,
     finally:
         for p in got[:1]:
             p.undo()
-    assert cv.active() is None and _activation.process_patch() is None
+    assert cv.active() is None and cv.process_patch() is None
     assert _site_values() == before
     assert taker.preprocess_thd_engine is vutil.preprocess_thd_engine is reference._verls[
         id(cv.preprocess_thd_engine)][1]
@@ -281,7 +281,7 @@ def test_activation_takes_over_a_with_block(monkeypatch):
     original = vutil.preprocess_thd_engine
     try:
         with cv.patch() as outer:
-            process = _activation.activate()
+            process = cv.activate()
         assert not outer.active and process.active and vutil.preprocess_thd_engine is cv.preprocess_thd_engine
     finally:
         process.undo()
@@ -318,9 +318,9 @@ def test_the_entry_point_patches_only_where_asked(monkeypatch, caplog, value):
         else:
             importlib.import_module("cpshard.compat.verl_plugin")
         assert (cv.active() is not None) is (value == "1")
-        assert (_activation.process_patch() is not None) is (value == "1")
+        assert (cv.process_patch() is not None) is (value == "1")
     finally:
-        process = _activation.process_patch()
+        process = cv.process_patch()
         if process is not None:
             process.undo()
 

@@ -36,6 +36,7 @@ megatron-core 0.19.2 ``megatron/core/packed_seq_params.py``.
 from __future__ import annotations
 
 from cpshard.compat._verl_pack import rearrange_micro_batches
+from cpshard.compat.verl._activation import activate, process_patch
 from cpshard.compat.verl._bshd import (
     build_vlm_attn_mask_bshd,
     build_vlm_attn_mask_thd,
@@ -56,6 +57,7 @@ from cpshard.compat.verl._thd import (
 __all__ = [
     "LAYOUT_ENV",
     "VerlPatch",
+    "activate",
     "active",
     "bshd_plan",
     "build_vlm_attn_mask_bshd",
@@ -68,6 +70,7 @@ __all__ = [
     "preprocess_bshd_engine",
     "preprocess_packed_seqs",
     "preprocess_thd_engine",
+    "process_patch",
     "rearrange_micro_batches",
     "thd_plan",
 ]
