@@ -83,6 +83,8 @@ _MOVE_CELLS = 1 << 20  # a step scores moves of at most this many (sequence, mic
 _ORDER_BUDGET = 1 << 12  # candidate orders the first descent scores, per micro-batch (Note [Refining a packing])
 _EXCHANGE_ROUNDS = 8  # exchange rounds at most ...
 _EXCHANGE_BUDGET = 1 << 12  # ... and candidate swaps they score, per micro-batch
+_FILL_WINDOW = 256  # micro-batches the fill scores for one unit, at most (Search.fill)
+_SWAP_UNITS = 1 << 14  # a step scores swaps with at most this many units, evenly spread by size
 _PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
 
 
@@ -432,6 +434,49 @@ def _fewer_counts_fix(total: int, dp: int, least: int, by: int, same: bool, num_
     return ", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0]
 
 
+class RoomTree:
+    """The leftmost bin with at least ``s`` free rows in ``O(log K)``: a max segment tree over the free
+    rows of ``K`` bins (``room`` ``(K,)``), kept as a Python list (scalar steps are faster there).
+
+    >>> t = RoomTree(np.array([3, 8, 5]))
+    >>> t.first(4), t.first(9)
+    (1, -1)
+    >>> t.take(1, 6); t.first(4)
+    2
+    """
+
+    def __init__(self, room: np.ndarray) -> None:
+        k = int(room.size)
+        self.leaves = 1 << max(0, (k - 1).bit_length())
+        tree = np.full(2 * self.leaves, -1, dtype=np.int64)
+        tree[self.leaves:self.leaves + k] = room
+        level = self.leaves
+        while level > 1:  # each level's parents from its children, one level at a time
+            tree[level // 2:level] = np.maximum(tree[level:2 * level:2], tree[level + 1:2 * level:2])
+            level //= 2
+        self.tree: list[int] = tree.tolist()
+
+    def first(self, s: int) -> int:
+        """The leftmost bin with at least ``s`` free rows, -1 if none."""
+        t = self.tree
+        if t[1] < s:
+            return -1
+        i = 1
+        while i < self.leaves:
+            i = 2 * i if t[2 * i] >= s else 2 * i + 1
+        return i - self.leaves
+
+    def take(self, b: int, s: int) -> None:
+        """Bin ``b`` loses ``s`` free rows."""
+        t = self.tree
+        i = b + self.leaves
+        t[i] -= s
+        i //= 2
+        while i:
+            t[i] = max(t[2 * i], t[2 * i + 1])
+            i //= 2
+
+
 class _Search:
     """Micro-batches laid out per DP rank, filled and improved under the per-micro-batch model.
 
@@ -486,67 +531,106 @@ class _Search:
         return np.bincount(self.owner, weights=self.cost, minlength=self.dp).astype(np.int64)
 
     def fill(self) -> bool:
-        """Longest first into the micro-batch that raises the step least; False if one did not fit."""
-        prob, cp = self.prob, self.prob.cp
+        """Longest first into the micro-batch that raises the step least; False if one did not fit.
+
+        The micro-batches are scored in **windows** of at most ``_FILL_WINDOW``: with ``G`` windows,
+        micro-batch ``b`` is in window ``b mod G`` (so each window holds every DP rank's share) and the
+        ``j``-th unit longest first goes to window ``j mod G`` (each window gets a like sample of the
+        batch); the DP ranks' times are shared by all windows. A unit costs ``O(_FILL_WINDOW)``, not
+        ``O(micro-batches)``: the fill is linear in the batch. A unit its window has no room for is
+        placed after the windows, scored over every micro-batch. With one window (up to
+        ``_FILL_WINDOW`` micro-batches, every batch of ``benchmarks/pack.py``) it is the plain fill.
+        """
         key = self.heavy if self.contiguous else self.vec.max(1)
-        big = np.iinfo(np.int64).max
+        units = np.lexsort((np.arange(self.p.size), -self.p, -key))
+        k = self.owner.size
+        windows = -(-k // _FILL_WINDOW)
         times = np.zeros(self.dp, dtype=np.int64)
+        left: list[np.ndarray] = []
+        for g in range(windows):
+            left.append(self._fill(units[g::windows], np.arange(g, k, windows), times))
+        rest = np.concatenate(left)
+        return rest.size == 0 or self._fill(np.sort(rest), np.arange(k), times).size == 0
+
+    def _fill(self, units: np.ndarray, bins: np.ndarray, times: np.ndarray) -> np.ndarray:
+        """Place ``units`` (in this order) into the micro-batches ``bins`` (sorted), each where the step
+        rises least (ties: the least raise, then the least loaded DP rank, then the fewest rows);
+        ``times`` ``(dp,)`` the DP ranks' model times, updated. Returns the units that found no room."""
+        prob, cp = self.prob, self.prob.cp
+        big = np.iinfo(np.int64).max
+        owner = self.owner[bins]
+        rows, cost, size, h1 = self.rows[bins], self.cost[bins], self.size[bins], self.h1[bins]
+        acc = np.ascontiguousarray(self.acc[bins].T)  # (cp, bins): a unit's new maxima reduce over rows
+        tot = acc[0].copy()  # the contiguous model's total work, 1-D (written back at the end)
         limit = prob.capacity - self.p  # a micro-batch takes unit i while its rows are at most this
-        members = [np.flatnonzero(self.owner == d) for d in range(self.dp)]
-        base = times[self.owner] - self.cost  # the step a micro-batch's DP rank takes without it
-        rows, cost, size = self.rows, self.cost, self.size
-        # the contiguous model's total work and heaviest pieces, 1-D (written back at the end)
-        tot, h1 = self.acc[:, 0].copy(), self.h1
-        acc, vec, heavy = self.acc, self.vec, self.heavy
+        members = [np.flatnonzero(owner == d) for d in range(self.dp)]
+        base = times[owner] - cost  # the step a micro-batch's DP rank takes without it
+        vec, heavy, contiguous = self.vec, self.heavy, self.contiguous
         score = np.empty_like(base)
-        for i in np.lexsort((np.arange(self.p.size), -self.p, -key)).tolist():
-            if self.contiguous:
+        missed: list[int] = []
+        for i in units.tolist():
+            if contiguous:
                 new = tot + vec[i, 0]
                 new += cp - 1
                 new //= cp  # the new total's share of one rank, rounded up
                 np.maximum(new, h1, out=new)
                 np.maximum(new, heavy[i], out=new)
             else:
-                new = (acc + vec[i]).max(1)
+                new = (acc + vec[i][:, None]).max(0)
             np.add(base, new, out=score)
             score[rows > limit[i]] = big
             b = int(score.argmin())
             low = score[b]
             if low == big:
-                return False
+                missed.append(i)
+                continue
             ties = (score == low).nonzero()[0]
-            if ties.size > 1:  # ties: the least raise, then the least loaded DP rank, then the fewest rows
+            if ties.size > 1:
                 raise_ = new[ties] - cost[ties]
-                b = int(ties[np.lexsort((rows[ties], times[self.owner[ties]], raise_))[0]])
-            d, delta = int(self.owner[b]), int(new[b] - cost[b])
+                b = int(ties[np.lexsort((rows[ties], times[owner[ties]], raise_))[0]])
+            d, delta = int(owner[b]), int(new[b] - cost[b])
             if delta:
                 base[members[d]] += delta
                 base[b] -= delta
                 times[d] += delta
                 cost[b] += delta
-            self.where[i] = b
-            if self.contiguous:
+            self.where[i] = bins[b]
+            if contiguous:
                 tot[b] += vec[i, 0]
             else:
-                acc[b] += vec[i]
+                acc[:, b] += vec[i]
             rows[b] += self.p[i]
             size[b] += 1
             h1[b] = max(h1[b], heavy[i])
-        if self.contiguous:
-            acc[:, 0] = tot
-        return True
+        if contiguous:
+            acc[0] = tot
+        self.rows[bins], self.cost[bins], self.size[bins], self.h1[bins], self.acc[bins] = rows, cost, size, h1, acc.T
+        return np.array(missed, dtype=np.int64)
 
     def first_fit(self) -> None:
-        """First-fit decreasing into the laid-out micro-batches (always fits: at least FFD's count)."""
-        prob = self.prob
+        """First-fit decreasing into the laid-out micro-batches (always fits: at least FFD's count), each
+        unit's micro-batch found in ``O(log micro-batches)`` (:class:`RoomTree`)."""
         self.where[:] = -1
-        rows = np.zeros_like(self.rows)
+        tree = RoomTree(np.full(self.owner.size, self.prob.capacity, dtype=np.int64))
         for i in np.lexsort((np.arange(self.p.size), -self.p)).tolist():
-            b = int(np.flatnonzero(rows + self.p[i] <= prob.capacity)[0])
+            b = tree.first(int(self.p[i]))
             self.where[i] = b
-            rows[b] += self.p[i]
-        for b in range(self.owner.size):
-            self._refresh(b)
+            tree.take(b, int(self.p[i]))
+        self._refresh_all()
+
+    def _refresh_all(self) -> None:
+        """Every micro-batch's arrays from ``where`` at once (``_refresh`` for all, ``O(units + micro-batches)``)."""
+        k = self.owner.size
+        self.size[:] = np.bincount(self.where, minlength=k)
+        self.rows[:] = np.bincount(self.where, weights=self.p, minlength=k).astype(np.int64)
+        self.acc[:] = 0
+        np.add.at(self.acc, self.where, self.vec)
+        self.h1[:] = 0
+        np.maximum.at(self.h1, self.where, self.heavy)
+        if self.contiguous:
+            self.cost[:] = np.maximum(-(-self.acc[:, 0] // self.prob.cp), self.h1)
+        else:
+            self.cost[:] = self.acc.max(1)
 
     def fill_empty(self) -> None:
         """Every micro-batch holds a sequence: the lightest one of the most populated micro-batch moves."""
@@ -588,6 +672,9 @@ class _Search:
             if top.size:
                 ta = self.where[top]
                 j = np.arange(p.size)
+                if j.size > _SWAP_UNITS:  # a large batch: units evenly spread from the largest to the smallest
+                    by = np.lexsort((j, -self.vec.max(1)))
+                    j = np.sort(by[np.linspace(0, j.size - 1, _SWAP_UNITS).round().astype(np.int64)])
                 bj = self.where[j]
                 ok = ((self.rows[ta][:, None] - p[top][:, None] + p[j][None, :] <= cp_cap)
                       & (self.rows[bj][None, :] - p[j][None, :] + p[top][:, None] <= cp_cap)

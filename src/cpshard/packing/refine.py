@@ -75,6 +75,7 @@ _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean desce
 _GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
+_ASSIGN_SWAPS = 256  # assign's swaps, at most
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 
 
@@ -560,24 +561,50 @@ def assign(costs: np.ndarray, counts: Sequence[int]) -> np.ndarray:
         d = int(np.argmin(np.where(left > 0, sums, np.iinfo(np.int64).max)))
         owner[b], left[d] = d, left[d] - 1
         sums[d] += costs[b]
-    for _ in range(4 * k):
+    for _ in range(min(4 * k, _ASSIGN_SWAPS)):
         slow = int(np.argmax(sums))
-        mine = np.flatnonzero(owner == slow)
-        others = np.flatnonzero(owner != slow)
-        diff = costs[mine][:, None] - costs[others][None, :]  # what the slow rank sheds in each swap
-        new_slow = sums[slow] - diff
-        new_other = sums[owner[others]][None, :] + diff
-        worst = np.maximum(np.maximum(new_slow, new_other), _largest_other(sums, slow)[owner[others]][None, :])
-        best = int(np.argmin(worst))
-        i, j = np.unravel_index(best, worst.shape)
-        if worst[i, j] >= sums[slow]:
+        swap = _best_swap(costs, owner, sums, slow)
+        if swap is None:
             break
-        u, v = int(mine[i]), int(others[j])
+        u, v, diff = swap
         du = int(owner[v])
         owner[u], owner[v] = du, slow
-        sums[slow] -= int(diff[i, j])
-        sums[du] += int(diff[i, j])
+        sums[slow] -= diff
+        sums[du] += diff
     return owner
+
+
+def _best_swap(costs: np.ndarray, owner: np.ndarray, sums: np.ndarray, slow: int) -> tuple[int, int, int] | None:
+    """The swap of a micro-batch ``u`` of rank ``slow`` with a micro-batch ``v`` of another rank that
+    leaves the largest rank sum least, if below ``sums[slow]``: ``(u, v, costs[u] - costs[v])``.
+
+    For ``u`` and the other rank ``d``, the largest sum after the swap, ``max(S - x, S_d + x, rest)``
+    with ``x = c_u - c_v``, falls while ``x`` nears ``(S - S_d) / 2`` from either side, so only the two
+    costs of ``d`` around ``c_u - (S - S_d) / 2`` can be best: one ``searchsorted`` per rank, ``O(K log K)``
+    in all, not the ``O(K^2)`` table of every pair (ties: the lowest ``u``, then the lowest ``v``)."""
+    mine = np.flatnonzero(owner == slow)
+    rest = _largest_other(sums, slow)
+    best: tuple[int, int, int, int] | None = None  # (worst, u, v, diff)
+    for d in range(sums.size):
+        if d == slow:
+            continue
+        theirs = np.flatnonzero(owner == d)
+        if not theirs.size or not mine.size:
+            continue
+        theirs = theirs[np.argsort(costs[theirs], kind="stable")]
+        c = costs[theirs]
+        target = costs[mine] * 2 - (sums[slow] - sums[d])  # twice the c_v that halves the gap
+        pos = np.searchsorted(c * 2, target)
+        for at in (np.maximum(pos - 1, 0), np.minimum(pos, c.size - 1)):
+            diff = costs[mine] - c[at]
+            worst = np.maximum(np.maximum(sums[slow] - diff, sums[d] + diff), rest[d])
+            key = np.lexsort((theirs[at], mine, worst))[0]
+            cand = (int(worst[key]), int(mine[key]), int(theirs[at][key]), int(diff[key]))
+            if best is None or cand[:3] < best[:3]:
+                best = cand
+    if best is None or best[0] >= sums[slow]:
+        return None
+    return best[1], best[2], best[3]
 
 
 def _largest_other(sums: np.ndarray, slow: int) -> np.ndarray:
