@@ -75,6 +75,7 @@ _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean desce
 _GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
+_PARTNERS = 128  # past this many micro-batches an exchange round looks at this many partners
 _ASSIGN_SWAPS = 256  # assign's swaps, at most
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 
@@ -305,6 +306,17 @@ class Buffers:
         keep = (start < (h + 1) * local) & (start + self._p[self.order[b, first]] > h * local)
         return b[keep], first[keep], end[keep]
 
+    def _partners(self, top: np.ndarray) -> np.ndarray:
+        """The micro-batches a round exchanges with: all of them up to ``_PARTNERS``; past it ``top`` and
+        the ``_PARTNERS`` whose slowest rank is closest to their mean (the most room for a heavier
+        piece), so that a round's candidates, and the refinement, stay linear in the batch."""
+        k = self.size.size
+        if k <= _PARTNERS:
+            return np.arange(k, dtype=np.int64)
+        excess = self.works.max(1) - self.works.sum(1) / self.cp
+        calm = np.argsort(excess, kind="stable")[:_PARTNERS]
+        return np.union1d(top, calm).astype(np.int64)
+
     def _exchanges(self, top: np.ndarray) -> tuple[np.ndarray, ...]:
         """Candidates ``(u, u1, u2, v, v1, v2, rows_u, rows_v)``: micro-batch ``u``'s run ``[u1, u2)`` and
         ``v``'s run ``[v1, v2)`` change places, one of the two in ``top``, both within the budget and
@@ -315,7 +327,7 @@ class Buffers:
         - a run of ``2 .. _RUN`` of ``u`` for one sequence of ``v`` that takes half a rank's rows or more;
         - one sequence of another micro-batch ``u`` moved into ``v`` in ``top`` (appended).
         """
-        k = np.arange(self.size.size)
+        k = self._partners(top)
         rest = np.setdiff1d(k, top)
         singles, runs = self._runs(top, [1]), self._runs(k, range(2, _RUN + 1))
         cands = [(singles, self._runs(k, [0, 1])), (self._on_slowest(singles), runs),
@@ -437,11 +449,12 @@ class Buffers:
         mb = self.where[members[:, 0]]
         rows_unit = self._p[members].sum(1)
         in_top = np.isin(mb, top)
-        mine, rest = np.flatnonzero(in_top), np.flatnonzero(~in_top)
-        k = np.arange(self.size.size, dtype=np.int64)
+        k = self._partners(top)
+        mine, rest = np.flatnonzero(in_top), np.flatnonzero(~in_top & np.isin(mb, k))
         none = np.int64(-1)
         # (x leaves u for v, y leaves v for u, -1: none), u in top
-        x, y = np.repeat(mine, units), np.tile(np.arange(units, dtype=np.int64), mine.size)  # group for group
+        near = np.flatnonzero(np.isin(mb, k))  # the groups of the round's micro-batches
+        x, y = np.repeat(mine, near.size), np.tile(near, mine.size)  # group for group
         x2, v2 = np.repeat(mine, k.size), np.tile(k, mine.size)  # a group of u to the end of v
         y3, u3 = np.repeat(rest, top.size), np.tile(top, rest.size)  # a group of v to the end of u
         swap, move = mb[x] != mb[y], mb[x2] != v2
