@@ -40,7 +40,6 @@ COMMUNICATORS = ("cpshard.distributed.", "cpshard.testing.spawn")
 SIZE_LIMIT = 600
 LARGE = {
     "cpshard.compat.verl": (900, "verl's drop-ins and patch(); being split into a package"),
-    "cpshard.packing.pack": (780, "the packing problem, search and bound; being reworked"),
     "cpshard.plan.values": (640, "one idea: the THD plan value and what every plan kind shares"),
 }
 
@@ -96,12 +95,6 @@ OUTSIDE = {f"{p.parent.name}/{p.name}": ast.parse(p.read_text())
 #: Private names taken across subpackages today, each to become public or a documented test hook;
 #: a new one fails ``test_no_private_name_crosses_a_subpackage``.
 PENDING_PRIVATE = {
-    "cpshard.compat._verl_pack: cpshard.packing.pack._group_rows",  # compat/ and packing/ reworked in parallel
-    "cpshard.compat._verl_pack: cpshard.packing.pack._problem",
-    "cpshard.packing.pack: cpshard.index.balance._tri",  # the balancer's internals, reworked in parallel
-    "cpshard.packing.refine: cpshard.index.balance._lpt",
-    "cpshard.packing.refine: cpshard.index.balance._score",
-    "cpshard.packing.refine: cpshard.index.balance._tri",
 }
 #: ``ShardPlan | BshdPlan`` unions left outside the plan package (none left: the list may only shrink).
 PENDING_UNIONS: set[str] = set()

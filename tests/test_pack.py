@@ -215,12 +215,12 @@ def test_crowded_excess_is_below_every_split_into_micro_batches(items, extra):
     fractional ``sum_i e_i P_i / C`` it replaced."""
     import numpy as np
 
-    from cpshard.pack import _crowded
+    from cpshard.packing.bound import crowded
 
     e = np.array([float(x) for x, _ in items])
     rows = np.array([r for _, r in items], dtype=np.int64)
     capacity = int(rows.max()) + extra
-    got = _crowded(e, rows, capacity)
+    got = crowded(e, rows, capacity)
     best = min(sum(max(e[i] for i in mb) for mb in part) for part in _set_partitions(list(range(len(items))))
                if all(sum(int(rows[i]) for i in mb) <= capacity for mb in part))
     assert got <= best + 1e-9

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import pack
-from cpshard.packing.pack import _ffd_count
+from cpshard.packing.search import ffd_count
 from strategies import props
 
 
@@ -31,12 +31,13 @@ def naive_ffd_count(sizes: list[int], capacity: int) -> int:
 def test_ffd_count_equals_first_fit_item_by_item(capacity, data):
     sizes = data.draw(st.lists(st.integers(0, capacity) | st.sampled_from([0, 1, capacity]), min_size=1,
                                max_size=80))
-    assert _ffd_count(np.array(sizes, dtype=np.int64), capacity) == naive_ffd_count(sizes, capacity)
+    assert ffd_count(np.array(sizes, dtype=np.int64), capacity) == naive_ffd_count(sizes, capacity)
 
 
 def test_a_large_batch_of_one_token_sequences_packs_whole():
-    """6,000 one-token sequences under max_tokens=16 (375 micro-batches: past the move step's 2**20 cells): the move step scores only the
-    heaviest units of the slowest rank (its memory bounded), and the packing is still whole and fits."""
+    """6,000 one-token sequences under max_tokens=16 (375 micro-batches: past the move step's 2**20 cells
+    and the fill's window of 256): the move step scores only the heaviest units of the slowest rank (its
+    memory bounded), and the packing is still whole and fits."""
     p = pack([1] * 6000, max_tokens=16, cp_size=1, dp_size=1)
     ids = sorted(i for mb in p.micro_batches[0] for i in mb)
     assert ids == list(range(6000))

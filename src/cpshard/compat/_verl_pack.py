@@ -24,7 +24,8 @@ import torch
 
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, Padding
-from cpshard.packing.pack import _group_rows, _problem, pack, plan_work
+from cpshard.packing.pack import pack, plan_work
+from cpshard.packing.problem import group_rows, make_problem
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["rearrange_micro_batches", "verl_partition", "verl_partitioner"]
@@ -148,9 +149,9 @@ def _oversized(lens: list[int], group: int, max_tokens: int, plan_kw: dict[str, 
     verl checks only that ``max_token_len`` covers the longest sample, before padding, and places every
     group somewhere; the drop-in gives each such group a micro-batch of its own (the fewest rows it can
     have) and logs it, where :func:`cpshard.pack` refuses the batch."""
-    prob = _problem(lens, max_tokens, plan_kw["cp_size"], plan_kw["tp_size"], Layout.parse(plan_kw["layout"]),
+    prob = make_problem(lens, max_tokens, plan_kw["cp_size"], plan_kw["tp_size"], Layout.parse(plan_kw["layout"]),
                     Padding.parse(plan_kw["padding"]))
-    rows = _group_rows(prob, group)
+    rows = group_rows(prob, group)
     out = {int(k) for k in (rows > max_tokens).nonzero()[0]}
     for k in sorted(out)[:4]:
         logger.warning("cpshard.compat.verl.rearrange_micro_batches: samples %d..%d (%s tokens) pad to %d rows, "

@@ -41,7 +41,7 @@ import torch
 
 from cpshard.base.errors import fail
 
-__all__ = ["balanced_order", "rank_work", "work_lower_bound", "zigzag_works"]
+__all__ = ["balanced_order", "longest_first", "order_score", "rank_work", "tri", "work_lower_bound", "zigzag_works"]
 
 _I64 = np.dtype(np.int64)
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
@@ -56,8 +56,8 @@ _GOOD = 1e-3  # stop once the largest rank is this close to the lower bound
 _BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
 
 
-def _tri(x: Any) -> Any:
-    """``x (x + 1) / 2`` of an int64 array (``pack`` and ``packing.refine`` share it)."""
+def tri(x: Any) -> Any:
+    """``x (x + 1) / 2`` of an int64 array (or an int): the causal work of ``x`` tokens, which the packer shares."""
     return (x * (x + 1)) >> 1  # x (x + 1) is even and >= 0; the shift is many times faster than // 2
 
 
@@ -83,7 +83,7 @@ def _check(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple
 
 def _table(n: np.ndarray, p: np.ndarray) -> np.ndarray:
     """``(3, B)``: padded length, work ``tri(n)`` and length of every sequence (what ``_works`` reads)."""
-    return np.stack([p, _tri(n), n])
+    return np.stack([p, tri(n), n])
 
 
 def _works(table: np.ndarray, local: int, cp_size: int, orders: np.ndarray) -> np.ndarray:
@@ -104,7 +104,7 @@ def _works(table: np.ndarray, local: int, cp_size: int, orders: np.ndarray) -> n
     np.minimum(j, b - 1, out=j)  # the sequence each boundary cuts
     head = np.minimum(cuts - np.take_along_axis(end, j, 1) + np.take_along_axis(p_o, j, 1),
                       np.take_along_axis(n_o, j, 1))
-    g = np.take_along_axis(np.cumsum(w_o, 1) - w_o, j, 1) + _tri(head)  # G(r L), r = 0 .. cp
+    g = np.take_along_axis(np.cumsum(w_o, 1) - w_o, j, 1) + tri(head)  # G(r L), r = 0 .. cp
     return np.diff(g, axis=1)
 
 
@@ -134,9 +134,9 @@ def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
     [[3, 12], [1, 5]]
     """
     if cp == 1:
-        return _tri(n)[:, None]
+        return tri(n)[:, None]
     c = (p // (2 * cp))[:, None]
-    chunk = np.diff(_tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
+    chunk = np.diff(tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
     return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
 
 
@@ -205,7 +205,7 @@ def _heavy_moves(table: np.ndarray, local: int, order: np.ndarray, heavy: int) -
 
 def _descend(table: np.ndarray, local: int, cp_size: int, order: np.ndarray, budget: int,
              scored: bool = True) -> tuple[np.ndarray, float, int]:
-    """Best-improvement descent on ``_score`` from ``order``: ``(order, its score, budget left)``.
+    """Best-improvement descent on ``order_score`` from ``order``: ``(order, its score, budget left)``.
 
     Stops at a local optimum or once ``budget`` candidate rows (orders scored times ``B``) are spent.
     ``scored=False`` skips scoring the start (a kicked order): the first step then always moves.
@@ -213,7 +213,7 @@ def _descend(table: np.ndarray, local: int, cp_size: int, order: np.ndarray, bud
     b = order.size
     full = _all_moves(b) if b <= _FULL_SEARCH else None
     w = _works(table, local, cp_size, order[None])[0] if scored or full is None else None
-    cur = float(_score(w[None])[0]) if scored and w is not None else float("inf")
+    cur = float(order_score(w[None])[0]) if scored and w is not None else float("inf")
     while budget > 0:
         if full is not None:
             moves = full
@@ -223,7 +223,7 @@ def _descend(table: np.ndarray, local: int, cp_size: int, order: np.ndarray, bud
         cands = order[moves]
         works = _works(table, local, cp_size, cands)
         budget -= cands.size
-        scores = _score(works)
+        scores = order_score(works)
         k = int(scores.argmin())
         if not scores[k] < cur:
             break
@@ -240,7 +240,7 @@ def _kick(order: np.ndarray, gen: torch.Generator) -> np.ndarray:
     return out
 
 
-def _score(works: np.ndarray) -> np.ndarray:
+def order_score(works: np.ndarray) -> np.ndarray:
     """``(K,)`` float64 keys ordered as ``(max, sum of squares)`` of each row of ``works`` ``(K, cp)``.
 
     ``max + sum(w^2) / (2 cp max^2)``: the fraction lies in ``(0, 1/2]`` and maxima are integers, so
@@ -255,7 +255,7 @@ def _score(works: np.ndarray) -> np.ndarray:
     return mx + total / (2 * works.shape[1] * np.maximum(mx * mx, 1))
 
 
-def _lpt(n: list[int], p: list[int], local: int, cp_size: int) -> list[int]:
+def longest_first(n: list[int], p: list[int], local: int, cp_size: int) -> list[int]:
     """Longest first, each to the least-loaded rank with room for its rows (else the emptiest rank).
 
     Within a rank the longest sequence comes first and the shortest last, so when the ranks' row
@@ -297,7 +297,7 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     straddle; its head (low positions) is cheap and its tail dear, so the rank holding the tail needs
     cheap filler, and which short documents go where is a combinatorial choice. Hence a search, with
     every candidate scored exactly and many at once (``_works``: a dozen tensor operations for ``K``
-    orders), by ``(max rank work, sum of squared rank works)`` (``_score``; the second term breaks
+    orders), by ``(max rank work, sum of squared rank works)`` (``order_score``; the second term breaks
     the plateaus where only a non-maximal rank improves).
 
     - Up to ``_EXACT`` sequences every order is scored: the result is optimal.
@@ -330,11 +330,11 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     table = _table(n, p)
     if b <= _EXACT:
         perms = _permutations(b)
-        return tuple(perms[int(_score(_works(table, local, cp_size, perms)).argmin())].tolist())
+        return tuple(perms[int(order_score(_works(table, local, cp_size, perms)).argmin())].tolist())
     good = _bound(n, local, cp_size) * (1 + _GOOD) + 1  # a score below this is within _GOOD of optimal
     small = b <= _FULL_SEARCH
     budget = _BUDGET if b <= _LARGE else _BUDGET // 8
-    greedy = np.array(_lpt(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
+    greedy = np.array(longest_first(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
     best = (float("inf"), greedy)
     for start, search in ((np.arange(b, dtype=_I64), small), (greedy, True)):
         order, score, left = _descend(table, local, cp_size, start, budget if search else 0)
@@ -395,7 +395,7 @@ def work_lower_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int
 
 def _bound(n: np.ndarray, local: int, cp_size: int) -> int:
     """The mean and every sequence's heaviest piece (the first two parts of Note [Why no order beats the bound])."""
-    w = _tri(n)
+    w = tri(n)
     bound = -(-int(w.sum()) // cp_size)
     if local == 0:
         return bound
@@ -404,7 +404,7 @@ def _bound(n: np.ndarray, local: int, cp_size: int) -> int:
         k = np.arange(0, -(-length // local) + 2, dtype=_I64)
         lo = (q + (k - 1) * local).clip(0, length)
         hi = np.minimum(q + k * local, length)
-        piece = (_tri(hi) - _tri(lo)).max(1)
+        piece = (tri(hi) - tri(lo)).max(1)
         bound = max(bound, int(piece.min()))
     return bound
 
@@ -422,7 +422,7 @@ def _filler_curve(n: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     pad = int((p - n).max()) if n.size else 0
     whole = p > 0
     marginal = np.concatenate([np.zeros(1), np.arange(1, longest + 1, dtype=np.float64),
-                               _tri(n[whole]).astype(np.float64) / p[whole].astype(np.float64)])
+                               tri(n[whole]).astype(np.float64) / p[whole].astype(np.float64)])
     supply = np.concatenate([np.array([2 * pad], dtype=_I64), np.full(longest, 2, dtype=_I64), p[whole]])
     by_cost = np.argsort(marginal, kind="stable")
     marginal, supply = marginal[by_cost], supply[by_cost]
@@ -452,7 +452,7 @@ def _window_bound(n: np.ndarray, p: np.ndarray, local: int, cp_size: int, d: int
     r = np.arange(ranks, dtype=_I64)
     lo = (r * local - start).clip(0, size)  # the positions of d inside each rank it may touch
     hi = ((r + 1) * local - start).clip(0, size)
-    rows, work = hi - lo, _tri(np.minimum(hi, length)) - _tri(np.minimum(lo, length))
+    rows, work = hi - lo, tri(np.minimum(hi, length)) - tri(np.minimum(lo, length))
     touched = rows > 0
     best = np.zeros(local, dtype=_I64)
     for a in range(ranks):

@@ -1,6 +1,6 @@
 """Exact refinement of a packing: contiguous buffer orders, exchanges between micro-batches, DP ranks.
 
-Pure index math on NumPy int64 arrays (scored by ``_balance._score``; no plan is built, no
+Pure index math on NumPy int64 arrays (scored by ``index.balance.order_score``; no plan is built, no
 communication). :func:`cpshard.pack` calls it after its fill; every score here is the exact per-rank
 causal work of the contiguous layout (Note [Causal work under the contiguous layout] in ``index.balance``,
 the closed form of :func:`cpshard.causal.attention_work`), never a model.
@@ -30,10 +30,10 @@ sequence; splicing a run of another micro-batch in place of a run of this one (a
 everything after it and moves the boundaries (``L`` follows the new rows). A candidate then costs ``O(cp log K)``, not a
 rescan of its buffer: thousands are scored in one call of a few NumPy operations.
 
-1. **Orders.** From longest-first starts (``_balance._lpt``), :meth:`Buffers.descend` runs a
+1. **Orders.** From longest-first starts (``index.balance.longest_first``), :meth:`Buffers.descend` runs a
    best-improvement descent of every micro-batch at once over the swaps and insertions between up to
    ``_GRID`` evenly spread positions, scored by the largest rank, then the sum of squares
-   (``_balance._score``'s key), until none improves or ``budget`` candidates are spent.
+   (``index.balance.order_score``'s key), until none improves or ``budget`` candidates are spent.
 2. **Exchanges.** DP ranks share out ``sum_m c_m`` (``c_m`` a micro-batch's slowest rank), so
    :meth:`Buffers.exchange` lowers it. Every exchange splices a run of consecutive buffer positions of
    one micro-batch in place of a run of another and back (``_spliced``: the old ``G`` before the
@@ -53,8 +53,8 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
    (:meth:`Buffers._scored`: the same closed form, one ``searchsorted`` over all candidates, empty
    places where a group left), with the same receiving-side filter, order of application and rule
    that ``c_a + c_b`` falls.
-3. **DP ranks.** :func:`assign` gives the micro-batches, with exact costs, to the DP ranks with their
-   counts fixed: longest first to the least loaded rank with a place left, then swaps of a
+3. **DP ranks.** :func:`cpshard.packing.assign.assign` gives the micro-batches, with exact costs, to
+   the DP ranks with their counts fixed: longest first to the least loaded rank with a place left, then swaps of a
    micro-batch of the slowest rank with one of another while the slowest rank's time falls.
 
 Every step is deterministic (no random choice; ties go to the lowest index).
@@ -67,16 +67,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cpshard.index.balance import _lpt, _score, _tri
+from cpshard.index.balance import longest_first, order_score, tri
 
-__all__ = ["Buffers", "assign"]
+__all__ = ["Buffers"]
 
 _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
 _GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _PARTNERS = 128  # past this many micro-batches an exchange round looks at this many partners
-_ASSIGN_SWAPS = 256  # assign's swaps, at most
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 
 
@@ -193,7 +192,7 @@ class Buffers:
         lo, hi = np.minimum(i, j), np.maximum(i, j)
         s_lo, g_lo, p_lo, n_lo = self._at(b, lo)
         s_hi, g_hi, p_hi, n_hi = self._at(b, hi)
-        w_lo, w_hi = _tri(n_lo), _tri(n_hi)
+        w_lo, w_hi = tri(n_lo), tri(n_hi)
         sw, later = swap[:, None], (~swap & (i < j))[:, None]  # later: lo moves to just after hi
         earlier = ~sw & ~later  # hi moves to just before lo
         # where the first moved piece ends, the middle's shift of rows and work, the last piece's start
@@ -208,8 +207,8 @@ class Buffers:
         middle = ~outside & ~first & ~last
         g = self._g(b[:, None], np.where(middle, c - shift, c))
         g = np.where(middle, g + d_work, g)
-        g = np.where(first, g_lo + _tri(np.minimum(c - s_lo, n_hi)), g)
-        g = np.where(last, g_hi + w_hi - w_lo + _tri(np.minimum(c - last_start, n_lo)), g)
+        g = np.where(first, g_lo + tri(np.minimum(c - s_lo, n_hi)), g)
+        g = np.where(last, g_hi + w_hi - w_lo + tri(np.minimum(c - last_start, n_lo)), g)
         return self._framed(g, self.works[b].sum(1))
 
     def orders(self) -> list[list[int]]:
@@ -221,14 +220,14 @@ class Buffers:
     # -- 1. orders -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Longest first onto the least loaded rank with room (``_balance._lpt``), every micro-batch."""
+        """Longest first onto the least loaded rank with room (``index.balance.longest_first``), every micro-batch."""
         nl, pl = self.n.tolist(), self.p.tolist()
         for b, s in enumerate(self.size.tolist()):
             if s < 2:
                 continue
             ids = self.order[b, :s].tolist()
             local = int(self._local(self.rows[b]))
-            start = _lpt([nl[i] for i in ids], [pl[i] for i in ids], local, self.cp)
+            start = longest_first([nl[i] for i in ids], [pl[i] for i in ids], local, self.cp)
             self._set(b, [ids[j] for j in start])
         self._index()
         self.works = self._rank_works(np.arange(self.size.size), self.rows)
@@ -246,10 +245,10 @@ class Buffers:
             b = active[group]
             works = self._moved(b, i, j, swap)
             spent += int(b.size)
-            score = _score(works)
+            score = order_score(works)
             first = np.lexsort((np.arange(b.size), score, group))  # each micro-batch's best candidate first
             lead = first[np.r_[True, group[first][1:] != group[first][:-1]]]
-            better = score[lead] < _score(self.works[active])
+            better = score[lead] < order_score(self.works[active])
             for q in lead[better].tolist():
                 k = int(b[q])
                 ids = self.order[k, :self.size[k]].tolist()
@@ -510,7 +509,7 @@ def _tables(p_o: np.ndarray, n_o: np.ndarray, span: int) -> tuple[np.ndarray, ..
     column empty), flat: the search keys ``q * span + end row`` (the last column's ``q``'s last key, so
     that every row of order ``q`` finds a position), ``q * span + start row``, the start row, the work
     before it and the length. One sorted key array over all ``Q`` orders."""
-    w_o = _tri(n_o)
+    w_o = tri(n_o)
     ends = np.cumsum(p_o, 1)
     start = ends - p_o
     base = np.arange(p_o.shape[0], dtype=np.int64)[:, None] * span
@@ -525,7 +524,7 @@ def _lookup(tables: tuple[np.ndarray, ...], key: np.ndarray) -> np.ndarray:
     of order ``q``, plus that sequence's own prefix up to ``x``. One ``searchsorted`` for all keys."""
     keys, key_start, _, before, length = tables
     j = np.searchsorted(keys, key, side="right")  # the position holding each row
-    return before[j] + _tri(np.minimum(key - key_start[j], length[j]))
+    return before[j] + tri(np.minimum(key - key_start[j], length[j]))
 
 
 def _grid(size: int) -> np.ndarray:
@@ -556,77 +555,3 @@ def _candidates(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     which = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
     return (which, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
             np.concatenate([p[2] for p in parts]))
-
-
-def assign(costs: np.ndarray, counts: Sequence[int]) -> np.ndarray:
-    """``(K,)`` the DP rank of each micro-batch: ``counts[d]`` on rank ``d``, the slowest rank's sum low.
-
-    Longest first to the least loaded rank with a place left, then, while it lowers the slowest rank's
-    sum, the best swap of one of its micro-batches with one of another rank (Note [Refining a packing]).
-    """
-    k, dp = costs.size, len(counts)
-    owner = np.zeros(k, dtype=np.int64)
-    if dp == 1:
-        return owner
-    sums = np.zeros(dp, dtype=np.int64)
-    left = np.array(counts, dtype=np.int64)
-    for b in np.lexsort((np.arange(k), -costs)).tolist():
-        d = int(np.argmin(np.where(left > 0, sums, np.iinfo(np.int64).max)))
-        owner[b], left[d] = d, left[d] - 1
-        sums[d] += costs[b]
-    for _ in range(min(4 * k, _ASSIGN_SWAPS)):
-        slow = int(np.argmax(sums))
-        swap = _best_swap(costs, owner, sums, slow)
-        if swap is None:
-            break
-        u, v, diff = swap
-        du = int(owner[v])
-        owner[u], owner[v] = du, slow
-        sums[slow] -= diff
-        sums[du] += diff
-    return owner
-
-
-def _best_swap(costs: np.ndarray, owner: np.ndarray, sums: np.ndarray, slow: int) -> tuple[int, int, int] | None:
-    """The swap of a micro-batch ``u`` of rank ``slow`` with a micro-batch ``v`` of another rank that
-    leaves the largest rank sum least, if below ``sums[slow]``: ``(u, v, costs[u] - costs[v])``.
-
-    For ``u`` and the other rank ``d``, the largest sum after the swap, ``max(S - x, S_d + x, rest)``
-    with ``x = c_u - c_v``, falls while ``x`` nears ``(S - S_d) / 2`` from either side, so only the two
-    costs of ``d`` around ``c_u - (S - S_d) / 2`` can be best: one ``searchsorted`` per rank, ``O(K log K)``
-    in all, not the ``O(K^2)`` table of every pair (ties: the lowest ``u``, then the lowest ``v``)."""
-    mine = np.flatnonzero(owner == slow)
-    rest = _largest_other(sums, slow)
-    best: tuple[int, int, int, int] | None = None  # (worst, u, v, diff)
-    for d in range(sums.size):
-        if d == slow:
-            continue
-        theirs = np.flatnonzero(owner == d)
-        if not theirs.size or not mine.size:
-            continue
-        theirs = theirs[np.argsort(costs[theirs], kind="stable")]
-        c = costs[theirs]
-        target = costs[mine] * 2 - (sums[slow] - sums[d])  # twice the c_v that halves the gap
-        pos = np.searchsorted(c * 2, target)
-        for at in (np.maximum(pos - 1, 0), np.minimum(pos, c.size - 1)):
-            diff = costs[mine] - c[at]
-            worst = np.maximum(np.maximum(sums[slow] - diff, sums[d] + diff), rest[d])
-            key = np.lexsort((theirs[at], mine, worst))[0]
-            cand = (int(worst[key]), int(mine[key]), int(theirs[at][key]), int(diff[key]))
-            if best is None or cand[:3] < best[:3]:
-                best = cand
-    if best is None or best[0] >= sums[slow]:
-        return None
-    return best[1], best[2], best[3]
-
-
-def _largest_other(sums: np.ndarray, slow: int) -> np.ndarray:
-    """``(dp,)``: for each rank ``d``, the largest sum of the ranks other than ``slow`` and ``d`` (-1 if none)."""
-    out = np.full(sums.size, -1, dtype=np.int64)
-    by = [int(r) for r in np.argsort(-sums, kind="stable") if r != slow]
-    for d in range(sums.size):
-        for r in by[:2]:
-            if r != d:
-                out[d] = sums[r]
-                break
-    return out
