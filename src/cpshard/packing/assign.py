@@ -2,7 +2,7 @@
 
 Step 3 of Note [Refining a packing] (``packing.refine``): longest first to the least loaded DP rank
 with a place left, then swaps of one micro-batch of the slowest rank with one of another while the
-slowest rank's sum falls. Each swap is found in ``O(K log K)`` (:func:`_best_swap`), at most
+slowest rank's sum falls. Each swap is found in ``O(K log K)`` (:func:`best_swap`), at most
 ``_ASSIGN_SWAPS`` of them: linear in the batch up to a log. Deterministic (ties to the lowest index).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["assign"]
+__all__ = ["assign", "best_swap"]
 
 _ASSIGN_SWAPS = 256  # swaps at most
 
@@ -35,7 +35,7 @@ def assign(costs: np.ndarray, counts: Sequence[int]) -> np.ndarray:
         sums[d] += costs[b]
     for _ in range(min(4 * k, _ASSIGN_SWAPS)):
         slow = int(np.argmax(sums))
-        swap = _best_swap(costs, owner, sums, slow)
+        swap = best_swap(costs, owner, sums, slow)
         if swap is None:
             break
         u, v, diff = swap
@@ -46,7 +46,7 @@ def assign(costs: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     return owner
 
 
-def _best_swap(costs: np.ndarray, owner: np.ndarray, sums: np.ndarray, slow: int) -> tuple[int, int, int] | None:
+def best_swap(costs: np.ndarray, owner: np.ndarray, sums: np.ndarray, slow: int) -> tuple[int, int, int] | None:
     """The swap of a micro-batch ``u`` of rank ``slow`` with a micro-batch ``v`` of another rank that
     leaves the largest rank sum least, if below ``sums[slow]``: ``(u, v, costs[u] - costs[v])``.
 
