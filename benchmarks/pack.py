@@ -4,6 +4,7 @@ Run (CPU, one process, one torch thread unless ``--threads``)::
 
     .venv/bin/python benchmarks/pack.py            # 20 global batches per configuration
     .venv/bin/python benchmarks/pack.py --quick    # 3 global batches, fewer timing repeats
+    .venv/bin/python benchmarks/pack.py --sweep    # only the time sweep, 512 .. 32768 sequences
 
 Global batches: document lengths ~ exponential(mean 2048), at least 1, capped at 32768, drawn until
 they fill ``dp * 16`` micro-batches of 32768 tokens (the last one cut to fill it exactly; the longest cut in
@@ -31,6 +32,15 @@ Columns, per configuration, the mean over the batches:
   partition (the DP split and every DP rank's micro-batches, which is what ``pack`` replaces) on the
   same batch, in the same process.
 
+The **sweep** (``--sweep``, or after the table unless ``--no-large``): ``n`` = 512 .. 32768 exponential
+lengths (mean 2048, capped at 32768), ``dp = 2`` below 4096 sequences and 8 from there, ``max_tokens =
+32768``; per size the least time of ``cpshard.pack`` (zigzag cp=4, contiguous cp=8) and of verl's
+partition (one call each past 8192 sequences, where verl's count search takes minutes), their ratio,
+``us/seq`` and ``x1024``, the time per sequence over that at 1024. Then the drop-in path as verl calls
+it: one DP rank's share (``n / dp`` samples, a TensorDict of ``input_ids`` and a bool
+``attention_mask``), ``cpshard.compat.verl.rearrange_micro_batches`` against verl's own
+``rearrange_micro_batches`` (both select the micro-batches' rows).
+
 The step ratio is ``max_d sum_m max_r work / (total work / (dp cp))`` (Note [Micro-batch packing]).
 """
 
@@ -42,8 +52,8 @@ import statistics
 from collections.abc import Callable
 
 import torch
-
 from _timing import gc_off_ms
+
 from cpshard import ShardPlan
 from cpshard.compat._verl_pack import verl_partition, verl_partitioner
 from cpshard.pack import pack, plan_work, step_ratio
@@ -93,6 +103,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 global batches, fewer timing repeats")
     parser.add_argument("--batches", type=int, default=None, help="global batches per configuration (default 20)")
     parser.add_argument("--no-large", action="store_true", help="skip the 1024-sequence timing")
+    parser.add_argument("--sweep", action="store_true", help="only the time sweep, 512 .. 32768 sequences")
+    parser.add_argument("--sizes", type=str, default="512,1024,2048,4096,8192,16384,32768",
+                        help="the sweep's sizes, comma-separated")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch.set_num_threads first (default 1; 0 keeps torch's default)")
     args = parser.parse_args()
@@ -100,6 +113,9 @@ def main() -> None:
     repeats = 1 if args.quick else 3
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.sweep:
+        _sweep([int(x) for x in args.sizes.split(",")], repeats)
+        return
     dp = 2
     source = "verl's get_seqlen_balanced_partitions" if VERL else "a re-statement (verl not installed)"
     print(f"{batches} global batches a configuration, dp={dp}, max_tokens={MAX_TOKENS}; verl's partition: {source}; "
@@ -172,6 +188,59 @@ def main() -> None:
         base, base_low = _times_ms(lambda: verl_partition(lens, dp, MAX_TOKENS), repeats + 4)
         print(f"pack time, 1024 sequences, {layout} cp={cp}: median {ms:.1f} ms, least {low:.1f} ms (of "
               f"{repeats + 4}); verl's partition {base:.1f} / {base_low:.1f} ms; pack / verl {ms / base:.2f}")
+    _sweep([int(x) for x in args.sizes.split(",")], repeats)
+
+
+def _drop_in_batch(lens: list[int]) -> object:
+    import tensordict
+
+    mask = torch.arange(max(lens))[None, :] < torch.tensor(lens)[:, None]
+    ids = torch.zeros(len(lens), 1, dtype=torch.long)
+    return tensordict.TensorDict({"input_ids": ids, "attention_mask": mask}, batch_size=[len(lens)])
+
+
+def _sweep(sizes: list[int], repeats: int) -> None:
+    """pack and verl's partition, least times, per size (module docstring, **sweep**)."""
+    from cpshard.compat.verl import rearrange_micro_batches
+
+    print(f"\nsweep: exponential lengths (mean {MEAN_LEN}), max_tokens={MAX_TOKENS}; least ms of pack and of verl's "
+          "partition; us/seq; x1024: us/seq over that at 1024")
+    print(f"{'seqs':>6} {'dp':>3} {'layout':>10} {'cp':>3} {'pack ms':>9} {'verl ms':>9} {'/verl':>6} {'us/seq':>7} "
+          f"{'x1024':>6} {'step':>6} {'bound':>6}")
+    per_seq: dict[str, float] = {}
+    verl_ms: dict[int, float] = {}
+    for n in sizes:
+        rng = random.Random(n)
+        lens = [min(MAX_TOKENS, max(1, round(rng.expovariate(1 / MEAN_LEN)))) for _ in range(n)]
+        dp = 2 if n < 4096 else 8
+        reps = 1 if n > 8192 else repeats + 2
+        verl_ms[n] = _times_ms(lambda: verl_partition(lens, dp, MAX_TOKENS), reps)[1]
+        for layout, cp in (("zigzag", 4), ("contiguous", 8)):
+            packed = pack(lens, max_tokens=MAX_TOKENS, cp_size=cp, layout=layout, dp_size=dp)
+            ms = _times_ms(lambda: pack(lens, max_tokens=MAX_TOKENS, cp_size=cp, layout=layout, dp_size=dp), reps)[1]
+            us = ms * 1e3 / n
+            if n == 1024:
+                per_seq[layout] = us
+            x = f"{us / per_seq[layout]:>6.2f}" if layout in per_seq else f"{'':>6}"
+            print(f"{n:>6} {dp:>3} {layout:>10} {cp:>3} {ms:>9.1f} {verl_ms[n]:>9.1f} {ms / verl_ms[n]:>6.2f} "
+                  f"{us:>7.1f} {x} {packed.step_ratio:>6.3f} {packed.lower_bound:>6.3f}")
+    if not VERL:
+        return
+    from verl.utils.seqlen_balancing import rearrange_micro_batches as verl_rearrange
+
+    print("\ndrop-in rearrange_micro_batches, one DP rank's share (least ms)")
+    print(f"{'samples':>8} {'layout':>10} {'cp':>3} {'cpshard ms':>11} {'verl ms':>9} {'/verl':>6}")
+    for n in sizes:
+        dp = 2 if n < 4096 else 8
+        rng = random.Random(n)
+        lens = [min(MAX_TOKENS, max(1, round(rng.expovariate(1 / MEAN_LEN)))) for _ in range(n)][:n // dp]
+        batch = _drop_in_batch(lens)
+        reps = 1 if n > 8192 else repeats + 2
+        base = _times_ms(lambda: verl_rearrange(batch, MAX_TOKENS), reps)[1]
+        for layout, cp in (("zigzag", 4), ("contiguous", 8)):
+            ms = _times_ms(lambda: rearrange_micro_batches(batch, MAX_TOKENS, cp_size=cp, tp_size=1, layout=layout),
+                           reps)[1]
+            print(f"{len(lens):>8} {layout:>10} {cp:>3} {ms:>11.1f} {base:>9.1f} {ms / base:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -159,3 +159,16 @@ def test_best_swap_reaches_the_least_largest_sum_of_every_pair(costs, dp, data):
     new[slow] -= diff
     new[owner[v]] += diff
     assert int(new.max()) == best
+
+
+def test_a_batch_past_the_fill_window_and_the_exchange_partners_packs_exactly():
+    """3,000 short sequences under the contiguous layout at cp=2 (over 256 micro-batches: two fill windows,
+    exchange rounds over a bounded set of partners, the DP split's bounded swaps): every sequence once,
+    every plan within the budget, and every micro-batch's reported work the plan's, token by token."""
+    from test_pack import check
+
+    rng = np.random.default_rng(5)
+    lens = rng.integers(1, 40, size=3000).tolist()
+    p = pack(lens, max_tokens=128, cp_size=2, layout="contiguous", dp_size=2)
+    assert sum(p.num_micro_batches) > 256
+    check(p, lens, 2, 128)

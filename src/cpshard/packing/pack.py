@@ -214,8 +214,10 @@ def pack(
     search.fill_empty()
     if not search.contiguous:  # under the contiguous layout the exact refinement follows (Note [Micro-batch packing])
         search.improve()
+    by_mb = np.argsort(search.where, kind="stable")  # units by micro-batch, in index order within each
+    cuts = np.cumsum(np.bincount(search.where, minlength=search.owner.size))[:-1]
     members = np.arange(len(lens)).reshape(units, group)
-    groups = [members[search.where == b].reshape(-1).tolist() for b in range(search.owner.size)]
+    groups = [members[ids].reshape(-1).tolist() for ids in np.split(by_mb, cuts)]
     orders, works = _refined(prob, groups, group)
     built = [ShardPlan.build([lens[i] for i in ids], cp_size=cp_size, tp_size=tp_size, layout=layout,
                              padding=padding, reorder=reorder) for ids in orders]

@@ -125,6 +125,24 @@ class Buffers:
         self._keys, self._key_start, self._start, self._before, self._len = _tables(
             self._p[self.order], self._n[self.order], self._span)
 
+    def _reindex(self, which: np.ndarray) -> None:
+        """:meth:`_index` for the micro-batches ``which`` (sorted, unique) only, the order's columns
+        unchanged: each micro-batch's keys lie in its own ``[b span, (b + 1) span)`` and its positions in
+        its own row of the flat tables, so the others' entries and the keys' order stand. ``O(|which| cols)``,
+        which keeps a refinement step's cost to the micro-batches it changed."""
+        if not which.size:
+            return
+        if self.order.shape[1] != self._cols:
+            self._index()
+            return
+        sub = self.order[which]
+        keys, key_start, start, before, length = _tables(self._p[sub], self._n[sub], self._span)
+        shift = ((which - np.arange(which.size)) * self._span)[:, None]  # from row q's keys to row b's
+        flat = (which[:, None] * self._cols + np.arange(self._cols)[None, :]).reshape(-1)
+        self._keys[flat] = (keys.reshape(which.size, -1) + shift).reshape(-1)
+        self._key_start[flat] = (key_start.reshape(which.size, -1) + shift).reshape(-1)
+        self._start[flat], self._before[flat], self._len[flat] = start, before, length
+
     def _lookup(self, key: np.ndarray) -> np.ndarray:
         """``G`` at keys ``b * span + x``: the work of micro-batch ``b``'s first ``x`` buffer rows."""
         return _lookup((self._keys, self._key_start, self._start, self._before, self._len), key)
@@ -259,7 +277,7 @@ class Buffers:
                     ids.insert(y, ids.pop(x))
                 self._set(k, ids)
                 self.works[k] = works[q]
-            self._index()
+            self._reindex(np.unique(b[lead[better]]))
             active = active[better]
             active = active[self._unbalanced(active)]
         return spent
@@ -385,7 +403,7 @@ class Buffers:
             if not touched:
                 break
             done = np.array(sorted(touched), dtype=np.int64)
-            self._index()
+            self._reindex(done)
             spent += self.descend(done, _DESCENT_AFTER_SWAP * done.size)
             touched_all.update(touched)
         if touched_all:
