@@ -35,7 +35,7 @@ def test_ffd_count_equals_first_fit_item_by_item(capacity, data):
 
 
 def test_a_large_batch_of_one_token_sequences_packs_whole():
-    """6,000 one-token sequences under max_tokens=16 (375 micro-batches: past the move step's 2**20 cells
+    """6,000 one-token sequences under max_tokens=16 (375 micro-batches: past the move step's 2**16 cells
     and the fill's window of 256): the move step scores only the heaviest units of the slowest rank (its
     memory bounded), and the packing is still whole and fits."""
     p = pack([1] * 6000, max_tokens=16, cp_size=1, dp_size=1)

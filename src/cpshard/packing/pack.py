@@ -36,6 +36,15 @@ longest first, each sequence into the micro-batch, among those with room, that r
   micro-batch reaches when short sequences fill around the long ones. Long documents then share
   micro-batches, where their heavy tails run at once on different ranks.
 
+**Cost.** Every step's effort is bounded per sequence or per micro-batch, never by a clock, so every
+DP rank computes the same packing: the fill scores a sequence against at most ``_FILL_WINDOW`` (256)
+micro-batches (``packing.search``: windows that each hold every DP rank's share and a like sample of
+the batch; a batch of at most 256 micro-batches is one window, the plain fill), first fit finds its
+bin in ``O(log K)`` (``RoomTree``), the moves and swaps below score at most ``2**16`` cells and
+``2**12`` swap partners a step, an exchange round of the refinement looks at the top micro-batches
+and at most 128 partners, and the DP split's swaps take one ``searchsorted`` per DP rank each. The
+time is then linear in the batch up to a log (``benchmarks/pack.py --sweep``).
+
 Then, under zigzag (and at ``cp = 1``), moves and swaps of sequences out of the slowest DP rank's
 micro-batches, while the step (and then the sum of squares of the DP ranks' times) falls, stopping
 after ``_PATIENCE`` steps in a row that lowered only the sum of squares (each step's candidates are

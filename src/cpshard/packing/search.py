@@ -21,9 +21,9 @@ from cpshard.packing.problem import Problem, by_unit
 __all__ = ["RoomTree", "Search", "ffd_count", "micro_batch_counts"]
 
 _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
-_MOVE_CELLS = 1 << 20  # a step scores moves of at most this many (sequence, micro-batch) pairs: the heaviest first
+_MOVE_CELLS = 1 << 16  # a step scores moves of at most this many (sequence, micro-batch) pairs: the heaviest first
 _FILL_WINDOW = 256  # micro-batches the fill scores for one unit, at most (Search.fill)
-_SWAP_UNITS = 1 << 14  # a step scores swaps with at most this many units, evenly spread by size
+_SWAP_UNITS = 1 << 12  # a step scores swaps with at most this many units, evenly spread by size
 _PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
 
 
