@@ -150,7 +150,7 @@ def _oversized(lens: list[int], group: int, max_tokens: int, plan_kw: dict[str, 
     group somewhere; the drop-in gives each such group a micro-batch of its own (the fewest rows it can
     have) and logs it, where :func:`cpshard.pack` refuses the batch."""
     prob = make_problem(lens, max_tokens, plan_kw["cp_size"], plan_kw["tp_size"], Layout.parse(plan_kw["layout"]),
-                    Padding.parse(plan_kw["padding"]))
+                        Padding.parse(plan_kw["padding"]))
     rows = group_rows(prob, group)
     out = {int(k) for k in (rows > max_tokens).nonzero()[0]}
     for k in sorted(out)[:4]:
