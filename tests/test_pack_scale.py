@@ -111,7 +111,7 @@ def test_the_windowed_fill_equals_the_scanned_fill(cp, layout, dp, data):
     is the scanned reference's (``naive_fill``)."""
     from cpshard.base.layout import Layout, Padding
     from cpshard.packing.problem import make_problem
-    from cpshard.packing.search import _FILL_WINDOW, Search, micro_batch_counts
+    from cpshard.packing.search import FILL_WINDOW, Search, micro_batch_counts
 
     n = data.draw(st.integers(2400, 4200))
     seed = data.draw(st.integers(0, 1000))
@@ -123,8 +123,8 @@ def test_the_windowed_fill_equals_the_scanned_fill(cp, layout, dp, data):
     search = Search(prob, counts, 0)
     ok = search.fill()
     want = naive_fill(prob, counts, (search.vec.tolist(), search.heavy.tolist(), search.p.tolist()),
-                      search.contiguous, _FILL_WINDOW)
-    assert sum(counts) > _FILL_WINDOW
+                      search.contiguous, FILL_WINDOW)
+    assert sum(counts) > FILL_WINDOW
     assert ok == (min(want) >= 0)
     if ok:
         assert search.where.tolist() == want

@@ -37,7 +37,7 @@ longest first, each sequence into the micro-batch, among those with room, that r
   micro-batches, where their heavy tails run at once on different ranks.
 
 **Cost.** Every step's effort is bounded per sequence or per micro-batch, never by a clock, so every
-DP rank computes the same packing: the fill scores a sequence against at most ``_FILL_WINDOW`` (256)
+DP rank computes the same packing: the fill scores a sequence against at most ``FILL_WINDOW`` (256)
 micro-batches (``packing.search``: windows that each hold every DP rank's share and a like sample of
 the batch; a batch of at most 256 micro-batches is one window, the plain fill), first fit finds its
 bin in ``O(log K)`` (``RoomTree``), the moves and swaps below score at most ``2**16`` cells and

@@ -3,7 +3,7 @@
 Note [Micro-batch packing] (``packing.pack``) describes it: the count is first fit decreasing's
 (:func:`ffd_count`), raised by the count rules (:func:`micro_batch_counts`); :class:`Search` lays the
 micro-batches out per DP rank, fills them longest first where the step rises least (in windows of at
-most ``_FILL_WINDOW`` micro-batches, so the cost is linear in the batch) and, under the additive
+most ``FILL_WINDOW`` micro-batches, so the cost is linear in the batch) and, under the additive
 (zigzag) model, moves and swaps units out of the slowest DP rank. :class:`RoomTree` finds first fit's
 bin in ``O(log K)``.
 """
@@ -18,11 +18,11 @@ from cpshard.index.balance import zigzag_works
 from cpshard.packing.bound import two_piece
 from cpshard.packing.problem import Problem, by_unit
 
-__all__ = ["RoomTree", "Search", "ffd_count", "micro_batch_counts"]
+__all__ = ["FILL_WINDOW", "RoomTree", "Search", "ffd_count", "micro_batch_counts"]
 
 _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
 _MOVE_CELLS = 1 << 16  # a step scores moves of at most this many (sequence, micro-batch) pairs: the heaviest first
-_FILL_WINDOW = 256  # micro-batches the fill scores for one unit, at most (Search.fill)
+FILL_WINDOW = 256  # micro-batches the fill scores for one unit, at most (Search.fill)
 _SWAP_UNITS = 1 << 12  # a step scores swaps with at most this many units, evenly spread by size
 _PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
 
@@ -196,18 +196,18 @@ class Search:
     def fill(self) -> bool:
         """Longest first into the micro-batch that raises the step least; False if one did not fit.
 
-        The micro-batches are scored in **windows** of at most ``_FILL_WINDOW``: with ``G`` windows,
+        The micro-batches are scored in **windows** of at most ``FILL_WINDOW``: with ``G`` windows,
         micro-batch ``b`` is in window ``b mod G`` (so each window holds every DP rank's share) and the
         ``j``-th unit longest first goes to window ``j mod G`` (each window gets a like sample of the
-        batch); the DP ranks' times are shared by all windows. A unit costs ``O(_FILL_WINDOW)``, not
+        batch); the DP ranks' times are shared by all windows. A unit costs ``O(FILL_WINDOW)``, not
         ``O(micro-batches)``: the fill is linear in the batch. A unit its window has no room for is
         placed after the windows, scored over every micro-batch. With one window (up to
-        ``_FILL_WINDOW`` micro-batches, every batch of ``benchmarks/pack.py``) it is the plain fill.
+        ``FILL_WINDOW`` micro-batches, every batch of ``benchmarks/pack.py``) it is the plain fill.
         """
         key = self.heavy if self.contiguous else self.vec.max(1)
         units = np.lexsort((np.arange(self.p.size), -self.p, -key))
         k = self.owner.size
-        windows = -(-k // _FILL_WINDOW)
+        windows = -(-k // FILL_WINDOW)
         times = np.zeros(self.dp, dtype=np.int64)
         left: list[np.ndarray] = []
         for g in range(windows):
