@@ -29,8 +29,10 @@ def naive_ffd_count(sizes: list[int], capacity: int) -> int:
 @given(capacity=st.integers(1, 64), data=st.data())
 @props(300)
 def test_ffd_count_equals_first_fit_item_by_item(capacity, data):
-    sizes = data.draw(st.lists(st.integers(0, capacity) | st.sampled_from([0, 1, capacity]), min_size=1,
-                               max_size=80))
+    """Few distinct sizes, many items (equal sizes placed a run at a time), and any sizes in small batches."""
+    palette = data.draw(st.lists(st.integers(0, capacity) | st.sampled_from([0, 1, capacity]), min_size=1, max_size=4))
+    sizes = data.draw(st.lists(st.sampled_from(palette), min_size=1, max_size=400)
+                      | st.lists(st.integers(0, capacity), min_size=1, max_size=80))
     assert ffd_count(np.array(sizes, dtype=np.int64), capacity) == naive_ffd_count(sizes, capacity)
 
 
@@ -172,3 +174,13 @@ def test_a_batch_past_the_fill_window_and_the_exchange_partners_packs_exactly():
     p = pack(lens, max_tokens=128, cp_size=2, layout="contiguous", dp_size=2)
     assert sum(p.num_micro_batches) > 256
     check(p, lens, 2, 128)
+
+
+@given(capacity=st.integers(120, 2000), data=st.data())
+@props(100)
+def test_ffd_count_with_many_distinct_sizes_equals_first_fit_item_by_item(capacity, data):
+    """Many distinct sizes in a small batch: ``ffd_count`` places items one by one through a ``RoomTree``
+    (the cheaper way there), still first fit's count."""
+    sizes = data.draw(st.lists(st.integers(0, capacity), min_size=100, max_size=300, unique=True))
+    sizes += data.draw(st.lists(st.sampled_from(sizes), max_size=50))
+    assert ffd_count(np.array(sizes, dtype=np.int64), capacity) == naive_ffd_count(sizes, capacity)
