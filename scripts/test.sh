@@ -28,7 +28,11 @@ if [ -d .venv-mcore016/megatron ]; then
     tests/test_mtp_distributed.py
 fi
 echo "--- the docs site (mkdocs build --strict: a broken link or a missing API reference fails) ---"
-.venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)/site"
+# not --quiet: mkdocs drops its warnings under --quiet, and --strict then passes them
+mkdocs_log=$(mktemp)
+if ! .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)/site" > "$mkdocs_log" 2>&1; then
+  cat "$mkdocs_log"; exit 1
+fi
 if [ -n "$install_log" ]; then
   echo "--- the install cases (a fresh environment with torch only) ---"
   status=0
