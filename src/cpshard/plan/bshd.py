@@ -128,6 +128,22 @@ class BshdPlan(Plan):
         m = np.array([self.max_seqlen], dtype=np.int64)
         return _index.repeat_segments(_index.rank_segments(m, m, self.cp_size, self.layout, cp_rank), lengths)
 
+    def _split(self) -> tuple[np.ndarray, bool]:
+        # every batch row is one sequence of M rows, split over the ranks alone (PlanIndices.split)
+        return np.full(self.num_seqs, self.max_seqlen, dtype=np.int64), True
+
+    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int]:
+        # a plain tensor is the right-padded (B, S, ...) batch (ops.sharding.shard), which as_flat does not take
+        if not padded:
+            fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
+                 "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
+        b, longest = self.num_seqs, max(self.seqlens_py)
+        if x.dim() < 2 or x.shape[0] != b or x.shape[1] < longest:
+            fail(name, f"tensor of shape {tuple(x.shape)}",
+                 f"a BSHD tensor must be (B={b}, S >= {longest}, ...), right-padded",
+                 "pass the padded batch, or packed token rows as a list or jagged nested tensor")
+        return x.reshape(b * x.shape[1], *x.shape[2:]), x.shape[1]
+
     def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
         if order is not TwinOrder.SAME:
             fail("order", repr(order.value), "applies to packed (THD) plans only: a BSHD batch has no buffer order",
