@@ -23,12 +23,13 @@ that smaller shifts need are missing. The halo always holds all ``min(H, n_i - p
 
 Looking back (``k < 0``, a causal convolution's inputs) is the mirror image: the ``-min(shifts)``
 positions just before each segment (``p0 - 1``, ``p0 - 2``, ..., cut at the sequence's start) form a
-second halo, exchanged in the same collective. Every rank derives the whole exchange from the plan,
-for all ranks at once, so sender and receiver
-agree on the order without a metadata message: rank ``s`` sends rank ``d`` the halo rows ``d``
-needs from ``s`` in the order of their halo entries (segment, then offset ``t``). The work is over
-segments and halo rows (about ``2 B cp H`` under zigzag) plus a few passes over the rank's rows per
-shift.
+second halo, exchanged in the same collective. Every rank derives its part of the exchange from the
+plan, so sender and receiver agree on the order without a metadata message: rank ``s`` sends rank
+``d`` the halo rows ``d`` needs from ``s`` in the order of their halo entries (segment, then offset
+``t``). A rank reads only the segments of the ranks its halos reach or are reached from
+(``index.shift.reach``), and the group's count of crossing halo rows is a closed form over the
+sequences (:func:`remote_halo_rows`). The work is over those segments and their halo rows (about
+``2 B H`` per rank reached under zigzag) plus a few passes over the rank's rows per shift.
 """
 
 from __future__ import annotations

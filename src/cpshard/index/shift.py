@@ -7,12 +7,15 @@ segment (Note [Which rows a rank holds] in ``index/segments.py``) of length ``c`
 ``p0 + j + k`` of its sequence: when ``0 <= j + k < c`` that is row ``j + k`` of the same segment, on
 the same rank. Only the last ``k`` rows of a segment (looking ahead, ``k > 0``) or its first ``-k``
 rows (looking back, ``k < 0``) read elsewhere: from whichever segment holds that position, found by
-one ``searchsorted`` over all ranks' segments sorted by (sequence, position).
+one ``searchsorted`` over the segments sorted by (sequence, position).
 If that segment sits on another rank the row travels, in one ``all_to_all_single``. Every rank
-derives the whole exchange from the plan alone, for all ranks at once, so sender and receiver agree
-on the order without any metadata message: the block rank ``s`` sends rank ``d`` holds the rows
-``d`` needs from ``s``, ordered by ``d``'s output row. The work is over segments and boundary rows
-(about ``2 B cp |k|``), plus one ``arange`` over the rank's rows; under zigzag only the chunk
+derives its part of the exchange from the plan alone, so sender and receiver agree on the order
+without any metadata message: the block rank ``s`` sends rank ``d`` holds the rows ``d`` needs from
+``s``, ordered by ``d``'s output row. A rank reads only its own segments and those of the ranks
+within ``|k|`` positions of its rows (:func:`reach`: its neighbours, not the group), and whether the
+group moves any row at all (every rank must agree on that without a message) is a closed form over
+the sequences (:func:`remote_rows`). The work is over those segments and their boundary rows (about
+``2 B |k|`` per rank reached), plus one ``arange`` over the rank's rows; under zigzag only the chunk
 boundaries whose neighbouring chunk lies on another rank move data.
 """
 

@@ -14,7 +14,7 @@ What it keeps, and how much (the ``_BOUND`` most recent entries per kind; a step
 kind            what                                             key
 ==============  ===============================================  ==========================
 segments        a rank's :class:`~cpshard.index.segments.Segments`       rank
-every           every rank's segments side by side               (one)
+every           every rank's segments side by side (the restore) (one)
 view            per-row ids, positions, global rows, label masks rank, what, shift
 host            the int32 offsets on the CPU                     name
 device          :class:`~cpshard.plan.DeviceTensors`             device
@@ -25,8 +25,10 @@ pad             a rank's pad rows                                rank, device
 restore         the restore's every-rank order; its runs         (one)
 unshard         the restore index; the same by rank (CPU)        device
 offsets         the jagged offsets cpshard returns               device
-shift_exchange  :class:`~cpshard.index.shift.ShiftExchange`        rank, shift, device
-halo            :class:`~cpshard.index.halo.HaloExchange`             rank, shifts, device
+shift_exchange  :class:`~cpshard.index.shift.ShiftExchange`;     rank, shift, device;
+                the group's crossing rows                        shift
+halo            :class:`~cpshard.index.halo.HaloExchange`;       rank, shifts, device;
+                the group's crossing halo rows                   shifts
 relayout        where every row goes under a twin plan           the twin
 route           :class:`~cpshard.index.route.Route`              the twin, rank, device
 blocks          the reference attention's query blocks           rank, device, block size
@@ -509,7 +511,7 @@ class PlanIndices:
                 return self.shift_exchange(cp_rank, shift, torch.device("cpu")).to(device)
             plan = self.plan
             padded, alone = self.split()
-            remote = self._kept("host", ("remote", shift), lambda: _exchange.remote_rows(
+            remote = self._kept("shift_exchange", ("crossing", shift), lambda: _exchange.remote_rows(
                 padded, self.lengths(), plan.cp_size, plan.layout, alone, shift))
             return _exchange.build_shift_exchange(self.near(cp_rank, abs(shift)), self.segments(cp_rank), cp_rank,
                                                   shift, plan.cp_size, remote)
@@ -524,7 +526,7 @@ class PlanIndices:
                 return self.halo(cp_rank, shifts, torch.device("cpu")).to(device)
             plan = self.plan
             padded, alone = self.split()
-            remote = self._kept("host", ("halo", shifts), lambda: _halo.remote_halo_rows(
+            remote = self._kept("halo", ("crossing", shifts), lambda: _halo.remote_halo_rows(
                 padded, self.lengths(), plan.cp_size, plan.layout, alone, shifts))
             span = max((abs(k) for k in shifts), default=0)
             return _halo.build_halo_exchange(self.near(cp_rank, span), self.segments(cp_rank), self.lengths(),
