@@ -229,11 +229,22 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
 
 class RestoreBy(str, enum.Enum):
     """How the restore reads the token rows back (:func:`token_rows`): ``AUTO`` copies runs where they
-    are long and gathers by an index elsewhere; ``RUNS`` and ``INDEX`` force one of the two."""
+    are long and gathers by an index elsewhere, from each rank's part where the parts are large
+    (:data:`BY_RANK_ROWS`); ``RUNS``, ``INDEX`` (from the parts concatenated) and ``RANKS`` (from
+    each rank's part) force one way."""
 
     AUTO = "auto"
     RUNS = "runs"
     INDEX = "index"
+    RANKS = "ranks"
+
+
+BY_RANK_ROWS = 1 << 22
+"""From this many rows in all the ranks' parts (4M) the restore gathers each rank's token rows
+without concatenating the parts (``PlanIndices.unshard_by_rank``): the concatenation copies every
+padded row and, with torch's threads contending for a busy machine's cores, takes 0.5 s for 12.8M rows
+(100,000 sequences of 1..64 tokens at cp = 64); below it, sorting the tokens by rank costs more than
+the concatenation saves (``benchmarks/scale.py``)."""
 
 
 def unshard_by(parts: Sequence[torch.Tensor], plan: Plan, by: RestoreBy | str) -> torch.Tensor:
@@ -251,16 +262,19 @@ def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan,
     rank-concatenated buffer ``(cp * R, ...)`` or a list of the ranks' ``(R, ...)`` rows.
 
     Copied run by run where the runs are long (``PlanIndices.runs``: no index to build, no
-    concatenation of the parts first), else one gather from the buffer by ``PlanIndices.unshard``.
-    ``by`` forces one of the two (tests compare them; the result is the same).
+    concatenation of the parts first), else one gather from the buffer by ``PlanIndices.unshard``,
+    or, for large parts (:data:`BY_RANK_ROWS`), from each part (``PlanIndices.unshard_by_rank``).
+    ``by`` forces one way (tests compare them; the result is the same).
     """
-    runs = None if by is RestoreBy.INDEX else plan.indices().runs(0 if by is RestoreBy.RUNS else ROWS_PER_RUN)
+    runs = None if by in (RestoreBy.INDEX, RestoreBy.RANKS) else \
+        plan.indices().runs(0 if by is RestoreBy.RUNS else ROWS_PER_RUN)
     if runs is not None:
         sizes, keep = runs
         parts = rows.split(math.prod(plan.local_shape)) if isinstance(rows, torch.Tensor) else rows
         pieces = [piece for part, cut in zip(parts, sizes) for piece in part.split(cut)]
         return torch.cat([pieces[i] for i in keep])
-    if not isinstance(rows, torch.Tensor):
+    large = plan.cp_size * math.prod(plan.local_shape) >= BY_RANK_ROWS
+    if not isinstance(rows, torch.Tensor) and (by is RestoreBy.RANKS or (by is RestoreBy.AUTO and large)):
         by_rank = _gather_by_rank(rows, plan)
         if by_rank is not None:
             return by_rank
