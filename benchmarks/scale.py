@@ -230,10 +230,11 @@ def draw(result: dict[str, Any], path: str) -> None:
                 continue
             lines.setdefault(f"pack {row['layout']} (documents)", {})[row["n"]] = row["pack"][0]
             lines.setdefault("verl partition (documents)", {})[row["n"]] = row["verl"][0]
-        for name, pts in sorted(lines.items()):
+        colors = plt.get_cmap("tab20")
+        for i, (name, pts) in enumerate(sorted(lines.items())):
             xs = sorted(pts)
             style = "--" if "verl" in name else ("-" if "pack" in name else ":")
-            ax.plot(xs, [pts[x] for x in xs], style, marker="o", markersize=3, label=name)
+            ax.plot(xs, [pts[x] for x in xs], style, marker="o", markersize=3, label=name, color=colors(i % 20))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("sequences")
