@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, ShardPlan, unshard
+from cpshard.distributed import plan_fingerprint
 from strategies import props
 
 
@@ -58,9 +59,19 @@ def test_a_restore_of_short_pieces_builds_no_segments_of_every_rank():
         want = []
         for r in range(64):
             seg = small.indices().segments(r)
-            for s, p, n, t, start in zip(seg.seq.tolist(), seg.pos.tolist(), seg.length.tolist(),
+            for s, p, _n, t, start in zip(seg.seq.tolist(), seg.pos.tolist(), seg.length.tolist(),
                                          seg.tokens.tolist(), seg.start.tolist()):
                 want += [(s, p + j, r * small.local_len + start + j) for j in range(t)]
         want = [row for _, _, row in sorted(want)]
         parts = [torch.arange(small.local_len, dtype=torch.int32) + r * small.local_len for r in range(64)]
         assert unshard(parts, small).values().tolist() == want
+
+
+def test_each_plan_kind_answers_how_it_is_split():
+    """The index service asks the plan kind, not a flag: a THD plan splits its whole buffer over the
+    ranks, a BSHD plan each padded row alone; the fingerprint's kind word (0 THD, 1 BSHD) follows."""
+    thd, bshd = ShardPlan.build([5, 3], cp_size=2), BshdPlan.build([5, 3], cp_size=2)
+    padded, alone = thd.indices().split()
+    assert padded.tolist() == [8, 4] and not alone and plan_fingerprint(thd)[0] == 0
+    padded, alone = bshd.indices().split()
+    assert padded.tolist() == [8, 8] and alone and plan_fingerprint(bshd)[0] == 1

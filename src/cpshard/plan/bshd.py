@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,7 +58,6 @@ class BshdPlan(Plan):
     fp8: bool = False
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
     _indices: PlanIndices = field(init=False, repr=False, compare=False)
-    _padded_input: ClassVar[bool] = True
 
     @classmethod
     def build(

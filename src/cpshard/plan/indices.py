@@ -97,7 +97,6 @@ class Plan(Protocol):
     tp_size: int
     layout: Layout
     order: tuple[int, ...] | None
-    _padded_input: bool
 
     @property
     def local_shape(self) -> tuple[int, ...]: ...
@@ -262,7 +261,8 @@ class PlanIndices:
             digest = hashlib.blake2b(repr(plan._key()).encode(), digest_size=16).digest()
             h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
             layout = 0 if plan.layout is Layout.ZIGZAG else 1
-            return torch.tensor([int(plan._padded_input), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
+            alone = self.split()[1]  # a BSHD plan (its rows split alone) or THD
+            return torch.tensor([int(alone), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
                                  plan.total_len, h1, h2], dtype=torch.int64)
         return self._kept("host", "fingerprint", make)
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +65,6 @@ class Plan:
     padding: Padding = Padding.ALIGNED
     order: tuple[int, ...] | None = None  # buffer position -> the caller's sequence index (None: same)
     _indices: PlanIndices
-    _padded_input: ClassVar[bool] = False  # does a plain tensor passed to ``shard`` hold padded (B, S) rows?
 
     # -- what a plan kind defines -------------------------------------------------------------
 
