@@ -19,7 +19,7 @@ from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
 from cpshard.plan.args import parse_plan_args
-from cpshard.plan.indices import PlanIndices
+from cpshard.plan.indices import PlanIndices, _bshd_restore, _segments_per_token
 from cpshard.plan.values import Plan, check_value_fields
 
 __all__ = ["BshdPlan"]
@@ -142,6 +142,10 @@ class BshdPlan(Plan):
                  f"a BSHD tensor must be (B={b}, S >= {longest}, ...), right-padded",
                  "pass the padded batch, or packed token rows as a list or jagged nested tensor")
         return x.reshape(b * x.shape[1], *x.shape[2:]), x.shape[1]
+
+    def _closed_form_restore(self) -> np.ndarray | None:
+        # per token where the segments average fewer than 16 tokens (PlanIndices.unshard)
+        return _bshd_restore(self) if _segments_per_token(self) > 1 / 16 else None
 
     def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
         if order is not TwinOrder.SAME:
