@@ -19,7 +19,7 @@ from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
 from cpshard.plan.args import parse_plan_args
-from cpshard.plan.indices import PlanIndices, _bshd_restore, _segments_per_token
+from cpshard.plan.indices import PlanIndices, _segments_per_token
 from cpshard.plan.values import Plan, check_value_fields
 
 __all__ = ["BshdPlan"]
@@ -167,3 +167,34 @@ class BshdPlan(Plan):
         fp8 = ", fp8=True" if self.fp8 else ""
         return (f"BshdPlan(num_seqs={self.num_seqs}, max_seqlen={self.max_seqlen}, cp_size={self.cp_size}, "
                 f"tp_size={self.tp_size}, layout={self.layout.value!r}{fp8}, local_len={self.local_len})")
+
+
+def _bshd_restore(plan: BshdPlan) -> np.ndarray:
+    """:meth:`PlanIndices.unshard` of a BSHD plan in closed form, per token (no segments of every rank).
+
+    Every row of ``M`` columns is split alone: column ``p`` of row ``b`` sits on rank ``r`` at local
+    column ``q``, that rank's flat row ``b L + q`` (``L = M / cp``), so at ``r B L + b L + q`` of the
+    rank-concatenated buffer. Contiguous: ``r = p // L``, ``q = p % L``. Zigzag, ``h = M / (2 cp)``:
+    chunk ``k = p // h`` on rank ``min(k, 2 cp - 1 - k)``, ``q = p - (k - second) h`` as
+    ``plan/indices.py``'s ``_thd_restore``. In int32 (a BSHD plan has fewer than 2**31 positions).
+    """
+    i32 = np.dtype(np.int32)
+    lens = _index.int64_array(plan.seqlens_py)  # a BSHD batch has no buffer order
+    cp, local = plan.cp_size, plan.local_len
+    rows = plan.num_seqs * local
+    pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's column
+    base = np.repeat((np.arange(plan.num_seqs, dtype=np.int64) * local).astype(i32), lens)
+    if cp > 1 and plan.layout is Layout.ZIGZAG:
+        h = max(plan.max_seqlen // (2 * cp), 1)  # M = 0 holds no token
+        chunk = pos // h
+        pos -= h * (chunk - (chunk >= cp))
+        rank = np.minimum(chunk, 2 * cp - 1 - chunk)
+    elif cp > 1:
+        rank = pos // max(local, 1)
+        pos -= rank * local
+    else:
+        rank = np.zeros_like(pos)
+    rank *= rows
+    pos += rank
+    pos += base
+    return pos

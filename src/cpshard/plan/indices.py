@@ -576,33 +576,3 @@ def _thd_restore(plan: Any) -> np.ndarray:
     out += np.repeat((cu_padded // cp).astype(i32), lens)
     return out
 
-
-def _bshd_restore(plan: Any) -> np.ndarray:
-    """:meth:`PlanIndices.unshard` of a BSHD plan in closed form, per token (no segments of every rank).
-
-    Every row of ``M`` columns is split alone: column ``p`` of row ``b`` sits on rank ``r`` at local
-    column ``q``, that rank's flat row ``b L + q`` (``L = M / cp``), so at ``r B L + b L + q`` of the
-    rank-concatenated buffer. Contiguous: ``r = p // L``, ``q = p % L``. Zigzag, ``h = M / (2 cp)``:
-    chunk ``k = p // h`` on rank ``min(k, 2 cp - 1 - k)``, ``q = p - (k - second) h`` as
-    :func:`_thd_restore`. In int32 (a BSHD plan has fewer than 2**31 positions).
-    """
-    i32 = np.dtype(np.int32)
-    lens = _index.int64_array(plan.seqlens_py)  # a BSHD batch has no buffer order
-    cp, local = plan.cp_size, plan.local_len
-    rows = plan.num_seqs * local
-    pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's column
-    base = np.repeat((np.arange(plan.num_seqs, dtype=np.int64) * local).astype(i32), lens)
-    if cp > 1 and plan.layout is Layout.ZIGZAG:
-        h = max(plan.max_seqlen // (2 * cp), 1)  # M = 0 holds no token
-        chunk = pos // h
-        pos -= h * (chunk - (chunk >= cp))
-        rank = np.minimum(chunk, 2 * cp - 1 - chunk)
-    elif cp > 1:
-        rank = pos // max(local, 1)
-        pos -= rank * local
-    else:
-        rank = np.zeros_like(pos)
-    rank *= rows
-    pos += rank
-    pos += base
-    return pos
