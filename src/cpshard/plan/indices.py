@@ -575,4 +575,3 @@ def _thd_restore(plan: Any) -> np.ndarray:
     out += chunk
     out += np.repeat((cu_padded // cp).astype(i32), lens)
     return out
-
