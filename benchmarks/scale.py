@@ -240,7 +240,7 @@ def draw(result: dict[str, Any], path: str) -> None:
         ax.set_xlabel("sequences")
         ax.set_title(f"cp = {cp}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, ncol=2, loc="upper left")
     axes[0].set_ylabel("ms (least); index paths: sequences of 1..64 tokens")
     fig.suptitle("cpshard host-side cost against the batch")
     fig.tight_layout()
