@@ -3,8 +3,8 @@
 Run (CPU, one process; nothing asserts a time)::
 
     .venv/bin/python benchmarks/scale.py                 # 1k and 4k sequences: a couple of minutes on 2 cores
-    .venv/bin/python benchmarks/scale.py --large         # adds 16k sequences
-    .venv/bin/python benchmarks/scale.py --huge          # adds 16k and 64k sequences (long: pack at 64k)
+    .venv/bin/python benchmarks/scale.py --large         # adds 16k and 64k sequences (long: pack at 64k)
+    .venv/bin/python benchmarks/scale.py --huge          # adds 100k sequences too
     .venv/bin/python benchmarks/scale.py --json out.json --png docs/performance.png
 
 Every time is the least and the median of ``--repeats`` calls, garbage collector off (as ``timeit``),
@@ -13,7 +13,9 @@ in one process; this machine's noise is in the spread between the two. Four tabl
 * **index**: ``n`` sequences of 1..64 tokens (uniform; the many-short-sequences case of a large
   rollout), at cp 2, 8 and 64, both layouts: ``ShardPlan.build``; ``shard`` of rank 0 on a fresh plan
   (cold: builds its index) and again (warm); ``unshard`` of every rank's output on a fresh plan
-  (cold) and again (warm). Rows are ``float32``, one value a token.
+  (cold) and again (warm); on a fresh plan, rank 0's exchange for ``shift_sharded`` by one (``shift
+  cold``) and its halo for the shifts 1, 2, 3 (``halo cold``: multi-token prediction's). Rows are
+  ``float32``, one value a token.
 * **pack**: ``n`` document lengths ~ exponential(mean 2048), at least 1, capped at 32768,
   ``max_tokens = 32768``, dp 2 at 1k sequences and 8 above; ``cpshard.pack`` under both layouts at
   cp 2, 8 and 64, beside verl's partition of the same batch (the DP split and every DP rank's
@@ -46,7 +48,7 @@ from typing import Any
 import torch
 
 from _timing import gc_off_ms
-from cpshard import ShardPlan, pack, shard, unshard
+from cpshard import ShardPlan, halo_exchange, pack, shard, shift_exchange, unshard
 from cpshard.compat._verl_pack import verl_partition, verl_partitioner
 
 MAX_TOKENS = 32768
@@ -74,7 +76,7 @@ def index_rows(sizes: list[int], cps: list[int], repeats: int) -> list[dict[str,
     rows = []
     print(f"\nindex: n sequences of 1..64 tokens; ms least/median of {repeats}")
     head = f"{'n':>7} {'cp':>3} {'layout':>10} {'build':>13} {'shard cold':>13} {'shard warm':>13} " \
-           f"{'unshard cold':>13} {'unshard warm':>13}"
+           f"{'unshard cold':>13} {'unshard warm':>13} {'shift cold':>13} {'halo cold':>13}"
     print(head + "\n" + "-" * len(head))
     for n in sizes:
         lens = short_lengths(n)
@@ -101,10 +103,13 @@ def index_rows(sizes: list[int], cps: list[int], repeats: int) -> list[dict[str,
                        "shard_cold": cold(lambda p: shard(x, p, 0)),
                        "shard_warm": times_ms(lambda: shard(x, plan, 0), repeats),
                        "unshard_cold": cold(lambda p: unshard(parts, p)),
-                       "unshard_warm": times_ms(lambda: unshard(parts, plan), repeats)}
+                       "unshard_warm": times_ms(lambda: unshard(parts, plan), repeats),
+                       "shift_cold": cold(lambda p: shift_exchange(p, 0, 1)),
+                       "halo_cold": cold(lambda p: halo_exchange(p, 0, (1, 2, 3)))}
                 rows.append(row)
                 print(f"{n:>7} {cp:>3} {layout:>10} {_fmt(row['build']):>13} {_fmt(row['shard_cold']):>13} "
-                      f"{_fmt(row['shard_warm']):>13} {_fmt(row['unshard_cold']):>13} {_fmt(row['unshard_warm']):>13}",
+                      f"{_fmt(row['shard_warm']):>13} {_fmt(row['unshard_cold']):>13} {_fmt(row['unshard_warm']):>13} "
+                      f"{_fmt(row['shift_cold']):>13} {_fmt(row['halo_cold']):>13}",
                       flush=True)
     return rows
 
@@ -205,43 +210,48 @@ def thread_rows(repeats: int) -> list[dict[str, Any]]:
 
 
 def draw(result: dict[str, Any], path: str) -> None:
-    """Time against sequences, log-log, one line per path (cp 8; the least times)."""
+    """Time against sequences, log-log, one line per path, at cp 8 and cp 64 side by side (the least times)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lines: dict[str, dict[int, float]] = {}
-    for row in result["index"]:
-        if row["cp"] != 8:
-            continue
-        for key in ("build", "shard_cold", "shard_warm", "unshard_cold", "unshard_warm"):
-            lines.setdefault(f"{key.replace('_', ' ')} ({row['layout']}, 1..64 tokens)", {})[row["n"]] = row[key][0]
-    for row in result["pack"]:
-        if row["cp"] != 8:
-            continue
-        lines.setdefault(f"pack {row['layout']}", {})[row["n"]] = row["pack"][0]
-        lines.setdefault("verl partition", {})[row["n"]] = row["verl"][0]
-    for name, pts in sorted(lines.items()):
-        xs = sorted(pts)
-        style = "--" if "verl" in name else ("-" if "pack" in name else ":")
-        ax.plot(xs, [pts[x] for x in xs], style, marker="o", markersize=3, label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("sequences")
-    ax.set_ylabel("ms (least)")
-    ax.set_title("cpshard host-side cost, cp = 8")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    for ax, cp in zip(axes, (8, 64)):
+        lines: dict[str, dict[int, float]] = {}
+        for row in result["index"]:
+            if row["cp"] != cp:
+                continue
+            for key in ("build", "shard_cold", "shard_warm", "unshard_cold", "unshard_warm", "shift_cold",
+                        "halo_cold"):
+                if key in row:
+                    lines.setdefault(f"{key.replace('_', ' ')} ({row['layout']})", {})[row["n"]] = row[key][0]
+        for row in result["pack"]:
+            if row["cp"] != cp:
+                continue
+            lines.setdefault(f"pack {row['layout']} (documents)", {})[row["n"]] = row["pack"][0]
+            lines.setdefault("verl partition (documents)", {})[row["n"]] = row["verl"][0]
+        colors = plt.get_cmap("tab20")
+        for i, (name, pts) in enumerate(sorted(lines.items())):
+            xs = sorted(pts)
+            style = "--" if "verl" in name else ("-" if "pack" in name else ":")
+            ax.plot(xs, [pts[x] for x in xs], style, marker="o", markersize=3, label=name, color=colors(i % 20))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("sequences")
+        ax.set_title(f"cp = {cp}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, ncol=2, loc="upper left")
+    axes[0].set_ylabel("ms (least); index paths: sequences of 1..64 tokens")
+    fig.suptitle("cpshard host-side cost against the batch")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--large", action="store_true", help="add 16k sequences")
-    parser.add_argument("--huge", action="store_true", help="add 16k and 64k sequences")
+    parser.add_argument("--large", action="store_true", help="add 16k and 64k sequences")
+    parser.add_argument("--huge", action="store_true", help="add 16k, 64k and 100k sequences")
     parser.add_argument("--sizes", type=int, nargs="+", help="these sequence counts instead (a smoke run: --sizes 64)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads first (0: torch's default)")
@@ -249,14 +259,26 @@ def main() -> None:
                         help="run only these tables (repeatable)")
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--png", help="draw the log-log figure to this file (matplotlib)")
+    parser.add_argument("--plot-from", nargs="+", metavar="JSON",
+                        help="measure nothing: draw --png from these --json files (their tables merged)")
     parser.add_argument("--thread-case", type=int, help=argparse.SUPPRESS)  # a fresh process's threads rows
     args = parser.parse_args()
+    if args.plot_from:
+        merged: dict[str, Any] = {"index": [], "pack": []}
+        for name in args.plot_from:
+            with open(name) as f:
+                part = json.load(f)
+            for table in merged:
+                merged[table] += part.get(table, [])
+        draw(merged, args.png or "scale.png")
+        return
     if args.thread_case:
         print(json.dumps(_thread_case(args.thread_case)))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    sizes = args.sizes or [1024, 4096] + ([16384] if args.large or args.huge else []) + ([65536] if args.huge else [])
+    sizes = args.sizes or [1024, 4096] + ([16384, 65536] if args.large or args.huge else []) + \
+        ([100_000] if args.huge else [])
     cps = [2, 8, 64]
     want = set(args.only or ["index", "pack", "dropin", "threads"])
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; "

@@ -445,3 +445,67 @@ def ref_mtp_depth_loss(depth_losses, masks, d: int, scale: float):
         w = _weights(mask)
         shifted.append([w[p + d] if p + d < len(w) else 0.0 for p in range(len(w))])
     return scale * ref_token_mean(depth_losses, shifted)
+
+
+# --------------------------------------------------------------------------------------------------
+# What crosses ranks (SPEC "Shifts": sharded shifts and the multi-token halo)
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_holders(seqlens, padded, cp: int, layout, bshd: bool = False):
+    """``{(sequence, position): (rank, local row)}`` for every padded position, and per rank its rows
+    as ``(sequence, position)`` in local order. A BSHD plan (``bshd``) holds the columns of one
+    sequence of ``padded[0]`` in every row, row ``b``'s at local rows ``b * M / cp + ...``."""
+    where, rows = {}, []
+    for r in range(cp):
+        mine = []
+        if bshd:
+            cols = ref_bshd_columns(int(padded[0]), cp, layout, r)
+            for b in range(len(seqlens)):
+                mine += [(b, c) for c in cols]
+        else:
+            mine = [ref_locate(padded, g) for g in ref_rank_rows(padded, cp, layout, r)]
+        for j, key in enumerate(mine):
+            where[key] = (r, j)
+        rows.append(mine)
+    return where, rows
+
+
+def ref_crossing_rows(seqlens, padded, cp: int, layout, shift: int, bshd: bool = False) -> int:
+    """Token rows, over every rank, whose source ``shift`` positions away exists and sits on another
+    rank: what a sharded shift must move between ranks."""
+    where, rows = ref_holders(seqlens, padded, cp, layout, bshd)
+    count = 0
+    for r in range(cp):
+        for i, p in rows[r]:
+            n = int(seqlens[i])
+            if p < n and 0 <= p + shift < n and where[(i, p + shift)][0] != r:
+                count += 1
+    return count
+
+
+def ref_crossing_halo_rows(seqlens, padded, cp: int, layout, shifts, bshd: bool = False) -> int:
+    """Halo rows, over every rank, held by another rank (SPEC "Shifts", several shifts at once): a
+    rank's run of consecutive positions of one sequence (under zigzag one chunk: a run is cut where
+    a chunk ends) that holds a token needs the ``max(shifts)`` positions after it and the
+    ``-min(shifts)`` before it that exist in its sequence."""
+    ahead, back = max(max(shifts), 0), max(-min(shifts), 0)
+    where, rows = ref_holders(seqlens, padded, cp, layout, bshd)
+    count = 0
+    for r in range(cp):
+        runs = []
+        for i, p in rows[r]:
+            chunk = int(padded[i] if not bshd else padded[0]) // (2 * cp)
+            cut = _layout_str(layout) == ZIGZAG
+            joined = runs and runs[-1][0] == i and runs[-1][2] == p and not (cut and cp > 1 and p % chunk == 0)
+            if joined:
+                runs[-1][2] = p + 1
+            else:
+                runs.append([i, p, p + 1])
+        for i, first, end in runs:
+            n = int(seqlens[i])
+            if first >= n:
+                continue
+            wanted = [q for q in range(end, end + ahead) if q < n] + [q for q in range(first - back, first) if q >= 0]
+            count += sum(where[(i, q)][0] != r for q in wanted)
+    return count

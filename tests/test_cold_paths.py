@@ -12,6 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, ShardPlan, unshard
+from cpshard.distributed import plan_fingerprint
+from reference import ref_bshd_columns
 from strategies import props
 
 
@@ -58,9 +60,39 @@ def test_a_restore_of_short_pieces_builds_no_segments_of_every_rank():
         want = []
         for r in range(64):
             seg = small.indices().segments(r)
-            for s, p, n, t, start in zip(seg.seq.tolist(), seg.pos.tolist(), seg.length.tolist(),
+            for s, p, _n, t, start in zip(seg.seq.tolist(), seg.pos.tolist(), seg.length.tolist(),
                                          seg.tokens.tolist(), seg.start.tolist()):
                 want += [(s, p + j, r * small.local_len + start + j) for j in range(t)]
         want = [row for _, _, row in sorted(want)]
         parts = [torch.arange(small.local_len, dtype=torch.int32) + r * small.local_len for r in range(64)]
         assert unshard(parts, small).values().tolist() == want
+
+
+def test_each_plan_kind_answers_how_it_is_split():
+    """The index service asks the plan kind, not a flag: a THD plan splits its whole buffer over the
+    ranks, a BSHD plan each padded row alone; the fingerprint's kind word (0 THD, 1 BSHD) follows."""
+    thd, bshd = ShardPlan.build([5, 3], cp_size=2), BshdPlan.build([5, 3], cp_size=2)
+    padded, alone = thd.indices().split()
+    assert padded.tolist() == [8, 4] and not alone and plan_fingerprint(thd)[0] == 0
+    padded, alone = bshd.indices().split()
+    assert padded.tolist() == [8, 8] and alone and plan_fingerprint(bshd)[0] == 1
+
+
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=8), cp=st.integers(1, 6), tp=st.integers(1, 2),
+       layout=st.sampled_from(["zigzag", "contiguous"]))
+@props(80)
+def test_bshd_restore_index_in_closed_form(lens, cp, tp, layout):
+    """A BSHD plan's restore index, per token in closed form (no segments of every rank), is the row of
+    the rank-concatenated buffer holding each token: rank r's local column j of row b is buffer row
+    r * B * L + b * L + j (SPEC "BSHD", the naive columns)."""
+    plan = BshdPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+    where = {}
+    for r in range(cp):
+        for j, col in enumerate(ref_bshd_columns(plan.max_seqlen, cp, layout, r)):
+            where[col] = (r, j)
+    b_rows, local = len(lens), plan.local_len
+    want = [where[p][0] * b_rows * local + b * local + where[p][1] for b, n in enumerate(lens) for p in range(n)]
+    assert plan.indices().unshard(torch.device("cpu")).tolist() == want
+    chunks = len(lens) * cp * (2 if layout == "zigzag" and cp > 1 else 1)
+    if 16 * chunks > sum(lens):  # segments of fewer than 16 tokens on average: the closed form, no segments
+        assert "every" not in plan.indices().kept()

@@ -111,6 +111,32 @@ def _bshd_gather(rank, world):
     return True
 
 
+def _near_ranks_only(rank, world):
+    """Many short sequences (one-row zigzag chunks): each rank's shift and halo exchanges read its
+    own segments and its neighbours' only, never every rank's, and still give shard(shift(x, k))
+    on every rank, with a collective exactly where a row crosses ranks (the group's closed-form count)."""
+    lens = [1 + (5 * i) % (2 * world) for i in range(40)]
+    reached = {}
+    for layout in Layout:
+        plan = ShardPlan.build(lens, cp_size=world, layout=layout)
+        x = _data(lens, (2,), torch.int64, seed=11)
+        local = shard(x, plan, rank)
+        for k in (1, -1, 2):
+            with CollectiveCounter() as counter:
+                out = shift_sharded(local, plan, dist.group.WORLD, shift=k, fill=-7)
+            assert torch.equal(out, shard(x, plan, rank, shift=k, fill=-7)), (layout, k)
+            crossing = shift_exchange(plan, rank, k).total_remote
+            assert crossing > 0 and counter.calls == [ALL_TO_ALL], (crossing, counter.calls)
+        shifts = (1, 2, -1)
+        outs = shift_sharded_multi([local], plan, dist.group.WORLD, shifts=shifts, fills=[-7])
+        for s, k in enumerate(shifts):
+            assert torch.equal(outs[0][s], shard(x, plan, rank, shift=k, fill=-7)), (layout, k)
+        kept = plan.indices().kept()
+        assert "every" not in kept, kept
+        reached[layout.value] = kept["segments"]
+    return reached
+
+
 def _odd_dtypes(rank, world):
     """fp8 (no index_fill_ or gloo support: moved as bytes), float16, int8, complex and uintN rows."""
     lens = [7, 0, 2 * world + 3]
@@ -308,7 +334,7 @@ _PLAN = {
     2: ("_gather_and_shift", "_bshd_gather", "_autograd", "_odd_dtypes"),
     3: ("_gather_and_shift", "_bshd_gather", "_odd_dtypes", "_switch_and_groups"),
     4: ("_gather_and_shift", "_autograd", "_costs", "_mismatch", "_subgroups"),
-    8: ("_gather_and_shift",),
+    8: ("_gather_and_shift", "_near_ranks_only"),
 }
 
 
@@ -339,6 +365,13 @@ def _results(suites, world, name):
 def test_gather_and_shift_sharded(suites, world):
     cases = [f"{c[0]}/shift{k}" for c in _gather_and_shift_cases(world) for k in SHIFTS]
     assert _results(suites, world, "_gather_and_shift") == [cases] * world
+
+
+def test_exchanges_read_near_ranks_only(suites):
+    """At cp = 8 with one-row zigzag chunks, shifts of 1 and 2 and the halo of (1, 2, -1) reach the ranks
+    within two chunks of a rank's two (5 of 8 ranks' segments); contiguous, the rank and its two neighbours."""
+    got = _results(suites, 8, "_near_ranks_only")
+    assert all(r["zigzag"] <= 5 and r["contiguous"] <= 3 for r in got), got
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange
-from cpshard.index.shift import all_to_all_in_process
-from reference import ref_bshd_shard, ref_shard
+from cpshard import BshdPlan, Layout, ShardPlan, halo_exchange, shard, shift_exchange
+from cpshard.index.shift import all_to_all_in_process, build_shift_exchange
+from reference import ref_bshd_shard, ref_crossing_rows, ref_shard
 
 
 def emulate_shift_sharded(shards, plan, k, fill, pad_value):
@@ -69,3 +69,71 @@ def test_contiguous_moves_one_boundary_per_rank():
     plan = ShardPlan.build([5000, 3000], cp_size=4, layout="contiguous")
     exs = [shift_exchange(plan, r, 1) for r in range(4)]
     assert [ex.send_splits for ex in exs] == [(0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0)]
+
+
+def _padded(plan):
+    return [plan.max_seqlen] if isinstance(plan, BshdPlan) else list(plan.padded_seqlens_py)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(0, 9) | st.integers(0, 70), min_size=1, max_size=10),
+    cp=st.integers(1, 9),
+    tp=st.integers(1, 3),
+    layout=st.sampled_from(list(Layout)),
+    k=st.integers(-12, 12),
+    kind=st.sampled_from(["aligned", "minimal", "balanced", "bshd"]),
+)
+def test_crossing_rows_counted_in_closed_form(lens, cp, tp, layout, k, kind):
+    """Every rank's ``total_remote`` (a closed form over the sequences, no segment built) is the naive
+    count of token rows whose source sits on another rank; the ranks' receives add up to it."""
+    if kind == "bshd":
+        lens = lens[:6]
+        plan = BshdPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+    else:
+        balanced = kind == "balanced" and layout is Layout.CONTIGUOUS
+        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding="minimal" if kind == "minimal"
+                               else "aligned", reorder="balanced" if balanced else None)
+    want = ref_crossing_rows(plan.seqlens_py, _padded(plan), cp, layout, k, bshd=kind == "bshd")
+    exs = [shift_exchange(plan, r, k) for r in range(cp)]
+    assert [ex.total_remote for ex in exs] == [want] * cp
+    assert sum(sum(ex.recv_splits) for ex in exs) == want
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(0, 6) | st.integers(0, 200), min_size=1, max_size=40),
+    cp=st.sampled_from([2, 3, 4, 8, 12]),
+    layout=st.sampled_from(list(Layout)),
+    k=st.integers(-9, 9),
+    bshd=st.booleans(),
+)
+def test_one_ranks_exchange_reads_only_the_ranks_it_reaches(lens, cp, layout, k, bshd):
+    """A rank's exchange is built from its own segments and those of the ranks within reach of its
+    rows: field for field the exchange every rank's segments give, and no more ranks' segments kept."""
+    plan = (BshdPlan if bshd else ShardPlan).build(lens[:8] if bshd else lens, cp_size=cp, layout=layout)
+    ix = plan.indices()
+    for r in range(cp):
+        ex = shift_exchange(plan, r, k)
+        whole = build_shift_exchange(ix.every(), ix.segments(r), r, k, cp, ex.total_remote)
+        for name in ("source", "send_rows", "recv_rows", "pad_rows", "fill_rows"):
+            assert torch.equal(getattr(ex, name), getattr(whole, name)), (r, name)
+        assert (ex.send_splits, ex.recv_splits) == (whole.send_splits, whole.recv_splits)
+    if bshd:
+        return
+    fresh = ShardPlan.build(lens, cp_size=cp, layout=layout)
+    shift_exchange(fresh, 0, k)
+    assert "every" not in fresh.indices().kept()
+    assert fresh.indices().kept()["segments"] == len(fresh.indices().near(0, abs(k)).ranks)
+
+
+def test_the_first_exchange_of_a_large_plan_builds_a_few_ranks_segments():
+    """100,000 short sequences at cp = 64 hold 12.8M zigzag chunks: rank 5's shift by one reads its
+    own chunks and its two neighbours' (ranks 4 and 6); its halo for shifts 1..3 those of ranks 2..8."""
+    lens = [1 + (7 * i) % 64 for i in range(100_000)]
+    plan = ShardPlan.build(lens, cp_size=64)
+    ex = shift_exchange(plan, 5, 1)
+    assert plan.indices().kept()["segments"] == 3 and "every" not in plan.indices().kept()
+    assert ex.total_remote == sum(max(n - 1, 0) for n in lens)  # one-row chunks: every pair of neighbours crosses
+    halo_exchange(plan, 5, (1, 2, 3))
+    assert plan.indices().kept()["segments"] == 7 and "every" not in plan.indices().kept()

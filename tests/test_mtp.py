@@ -24,7 +24,7 @@ from cpshard.megatron import import_megatron, megatron_version, mtp_loss_impl, p
 from cpshard.megatron import mtp as megatron_mtp
 from cpshard.mtp import MtpLossAutoScaler, mtp_loss, mtp_targets
 from cpshard.plan import halo_exchange, shift_exchange
-from reference import ref_shard
+from reference import ref_crossing_halo_rows, ref_shard
 from strategies import props
 
 F64 = torch.float64
@@ -614,3 +614,30 @@ def test_megatron_version_is_the_imported_one():
     package_info = import_megatron("package_info")
     assert megatron_version() == package_info.__version__.split("+")[0]  # 0.19 appends the cwd's git hash
     assert mod.__file__.startswith(package_info.__file__.rsplit("/megatron/", 1)[0])
+
+
+@props(150)
+@given(
+    lens=st.lists(st.integers(0, 9) | st.integers(0, 70), min_size=1, max_size=10),
+    cp=st.integers(1, 9),
+    tp=st.integers(1, 3),
+    layout=st.sampled_from(list(Layout)),
+    shifts=st.lists(st.integers(-7, 7), min_size=1, max_size=4, unique=True),
+    kind=st.sampled_from(["aligned", "minimal", "balanced", "bshd"]),
+)
+def test_crossing_halo_rows_counted_in_closed_form(lens, cp, tp, layout, shifts, kind):
+    """Every rank's ``total_remote`` (a closed form over the sequences, no segment built) is the naive
+    count of halo rows held by another rank; the ranks' receives add up to it."""
+    if kind == "bshd":
+        lens = lens[:6]
+        plan = BshdPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+        padded = [plan.max_seqlen]
+    else:
+        balanced = kind == "balanced" and layout is Layout.CONTIGUOUS
+        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding="minimal" if kind == "minimal"
+                               else "aligned", reorder="balanced" if balanced else None)
+        padded = list(plan.padded_seqlens_py)
+    want = ref_crossing_halo_rows(plan.seqlens_py, padded, cp, layout, shifts, bshd=kind == "bshd")
+    mss = [halo_exchange(plan, r, tuple(shifts)) for r in range(cp)]
+    assert [ms.total_remote for ms in mss] == [want] * cp
+    assert sum(sum(ms.recv_splits) for ms in mss) == want

@@ -22,11 +22,11 @@ from test_exchange import emulate_shift_sharded
     tp=st.integers(1, 3),
     padding=st.sampled_from(["aligned", "minimal"]),
     k=st.integers(0, 3),
-    by=st.sampled_from(["runs", "index"]),
+    by=st.sampled_from(["runs", "index", "ranks"]),
 )
 @props(120)
 def test_reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by):
-    _reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by)  # the restore by runs, or by an index
+    _reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by)  # the restore by runs, by an index, by rank
 
 
 def _reordered_plan_matches_the_reference(lens, cp, tp, padding, k, by="auto"):

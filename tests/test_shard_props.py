@@ -130,14 +130,16 @@ def test_input_forms_identical(cfg: PlanCfg, d: DataCfg, data):
             assert torch.equal(o, outs[0])
 
 
-@given(plan_cfgs(max_total=MAX_TOTAL), st.sampled_from([(), (2,)]), st.sampled_from([torch.int64, torch.float32]),
-       st.sampled_from(["runs", "index"]))
+@given(plan_cfgs(max_total=MAX_TOTAL), st.sampled_from([(), (2,), (3,)]),
+       st.sampled_from([torch.int64, torch.float32, torch.bfloat16, torch.int8]), st.sampled_from(["runs", "index", "ranks"]))
 @example(PlanCfg([3000, 7, 2500], 2, 1, "contiguous"), (), torch.float32, "auto")  # the default: runs
 @example(PlanCfg([0], 1, 1, "zigzag", min_local_rows=1), (), torch.float32, "runs")  # no tokens, a pad row
 @props(100)
 def test_unshard_arbitrary_outputs(cfg: PlanCfg, trailing, dtype, by):
     """unshard picks exactly the token rows of arbitrary local outputs, in sequence order, whether
-    it copies runs (``PlanIndices.runs``, here forced wherever there are any) or gathers by an index."""
+    it copies runs (``PlanIndices.runs``, here forced wherever there are any) or gathers by an index
+    (from each rank's part where a row is 1, 2, 4 or 8 bytes, ``PlanIndices.unshard_by_rank``, else
+    from the parts concatenated)."""
     _unshard_arbitrary_outputs(cfg, trailing, dtype, by)
 
 

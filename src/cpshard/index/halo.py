@@ -23,12 +23,13 @@ that smaller shifts need are missing. The halo always holds all ``min(H, n_i - p
 
 Looking back (``k < 0``, a causal convolution's inputs) is the mirror image: the ``-min(shifts)``
 positions just before each segment (``p0 - 1``, ``p0 - 2``, ..., cut at the sequence's start) form a
-second halo, exchanged in the same collective. Every rank derives the whole exchange from the plan,
-for all ranks at once, so sender and receiver
-agree on the order without a metadata message: rank ``s`` sends rank ``d`` the halo rows ``d``
-needs from ``s`` in the order of their halo entries (segment, then offset ``t``). The work is over
-segments and halo rows (about ``2 B cp H`` under zigzag) plus a few passes over the rank's rows per
-shift.
+second halo, exchanged in the same collective. Every rank derives its part of the exchange from the
+plan, so sender and receiver agree on the order without a metadata message: rank ``s`` sends rank
+``d`` the halo rows ``d`` needs from ``s`` in the order of their halo entries (segment, then offset
+``t``). A rank reads only the segments of the ranks its halos reach or are reached from
+(``index.shift.reach``), and the group's count of crossing halo rows is a closed form over the
+sequences (:func:`remote_halo_rows`). The work is over those segments and their halo rows (about
+``2 B H`` per rank reached under zigzag) plus a few passes over the rank's rows per shift.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ import numpy as np
 import torch
 
 from cpshard.base.dtypes import movable
+from cpshard.base.layout import Layout
 from cpshard.index import segments as _index
 
-__all__ = ["HaloExchange", "build_halo_exchange", "pack_rows", "unpack_rows"]
+__all__ = ["HaloExchange", "build_halo_exchange", "pack_rows", "remote_halo_rows", "unpack_rows"]
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,12 @@ class HaloExchange:
 
 
 def build_halo_exchange(every: _index.AllSegments, segs: _index.Segments, seqlens: np.ndarray, rank: int,
-                        shifts: Sequence[int]) -> HaloExchange:
-    """The halo exchange of ``rank`` (whose segments are ``segs``) for ``shifts``, from every rank's
-    segments and the token counts ``seqlens`` (for BSHD: of the batch rows). Shifts may look ahead
-    (``k > 0``: the halo after each segment) and back (``k < 0``: the halo before it)."""
-    cp = len(every.offsets) - 1
+                        shifts: Sequence[int], cp: int, total_remote: int) -> HaloExchange:
+    """The halo exchange of ``rank`` (whose segments are ``segs``) in a group of ``cp`` ranks for
+    ``shifts``, from the segments of ``rank`` and of every rank its halos reach or are reached from
+    (``every``: all ranks, or those ``index.shift.reach`` names), the token counts ``seqlens`` (for
+    BSHD: of the batch rows) and the group's crossing halo rows (:func:`remote_halo_rows`). Shifts
+    may look ahead (``k > 0``: the halo after each segment) and back (``k < 0``: the halo before it)."""
     shifts = tuple(int(k) for k in shifts)
     ahead, back = max(max(shifts, default=0), 0), max(-min(shifts, default=0), 0)
     seg_rank, seq, pos, length, first = every.rank, every.seq, every.pos, every.length, every.start
@@ -128,9 +131,11 @@ def build_halo_exchange(every: _index.AllSegments, segs: _index.Segments, seqlen
     is_after = entry_t < after[entry_seg]
     want = np.where(is_after, end[entry_seg] + entry_t, pos[entry_seg] - 1 - (entry_t - after[entry_seg]))
 
-    holder = every.holder(seq[entry_seg], want)  # the segment holding (sequence, position)
+    # the segment holding (sequence, position), and its rank (-1: a rank not in `every`, which only
+    # the halos of other ranks than `rank` reach)
+    holder, src_rank = every.rank_holding(seq[entry_seg], want)
 
-    dst_rank, src_rank = seg_rank[entry_seg], seg_rank[holder]
+    dst_rank = seg_rank[entry_seg]
     src_row = first[holder] + (want - pos[holder])
     remote = src_rank != dst_rank
     entries = entry_seg.size
@@ -148,7 +153,7 @@ def build_halo_exchange(every: _index.AllSegments, segs: _index.Segments, seqlen
     entry_base[mine] = src_row[mine]
     entry_base[incoming] = rows + np.arange(incoming.size)
 
-    g = every.offsets[rank] + np.repeat(np.arange(segs.seq.size), segs.length)  # each row's segment among all
+    g = every.first_of(rank) + np.repeat(np.arange(segs.seq.size), segs.length)  # each row's segment among all
     j = _index.expand_np(np.zeros_like(segs.length), segs.length)  # row inside its segment
     c = length[g]
     p = pos[g] + j
@@ -173,8 +178,67 @@ def build_halo_exchange(every: _index.AllSegments, segs: _index.Segments, seqlen
         source=t(np.ascontiguousarray(source)),
         pad_rows=t(segs.pad_rows()),
         fill_rows=tuple(t(np.flatnonzero(f)) for f in fill),
-        total_remote=int(remote.sum()),
+        total_remote=total_remote,
     )
+
+
+def _tri(x: np.ndarray) -> np.ndarray:
+    return x * (x + 1) // 2
+
+
+def remote_halo_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout, alone: bool,
+                     shifts: Sequence[int]) -> int:
+    """How many halo rows cross ranks over the whole group for ``shifts`` (the exchange's
+    ``total_remote``), in closed form over the sequences: no segment is built.
+
+    A segment holding a token has ``min(A, n - e)`` entries after it (``A`` the largest look-ahead,
+    ``e`` its end) and ``min(s, B)`` before it (``B`` the largest look-back, ``s`` its first
+    position). Contiguous: a segment ends inside its sequence only at a rank's last row, so every
+    such entry lies on another rank; one sum over the ``cp - 1`` rank boundaries (per distinct
+    length for a BSHD batch, whose rows are split alone). Zigzag, chunks of ``c`` rows: chunk ``j``
+    (``j c < n``) has ``min(A, n - (j + 1) c)`` entries after and ``min(j c, B)`` before, summed over
+    ``j`` as arithmetic series; of them only those in the mirror chunk ``2 cp - 1 - j`` stay on the
+    rank: the after-halo of chunk ``cp - 1 - u`` at offsets ``[2 u c, (2 u + 1) c)``, the
+    before-halo of chunk ``cp + u`` at the same offsets (``u < A / 2`` resp. ``B / 2``).
+
+    >>> remote_halo_rows(np.array([8]), np.array([8]), 2, Layout.ZIGZAG, False, (1,))  # chunk 2's halo is rank 0's
+    2
+    """
+    ahead, back = max(max(shifts, default=0), 0), max(-min(shifts, default=0), 0)
+    if cp == 1 or not (ahead or back):
+        return 0
+    n = seqlens
+    if layout is Layout.ZIGZAG:
+        c = np.maximum(padded // (2 * cp), 1)
+        last = np.maximum(-(-n // c) - 1, 0)  # the last chunk holding a token (0 for an empty sequence)
+        i1 = np.clip((n - ahead) // c, 0, last)  # chunks 1..i1 end at least `ahead` tokens before the end
+        after = ahead * i1 + (last - i1) * n - c * (_tri(last) - _tri(i1))
+        i2 = np.clip(back // c, 0, last)  # chunks 0..i2 start at most `back` positions in
+        before = c * _tri(i2) + back * (last - i2)
+        total = int((after + before).sum())
+        for u in range(min(cp, (ahead + 1) // 2)):  # after-halo of chunk cp - 1 - u reaching its mirror
+            j = cp - 1 - u
+            got = np.minimum(ahead, np.maximum(n - (j + 1) * c, 0))
+            total -= int(np.maximum(np.minimum((2 * u + 1) * c, got) - 2 * u * c, 0).sum())
+        for u in range(min(cp, (back + 1) // 2)):  # before-halo of chunk cp + u reaching its mirror
+            j = cp + u
+            got = np.where(j * c < n, np.minimum(j * c, back), 0)
+            total -= int(np.maximum(np.minimum((2 * u + 1) * c, got) - 2 * u * c, 0).sum())
+        return total
+    if alone:  # BSHD: every row split alone at the columns b L, b = 1 .. cp - 1
+        local = int(padded.max()) // cp if padded.size else 0
+        lens, rows = np.unique(n, return_counts=True)
+        first, length = np.arange(1, cp, dtype=np.int64)[None, :] * local, lens[:, None]
+        weight = rows[:, None]
+    else:  # THD: the buffer split at the rows b L; the sequence holding each boundary strictly inside
+        local = int(padded.sum()) // cp
+        starts = np.cumsum(padded) - padded
+        bound = np.arange(1, cp, dtype=np.int64) * local
+        seq = np.searchsorted(starts, bound, side="right") - 1
+        first, length, weight = bound - starts[seq], n[seq], np.ones(cp - 1, dtype=np.int64)
+    inside = (first > 0) & (first < length)
+    per = np.minimum(ahead, length - first) + np.minimum(first, back)
+    return int((np.where(inside, per, 0) * weight).sum())
 
 
 def pack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -169,12 +169,14 @@ def rank_segments(padded: np.ndarray, seqlens: np.ndarray, cp_size: int, layout:
     return Segments.of(ids, lo - starts, hi - lo, local, seqlens)
 
 
-def held_segments(padded: np.ndarray, cp_size: int, layout: Layout) -> int:
+def held_segments(padded: np.ndarray, cp_size: int, layout: Layout, alone: bool = False) -> int:
     """How many non-empty segments every rank's lists hold together, for sequences padded to ``padded``
     (:func:`rank_segments` of every rank, those of positive length counted), in closed form: no
     segment is built. A padded sequence of ``P > 0`` rows gives ``2 cp`` chunks of ``P / (2 cp) > 0``
     rows under zigzag (``cp > 1``), one segment at ``cp = 1``, and under contiguous one per rank its
-    rows ``[S, S + P)`` meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows.
+    rows ``[S, S + P)`` meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows. With
+    ``alone`` each sequence is split over the ranks on its own (the rows of a BSHD batch): ``cp``
+    segments each under contiguous.
 
     >>> held_segments(np.array([6, 4, 0]), 2, Layout.CONTIGUOUS), held_segments(np.array([8, 0]), 2, Layout.ZIGZAG)
     (3, 4)
@@ -182,8 +184,8 @@ def held_segments(padded: np.ndarray, cp_size: int, layout: Layout) -> int:
     filled = padded > 0
     if cp_size == 1:
         return int(filled.sum())
-    if layout is Layout.ZIGZAG:
-        return 2 * cp_size * int(filled.sum())
+    if layout is Layout.ZIGZAG or alone:
+        return (2 if layout is Layout.ZIGZAG else 1) * cp_size * int(filled.sum())
     local = int(padded.sum()) // cp_size
     starts = (np.cumsum(padded) - padded)[filled]
     ends = starts + padded[filled]
@@ -200,9 +202,10 @@ def repeat_segments(single: Segments, seqlens: np.ndarray) -> Segments:
 
 @dataclass(frozen=True)
 class AllSegments:
-    """Every rank's segments side by side, rank 0's first: for index math that crosses ranks (the
+    """Several ranks' segments side by side, in rank order: for index math that crosses ranks (the
     shift and halo exchanges, the restore), which every rank derives alike from the plan. A view of
-    the per-rank :class:`Segments`, built from them."""
+    the per-rank :class:`Segments`, built from them: of every rank (the restore), or of one rank and
+    the ranks its exchange can reach (``PlanIndices.near``)."""
 
     rank: np.ndarray  # (K,) the rank holding each segment
     seq: np.ndarray
@@ -211,15 +214,23 @@ class AllSegments:
     start: np.ndarray  # local row of the segment's first row on its rank
     remaining: np.ndarray
     tokens: np.ndarray
-    offsets: tuple[int, ...]  # rank r's segments are [offsets[r], offsets[r + 1])
+    offsets: tuple[int, ...]  # the segments of ranks[i] are [offsets[i], offsets[i + 1])
+    ranks: tuple[int, ...] = ()  # the ranks held, ascending (empty: 0 .. len(offsets) - 2)
 
     @staticmethod
-    def of(segments: Sequence[Segments]) -> AllSegments:
+    def of(segments: Sequence[Segments], ranks: Sequence[int] | None = None) -> AllSegments:
+        """The segments of ``ranks`` (ascending; default every rank, ``0 .. len(segments) - 1``)."""
+        held = tuple(range(len(segments))) if ranks is None else tuple(ranks)
         sizes = [s.seq.size for s in segments]
         seq, pos, length, start, remaining, tokens = (np.concatenate([getattr(s, f) for s in segments])
                                                       for f in ("seq", "pos", "length", "start", "remaining", "tokens"))
-        return AllSegments(np.repeat(np.arange(len(segments), dtype=np.int64), sizes), seq, pos, length, start,
-                           remaining, tokens, tuple(itertools.accumulate(sizes, initial=0)))
+        return AllSegments(np.repeat(np.array(held, dtype=np.int64), sizes), seq, pos, length, start,
+                           remaining, tokens, tuple(itertools.accumulate(sizes, initial=0)),
+                           () if ranks is None else held)
+
+    def first_of(self, rank: int) -> int:
+        """The index of ``rank``'s first segment here (``rank`` must be held)."""
+        return self.offsets[self.ranks.index(rank) if self.ranks else rank]
 
     def sourced(self, shift: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`Segments.sourced` of every segment."""
@@ -237,6 +248,15 @@ class AllSegments:
         order = np.argsort(keys, kind="stable")
         found = np.searchsorted(keys[order], seq * stride + pos, side="right") - 1
         return nonempty[order[np.maximum(found, 0)]]
+
+    def rank_holding(self, seq: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(segment, rank)``: :meth:`holder` of each query, and the rank holding it, or -1 where none of
+        the ranks here holds it (a row of a neighbour that reads from a rank further away)."""
+        g = self.holder(seq, pos)
+        if not g.size:
+            return g, g
+        held = (self.seq[g] == seq) & (self.pos[g] <= pos) & (pos < self.pos[g] + self.length[g])
+        return g, np.where(held, self.rank[g], -1)
 
 
 @dataclass(frozen=True)

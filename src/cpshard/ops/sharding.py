@@ -45,10 +45,8 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
             fail(name, f"nested tensor with lengths {list(got)}", f"must match the plan's seqlens {list(lens)}",
                  "build the plan from this batch's lengths")
         return x.values()
-    if isinstance(x, torch.Tensor) and plan._padded_input:
-        fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
-             "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
     if isinstance(x, torch.Tensor):
+        plan._padded_rows(x, name, padded=False)  # a BshdPlan reads a plain tensor as the padded batch: an error
         if x.dim() == 0 or x.shape[0] != plan.num_tokens:
             padded = ("; a padded (B, S) batch is turned into packed rows by cpshard.from_padded(x, attention_mask)"
                       if x.dim() >= 2 and x.shape[0] == plan.num_seqs else "")
@@ -185,14 +183,10 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
     cp_rank = check_rank(cp_rank, plan.cp_size)
     shift = check_shift(shift)
     stride: int | None = None
-    if plan._padded_input and isinstance(x, torch.Tensor) and not check_tensor("x", x).is_nested:
-        b, longest = plan.num_seqs, max(plan.seqlens_py)
-        if x.dim() < 2 or x.shape[0] != b or x.shape[1] < longest:
-            fail("x", f"tensor of shape {tuple(x.shape)}",
-                 f"a BSHD tensor must be (B={b}, S >= {longest}, ...), right-padded",
-                 "pass the padded batch, or packed token rows as a list or jagged nested tensor")
-        stride = x.shape[1]
-        rows = x.reshape(b * stride, *x.shape[2:])
+    plain = isinstance(x, torch.Tensor) and not check_tensor("x", x).is_nested
+    padded = plan._padded_rows(x, "x", padded=True) if plain else None  # type: ignore[arg-type]
+    if padded is not None:  # the plan kind reads a plain tensor as the padded (B, S, ...) batch (BSHD)
+        rows, stride = padded
     else:
         rows = as_flat(x, plan)
     pad, fil = pad_and_fill(pad_value, fill, shift, rows.dtype)
@@ -235,11 +229,22 @@ def unshard(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor:
 
 class RestoreBy(str, enum.Enum):
     """How the restore reads the token rows back (:func:`token_rows`): ``AUTO`` copies runs where they
-    are long and gathers by an index elsewhere; ``RUNS`` and ``INDEX`` force one of the two."""
+    are long and gathers by an index elsewhere, from each rank's part where the parts are large
+    (:data:`BY_RANK_ROWS`); ``RUNS``, ``INDEX`` (from the parts concatenated) and ``RANKS`` (from
+    each rank's part) force one way."""
 
     AUTO = "auto"
     RUNS = "runs"
     INDEX = "index"
+    RANKS = "ranks"
+
+
+BY_RANK_ROWS = 1 << 22
+"""From this many rows in all the ranks' parts (4M) the restore gathers each rank's token rows
+without concatenating the parts (``PlanIndices.unshard_by_rank``): the concatenation copies every
+padded row and, with torch's threads contending for a busy machine's cores, takes 0.5 s for 12.8M rows
+(100,000 sequences of 1..64 tokens at cp = 64); below it, sorting the tokens by rank costs more than
+the concatenation saves (``benchmarks/scale.py``)."""
 
 
 def unshard_by(parts: Sequence[torch.Tensor], plan: Plan, by: RestoreBy | str) -> torch.Tensor:
@@ -257,21 +262,44 @@ def token_rows(rows: torch.Tensor | Sequence[torch.Tensor], plan: Plan,
     rank-concatenated buffer ``(cp * R, ...)`` or a list of the ranks' ``(R, ...)`` rows.
 
     Copied run by run where the runs are long (``PlanIndices.runs``: no index to build, no
-    concatenation of the parts first), else one gather from the buffer by ``PlanIndices.unshard``.
-    ``by`` forces one of the two (tests compare them; the result is the same).
+    concatenation of the parts first), else one gather from the buffer by ``PlanIndices.unshard``,
+    or, for large parts (:data:`BY_RANK_ROWS`), from each part (``PlanIndices.unshard_by_rank``).
+    ``by`` forces one way (tests compare them; the result is the same).
     """
-    runs = None if by is RestoreBy.INDEX else plan.indices().runs(0 if by is RestoreBy.RUNS else ROWS_PER_RUN)
+    runs = None if by in (RestoreBy.INDEX, RestoreBy.RANKS) else \
+        plan.indices().runs(0 if by is RestoreBy.RUNS else ROWS_PER_RUN)
     if runs is not None:
         sizes, keep = runs
         parts = rows.split(math.prod(plan.local_shape)) if isinstance(rows, torch.Tensor) else rows
         pieces = [piece for part, cut in zip(parts, sizes) for piece in part.split(cut)]
         return torch.cat([pieces[i] for i in keep])
+    large = plan.cp_size * math.prod(plan.local_shape) >= BY_RANK_ROWS
+    if not isinstance(rows, torch.Tensor) and (by is RestoreBy.RANKS or (by is RestoreBy.AUTO and large)):
+        by_rank = _gather_by_rank(rows, plan)
+        if by_rank is not None:
+            return by_rank
     buf = rows if isinstance(rows, torch.Tensor) else torch.cat(list(rows))
     index = plan.indices().unshard(buf.device)
     moved = movable(buf, 0, 0)
     if moved is not None:
         return select_rows(moved[0], index).view(buf.dtype)
     return select_rows(buf, index)
+
+
+def _gather_by_rank(parts: Sequence[torch.Tensor], plan: Plan) -> torch.Tensor | None:
+    """:func:`token_rows` of the ranks' CPU parts without concatenating them first
+    (``PlanIndices.unshard_by_rank``): each part's token rows, then one gather into the caller's
+    order. None where the parts record autograd (``index_select(out=)`` records none) or are not
+    plain CPU rows of one integer each (:func:`as_packed`): the caller concatenates them."""
+    packed = [as_packed(p) for p in parts]
+    if any(p is None for p in packed):
+        return None
+    rows, bounds, back = plan.indices().unshard_by_rank()
+    first = parts[0]
+    grouped = packed[0].new_empty(bounds[-1])  # type: ignore[union-attr]
+    for part, index, lo, hi in zip(packed, rows, bounds[:-1], bounds[1:]):
+        torch.index_select(part, 0, index, out=grouped[lo:hi])
+    return grouped.index_select(0, back).view(first.dtype).view(back.numel(), *first.shape[1:])
 
 
 def as_nested(values: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
 from cpshard.plan.args import parse_plan_args
-from cpshard.plan.indices import PlanIndices
+from cpshard.plan.indices import PlanIndices, _segments_per_token
 from cpshard.plan.values import Plan, check_value_fields
 
 __all__ = ["BshdPlan"]
@@ -58,7 +58,6 @@ class BshdPlan(Plan):
     fp8: bool = False
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
     _indices: PlanIndices = field(init=False, repr=False, compare=False)
-    _padded_input: ClassVar[bool] = True
 
     @classmethod
     def build(
@@ -128,6 +127,26 @@ class BshdPlan(Plan):
         m = np.array([self.max_seqlen], dtype=np.int64)
         return _index.repeat_segments(_index.rank_segments(m, m, self.cp_size, self.layout, cp_rank), lengths)
 
+    def _split(self) -> tuple[np.ndarray, bool]:
+        # every batch row is one sequence of M rows, split over the ranks alone (PlanIndices.split)
+        return np.full(self.num_seqs, self.max_seqlen, dtype=np.int64), True
+
+    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int]:
+        # a plain tensor is the right-padded (B, S, ...) batch (ops.sharding.shard), which as_flat does not take
+        if not padded:
+            fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
+                 "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
+        b, longest = self.num_seqs, max(self.seqlens_py)
+        if x.dim() < 2 or x.shape[0] != b or x.shape[1] < longest:
+            fail(name, f"tensor of shape {tuple(x.shape)}",
+                 f"a BSHD tensor must be (B={b}, S >= {longest}, ...), right-padded",
+                 "pass the padded batch, or packed token rows as a list or jagged nested tensor")
+        return x.reshape(b * x.shape[1], *x.shape[2:]), x.shape[1]
+
+    def _closed_form_restore(self) -> np.ndarray | None:
+        # per token where the segments average fewer than 16 tokens (PlanIndices.unshard)
+        return _bshd_restore(self) if _segments_per_token(self) > 1 / 16 else None
+
     def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
         if order is not TwinOrder.SAME:
             fail("order", repr(order.value), "applies to packed (THD) plans only: a BSHD batch has no buffer order",
@@ -148,3 +167,34 @@ class BshdPlan(Plan):
         fp8 = ", fp8=True" if self.fp8 else ""
         return (f"BshdPlan(num_seqs={self.num_seqs}, max_seqlen={self.max_seqlen}, cp_size={self.cp_size}, "
                 f"tp_size={self.tp_size}, layout={self.layout.value!r}{fp8}, local_len={self.local_len})")
+
+
+def _bshd_restore(plan: BshdPlan) -> np.ndarray:
+    """:meth:`PlanIndices.unshard` of a BSHD plan in closed form, per token (no segments of every rank).
+
+    Every row of ``M`` columns is split alone: column ``p`` of row ``b`` sits on rank ``r`` at local
+    column ``q``, that rank's flat row ``b L + q`` (``L = M / cp``), so at ``r B L + b L + q`` of the
+    rank-concatenated buffer. Contiguous: ``r = p // L``, ``q = p % L``. Zigzag, ``h = M / (2 cp)``:
+    chunk ``k = p // h`` on rank ``min(k, 2 cp - 1 - k)``, ``q = p - (k - second) h`` as
+    ``plan/indices.py``'s ``_thd_restore``. In int32 (a BSHD plan has fewer than 2**31 positions).
+    """
+    i32 = np.dtype(np.int32)
+    lens = _index.int64_array(plan.seqlens_py)  # a BSHD batch has no buffer order
+    cp, local = plan.cp_size, plan.local_len
+    rows = plan.num_seqs * local
+    pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's column
+    base = np.repeat((np.arange(plan.num_seqs, dtype=np.int64) * local).astype(i32), lens)
+    if cp > 1 and plan.layout is Layout.ZIGZAG:
+        h = max(plan.max_seqlen // (2 * cp), 1)  # M = 0 holds no token
+        chunk = pos // h
+        pos -= h * (chunk - (chunk >= cp))
+        rank = np.minimum(chunk, 2 * cp - 1 - chunk)
+    elif cp > 1:
+        rank = pos // max(local, 1)
+        pos -= rank * local
+    else:
+        rank = np.zeros_like(pos)
+    rank *= rows
+    pos += rank
+    pos += base
+    return pos

@@ -14,7 +14,7 @@ What it keeps, and how much (the ``_BOUND`` most recent entries per kind; a step
 kind            what                                             key
 ==============  ===============================================  ==========================
 segments        a rank's :class:`~cpshard.index.segments.Segments`       rank
-every           every rank's segments side by side               (one)
+every           every rank's segments side by side (the restore) (one)
 view            per-row ids, positions, global rows, label masks rank, what, shift
 host            the int32 offsets on the CPU                     name
 device          :class:`~cpshard.plan.DeviceTensors`             device
@@ -23,10 +23,12 @@ first           per segment, the input row it reads first        rank, row strid
 base            the unshifted gather index                       rank, row stride, device
 pad             a rank's pad rows                                rank, device
 restore         the restore's every-rank order; its runs         (one)
-unshard         the restore index                                device
+unshard         the restore index; the same by rank (CPU)        device
 offsets         the jagged offsets cpshard returns               device
-shift_exchange  :class:`~cpshard.index.shift.ShiftExchange`        rank, shift, device
-halo            :class:`~cpshard.index.halo.HaloExchange`             rank, shifts, device
+shift_exchange  :class:`~cpshard.index.shift.ShiftExchange`;     rank, shift, device;
+                the group's crossing rows                        shift
+halo            :class:`~cpshard.index.halo.HaloExchange`;       rank, shifts, device;
+                the group's crossing halo rows                   shifts
 relayout        where every row goes under a twin plan           the twin
 route           :class:`~cpshard.index.route.Route`              the twin, rank, device
 blocks          the reference attention's query blocks           rank, device, block size
@@ -95,7 +97,6 @@ class Plan(Protocol):
     tp_size: int
     layout: Layout
     order: tuple[int, ...] | None
-    _padded_input: bool
 
     @property
     def local_shape(self) -> tuple[int, ...]: ...
@@ -117,6 +118,7 @@ class Plan(Protocol):
     def _closed_form_work(self) -> list[int] | None: ...
     def _closed_form_restore(self) -> np.ndarray | None: ...
     def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments: ...
+    def _split(self) -> tuple[np.ndarray, bool]: ...
     def _key(self) -> tuple[Any, ...]: ...
     def indices(self) -> PlanIndices: ...
 
@@ -259,7 +261,8 @@ class PlanIndices:
             digest = hashlib.blake2b(repr(plan._key()).encode(), digest_size=16).digest()
             h1, h2 = (int.from_bytes(digest[i:i + 8], "little") >> 1 for i in (0, 8))
             layout = 0 if plan.layout is Layout.ZIGZAG else 1
-            return torch.tensor([int(plan._padded_input), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
+            alone = self.split()[1]  # a BSHD plan (its rows split alone) or THD
+            return torch.tensor([int(alone), plan.cp_size, plan.tp_size, layout, plan.num_seqs,
                                  plan.total_len, h1, h2], dtype=torch.int64)
         return self._kept("host", "fingerprint", make)
 
@@ -388,6 +391,32 @@ class PlanIndices:
             return _index.to_device(torch.from_numpy(index), device)
         return self._kept("unshard", device, make)
 
+    def unshard_by_rank(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+        """The restore from the ranks' parts without concatenating them: ``(rows, bounds, back)`` such
+        that, with ``grouped[bounds[r]:bounds[r + 1]] = part[r][rows[r]]`` (rank ``r``'s token rows,
+        in the caller's order), ``grouped[back]`` is :meth:`unshard`'s gather (CPU, int32).
+
+        Concatenating the parts copies every padded row (four times the tokens of a batch of 1..64
+        tokens at cp = 64, zigzag); this reads the token rows alone, twice. One stable sort of the
+        tokens by rank (a radix sort of 16-bit keys), from :meth:`unshard`'s index.
+        """
+        plan = self.plan
+
+        def make() -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+            flat = self.unshard(torch.device("cpu")).numpy()
+            cp, rows = plan.cp_size, math.prod(plan.local_shape)
+            rank = flat // max(rows, 1)
+            order = np.argsort(rank.astype(np.uint16) if cp <= 1 << 16 else rank, kind="stable")
+            counts = np.bincount(rank, minlength=cp)
+            local = flat[order]
+            local -= np.repeat((np.arange(cp, dtype=np.int64) * rows).astype(flat.dtype), counts)
+            back = np.empty(order.size, dtype=np.int32)
+            back[order] = np.arange(order.size, dtype=np.int32)
+            bounds = [0, *np.cumsum(counts).tolist()]
+            return ([torch.from_numpy(local[a:b]) for a, b in zip(bounds[:-1], bounds[1:])], bounds,
+                    torch.from_numpy(back))
+        return self._kept("unshard", "by rank", make)
+
     def runs(self, rows_per_run: int = ROWS_PER_RUN) -> tuple[list[list[int]], list[int]] | None:
         """The restore as runs: ``(sizes, keep)`` such that, with ``pieces`` the concatenation of
         ``part[r].split(sizes[r])`` over the ranks' flat rows, ``cat([pieces[i] for i in keep])`` is
@@ -417,11 +446,8 @@ class PlanIndices:
         plan = self.plan
 
         def make() -> int:
-            if plan._padded_input:  # BSHD: one padded row's segments, repeated for every batch row
-                row = np.array([plan.max_seqlen], dtype=np.int64)  # type: ignore[attr-defined]
-                return plan.num_seqs * _index.held_segments(row, plan.cp_size, plan.layout)
-            padded = _index.int64_array(plan.padded_seqlens_py)  # type: ignore[attr-defined]
-            return _index.held_segments(padded, plan.cp_size, plan.layout)
+            padded, alone = self.split()
+            return _index.held_segments(padded, plan.cp_size, plan.layout, alone)
         return self._kept("host", "held", make)
 
     # -- exchanges --------------------------------------------------------------------------
@@ -461,20 +487,50 @@ class PlanIndices:
             return _route.build_route(*self.permutation(dst), plan.cp_size, math.prod(plan.local_shape), cp_rank)
         return self._kept("route", (dst, cp_rank, device), make)
 
+    def split(self) -> tuple[np.ndarray, bool]:
+        """``(padded, alone)``: the padded lengths in buffer order (int64) and whether each sequence
+        is split over the ranks on its own (a BSHD row) rather than the buffer as a whole (THD): what
+        the closed forms of the exchanges read (the plan kind's ``_split``)."""
+        return self._kept("host", "split", self.plan._split)
+
+    def near(self, cp_rank: int, span: int) -> _index.AllSegments:
+        """The segments of ``cp_rank`` and of every rank holding a row within ``span`` positions of one
+        of its rows (``index.shift.reach``): all that its shift or halo exchange reads, a few ranks'
+        where the whole group's would be ``cp`` times as many."""
+        padded, alone = self.split()
+        plan = self.plan
+        ranks = _exchange.reach(padded, self.lengths(), plan.cp_size, plan.layout, alone, cp_rank, span)
+        return _index.AllSegments.of([self.segments(r) for r in ranks], ranks)
+
     def shift_exchange(self, cp_rank: int, shift: int, device: torch.device) -> _exchange.ShiftExchange:
-        """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``."""
+        """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``:
+        from its own segments and its neighbours' (:meth:`near`), the group's count in closed form
+        (``index.shift.remote_rows``)."""
         def make() -> _exchange.ShiftExchange:
             if device.type != "cpu":
                 return self.shift_exchange(cp_rank, shift, torch.device("cpu")).to(device)
-            return _exchange.build_shift_exchange(self.every(), self.segments(cp_rank), cp_rank, shift)
+            plan = self.plan
+            padded, alone = self.split()
+            remote = self._kept("shift_exchange", ("crossing", shift), lambda: _exchange.remote_rows(
+                padded, self.lengths(), plan.cp_size, plan.layout, alone, shift))
+            return _exchange.build_shift_exchange(self.near(cp_rank, abs(shift)), self.segments(cp_rank), cp_rank,
+                                                  shift, plan.cp_size, remote)
         return self._kept("shift_exchange", (cp_rank, shift, device), make)
 
     def halo(self, cp_rank: int, shifts: tuple[int, ...], device: torch.device) -> _halo.HaloExchange:
-        """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``."""
+        """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in
+        ``shifts``: from its own segments and its neighbours' (:meth:`near`), the group's count in
+        closed form (``index.halo.remote_halo_rows``)."""
         def make() -> _halo.HaloExchange:
             if device.type != "cpu":
                 return self.halo(cp_rank, shifts, torch.device("cpu")).to(device)
-            return _halo.build_halo_exchange(self.every(), self.segments(cp_rank), self.lengths(), cp_rank, shifts)
+            plan = self.plan
+            padded, alone = self.split()
+            remote = self._kept("halo", ("crossing", shifts), lambda: _halo.remote_halo_rows(
+                padded, self.lengths(), plan.cp_size, plan.layout, alone, shifts))
+            span = max((abs(k) for k in shifts), default=0)
+            return _halo.build_halo_exchange(self.near(cp_rank, span), self.segments(cp_rank), self.lengths(),
+                                             cp_rank, shifts, plan.cp_size, remote)
         return self._kept("halo", (cp_rank, shifts, device), make)
 
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +43,6 @@ from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
 
 
-
 class Plan:
     """What :class:`ShardPlan` and :class:`~cpshard.BshdPlan` share: one name for one thing. Every
     function that takes a plan takes either kind.
@@ -66,7 +65,6 @@ class Plan:
     padding: Padding = Padding.ALIGNED
     order: tuple[int, ...] | None = None  # buffer position -> the caller's sequence index (None: same)
     _indices: PlanIndices
-    _padded_input: ClassVar[bool] = False  # does a plain tensor passed to ``shard`` hold padded (B, S) rows?
 
     # -- what a plan kind defines -------------------------------------------------------------
 
@@ -206,6 +204,11 @@ class Plan:
     def _twin(self, target: Layout, order: TwinOrder) -> Plan:
         """:meth:`twin` of a checked ``target`` layout and ``order``."""
         raise NotImplementedError
+
+    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int] | None:
+        """A plain tensor as ``(B * S, ...)`` rows and ``S`` where this kind reads it as a padded batch (BSHD;
+        where the caller takes none, ``padded=False``, an error), or None: packed token rows (THD)."""
+        return None
 
     def _closed_form_work(self) -> list[int] | None:
         """Per rank, the causal work (:meth:`PlanIndices.work`) in a closed form of this plan kind, or
@@ -514,6 +517,9 @@ class ShardPlan(Plan):
     def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments:
         return _index.rank_segments(_index.int64_array(self.padded_seqlens_py), lengths, self.cp_size, self.layout,
                                     cp_rank)
+
+    def _split(self) -> tuple[np.ndarray, bool]:  # the whole buffer split over the ranks (PlanIndices.split)
+        return _index.int64_array(self.padded_seqlens_py), False
 
     def _closed_form_work(self) -> list[int]:
         # the balancer's closed forms over the sequences, no segments (Note [Causal work under the
