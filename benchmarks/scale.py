@@ -19,7 +19,7 @@ in one process; this machine's noise is in the spread between the two. Four tabl
 * **pack**: ``n`` document lengths ~ exponential(mean 2048), at least 1, capped at 32768,
   ``max_tokens = 32768``, dp 2 at 1k sequences and 8 above; ``cpshard.pack`` under both layouts at
   cp 2, 8 and 64, beside verl's partition of the same batch (the DP split and every DP rank's
-  micro-batches, ``cpshard.compat._verl_pack.verl_partition``: verl 0.9.1's own
+  micro-batches, ``cpshard.compat.verl_partition``: verl 0.9.1's own
   ``get_seqlen_balanced_partitions`` when verl imports). ``/verl`` is pack's least time over verl's,
   ``us/seq`` pack's least time per sequence; ``ratio`` and ``bound`` are pack's step ratio and its
   lower bound.
@@ -49,7 +49,7 @@ import torch
 
 from _timing import gc_off_ms
 from cpshard import ShardPlan, halo_exchange, pack, shard, shift_exchange, unshard
-from cpshard.compat._verl_pack import verl_partition, verl_partitioner
+from cpshard.compat import verl_partition, verl_partitioner
 
 MAX_TOKENS = 32768
 MEAN_LEN = 2048

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import cpshard
 from cpshard import ShardPlan, shard, shift_exchange, unshard
 from cpshard.ops.sharding import unshard_by
-from cpshard.plan.indices import _thd_restore
+from cpshard.plan.indices import thd_restore
 from reference import ref_padded_lengths, ref_shard
 from strategies import props
 from test_exchange import emulate_shift_sharded
@@ -100,4 +100,4 @@ def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, 
     want = [where[plan.cu_seqlens_padded_py[buffer_of[i]] + p] for i, n in enumerate(plan.input_seqlens_py)
             for p in range(n)]
     assert index == want
-    assert _thd_restore(plan).tolist() == want  # the closed form, whichever path ran
+    assert thd_restore(plan).tolist() == want  # the closed form, whichever path ran

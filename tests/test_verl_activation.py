@@ -31,10 +31,10 @@ except ImportError as exc:
 
 from cpshard import ShardPlan, to_padded
 from cpshard.compat import verl as cv
-from cpshard.compat.verl import _sites
+from cpshard.compat.verl import sites
 from cpshard.compat.verl.__main__ import main as status_main
 
-ENGINE = _sites.ENGINE
+ENGINE = sites.ENGINE
 LENS = [18, 73, 109, 103, 98, 9, 33, 16]  # at cp=4, 256 rows: zigzag and contiguous pack them differently
 CP, BUDGET = 4, 256
 
@@ -209,11 +209,11 @@ def test_a_site_that_cannot_import_is_skipped_with_its_reason(monkeypatch, caplo
 def _site_values():
     """Every site's current object (module attributes; the engine's method where its module is loaded)."""
     out = {}
-    for module_name, names in _sites.BINDERS.items():
+    for module_name, names in sites.BINDERS.items():
         module = sys.modules.get(module_name)
         for name in names if module is not None else ():
             out[f"{module_name}.{name}"] = getattr(module, name, None)
-    for module_name in (*_sites.PACK_SITES, _sites.DCP):
+    for module_name in (*sites.PACK_SITES, sites.DCP):
         module = sys.modules.get(module_name)
         if module is not None:
             out[module_name] = vars(module).copy()

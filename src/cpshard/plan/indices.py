@@ -379,7 +379,7 @@ class PlanIndices:
         local rows) that holds each token, tokens in the caller's order (int32, as a plan's buffers
         hold fewer than 2**31 rows). One expansion of the segments of :meth:`_restore_order`, or, for
         THD plans whose segments average fewer than 16 tokens, the closed form per token
-        (:func:`_thd_restore`): it builds no segments of every rank."""
+        (:func:`thd_restore`): it builds no segments of every rank."""
         plan = self.plan
 
         def make() -> torch.Tensor:
@@ -541,7 +541,7 @@ def _segments_per_token(plan: Any) -> float:
     return plan.num_seqs * plan.cp_size * per_seq / max(plan.num_tokens, 1)
 
 
-def _thd_restore(plan: Any) -> np.ndarray:
+def thd_restore(plan: Any) -> np.ndarray:
     """:meth:`PlanIndices.unshard` of a THD plan in closed form, per token (no segments of every rank).
 
     With ``P`` a sequence's padded length and ``c = P / cp`` rows on each rank: under contiguous

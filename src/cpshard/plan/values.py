@@ -38,7 +38,7 @@ from cpshard.index.balance import balanced_order, rank_work, zigzag_works
 from cpshard.index.halo import HaloExchange
 from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
-from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token, _thd_restore
+from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token, thd_restore
 
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
 
@@ -531,7 +531,7 @@ class ShardPlan(Plan):
 
     def _closed_form_restore(self) -> np.ndarray | None:
         # per token where the segments average fewer than 16 tokens (PlanIndices.unshard)
-        return _thd_restore(self) if _segments_per_token(self) > 1 / 16 else None
+        return thd_restore(self) if _segments_per_token(self) > 1 / 16 else None
 
     def _twin(self, target: Layout, order: TwinOrder) -> ShardPlan:
         cp, tp = self.cp_size, self.tp_size

@@ -24,7 +24,7 @@ lists those rows:
 
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
 ``_thd`` and ``_bshd`` (the drop-ins), ``_layout`` (the layout of a site verl passes none),
-``_sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
+``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
 ``_patch`` (:func:`patch`, :class:`VerlPatch`), ``_activation`` with ``enable`` and ``plugin`` (cpshard
 on in every process of a verl job), ``__main__`` (``python -m cpshard.compat.verl``: what is bound here).
 
@@ -46,7 +46,7 @@ from cpshard.compat.verl._bshd import (
 from cpshard.compat.verl._layout import ENV as LAYOUT_ENV
 from cpshard.compat.verl._patch import VerlPatch, active, patch
 from cpshard.compat.verl._plans import bshd_plan, local_padding_mask, thd_plan
-from cpshard.compat.verl._sites import DROP_INS as DROP_INS  # verl's eight helpers -> the drop-ins patch() binds
+from cpshard.compat.verl.sites import DROP_INS as DROP_INS  # verl's eight helpers -> the drop-ins patch() binds
 from cpshard.compat.verl._thd import (
     postprocess_packed_seqs,
     postprocess_thd_engine,

@@ -14,7 +14,7 @@ from typing import Any
 
 from cpshard.base.errors import fail
 from cpshard.compat.verl._plans import WRITTEN_FOR
-from cpshard.compat.verl._sites import MTP, cannot_import, import_site
+from cpshard.compat.verl.sites import MTP, cannot_import, import_site
 
 __all__ = ["SITE", "mtp_module", "route_mtp_loss"]
 

@@ -1,8 +1,8 @@
-"""``patch()``: verl calls cpshard at every site of :mod:`cpshard.compat.verl._sites`; ``VerlPatch``
+"""``patch()``: verl calls cpshard at every site of :mod:`cpshard.compat.verl.sites`; ``VerlPatch``
 reports what it bound, skipped and refused, and undoes it.
 
 Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/__init__.py`` (how a plugin
-loads in every process), and the modules :mod:`cpshard.compat.verl._sites` names.
+loads in every process), and the modules :mod:`cpshard.compat.verl.sites` names.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cpshard.compat.verl import _layout
 from cpshard.compat.verl._mtp import SITE as MTP_SITE
 from cpshard.compat.verl._mtp import mtp_module, route_mtp_loss
 from cpshard.compat.verl._plans import WRITTEN_FOR, verl_version
-from cpshard.compat.verl._sites import (
+from cpshard.compat.verl.sites import (
     BINDERS,
     DROP_INS,
     MISSING,
@@ -163,12 +163,12 @@ def patch(layout: Layout | str | None = None) -> VerlPatch:
     ``VERL_USE_EXTERNAL_MODULES=cpshard.compat.verl.enable`` (docs/verl.md, "cpshard in a verl job").
 
     Imports megatron-core without Triton first (:mod:`cpshard.megatron._import`), then binds the
-    sites of :mod:`cpshard.compat.verl._sites`: util's eight helpers where verl binds them, the MTP
+    sites of :mod:`cpshard.compat.verl.sites`: util's eight helpers where verl binds them, the MTP
     loss, ``rearrange_micro_batches``, verl's dynamic-CP padding mask, and a wrapper of the Megatron
     engine's ``forward_backward_batch`` that tells the sites verl passes no layout the model's.
     Checks first, changing nothing on failure (``ValueError`` naming the verl version and the site):
     util's helpers must exist with verl's positional parameters, verl's Megatron path
-    (:data:`~cpshard.compat.verl._sites.REQUIRED`) must import, and no site may bind another object
+    (:data:`~cpshard.compat.verl.sites.REQUIRED`) must import, and no site may bind another object
     (a wrapper) in place of util's function. A site whose module does not import, or that this verl
     does not bind, is skipped; an optional site whose function takes other parameters is refused
     (left as it is). Logs one INFO line of what it bound (then DEBUG, in a process that patches
