@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, ShardPlan, TwinOrder, shard, twin_plan
+from cpshard.index.closed import thd_moved, thd_rows
+from cpshard.index.route import build_route, permutation
 from cpshard.plan.twins import apply_route, relayout_route, twin
 from cpshard.spawn import CollectiveCounter
 from rank_suites import run_suite
@@ -75,6 +78,27 @@ def test_route_composed_with_shard_is_shard_under_the_twin(case):
             assert relayout_route(src, dst, s).send_splits[r] == route.recv_splits[s]
         assert route.send_splits[r] == route.recv_splits[r] == 0
     assert moved == relayout_route(src, dst, 0).total_remote  # only rows whose rank changes travel
+
+
+@props(120)
+@given(_pairs())
+def test_one_ranks_route_from_closed_forms_equals_the_every_rank_permutation(case):
+    """A THD rank's route reads only its own canonical rows under both twins (``plan.closed``): field
+    for field the route the permutation over every rank's rows gives, and ``total_remote`` is the
+    naive count of rows whose rank changes."""
+    _, src, dst = case
+    cp, rows = src.cp_size, src.local_len
+    canon_src = [src.indices().canonical(r) for r in range(cp)]
+    canon_dst = [dst.indices().canonical(r) for r in range(cp)]
+    moved = sum(len(set(canon_src[r].tolist()) - set(canon_dst[r].tolist())) for r in range(cp))
+    every = permutation(np.concatenate(canon_src), np.concatenate(canon_dst), cp, rows)
+    assert thd_moved(src, dst) == thd_moved(dst, src) == moved == every[2]
+    for r in range(cp):
+        assert thd_rows(src, canon_src[r]).tolist() == list(range(r * rows, (r + 1) * rows))
+        got, want = relayout_route(src, dst, r), build_route(*every, cp, rows, r)
+        for field in dataclasses.fields(want):
+            a, b = getattr(got, field.name), getattr(want, field.name)
+            assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b), field.name
 
 
 def test_worked_example_and_twin_of_twin():

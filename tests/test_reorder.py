@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import cpshard
 from cpshard import ShardPlan, shard, shift_exchange, unshard
 from cpshard.ops.sharding import unshard_by
-from cpshard.plan.indices import thd_restore
+from cpshard.index.closed import thd_restore
 from reference import ref_padded_lengths, ref_shard
 from strategies import props
 from test_exchange import emulate_shift_sharded

@@ -17,7 +17,7 @@ import torch
 
 from cpshard.index.segments import to_device
 
-__all__ = ["Route", "build_route", "permutation"]
+__all__ = ["Route", "build_route", "permutation", "rank_route"]
 
 
 @dataclass(frozen=True)
@@ -76,15 +76,22 @@ def permutation(canon_src: np.ndarray, canon_dst: np.ndarray, cp: int, rows: int
 
 def build_route(tgt: np.ndarray, inv: np.ndarray, total_remote: int, cp: int, rows: int, cp_rank: int) -> Route:
     """``cp_rank``'s route on the CPU from :func:`permutation`'s ``(tgt, inv, total_remote)``."""
+    r = cp_rank
+    return rank_route(tgt[r * rows:(r + 1) * rows], inv[r * rows:(r + 1) * rows], total_remote, cp, rows, r)
+
+
+def rank_route(mine: np.ndarray, origin: np.ndarray, total_remote: int, cp: int, rows: int, cp_rank: int) -> Route:
+    """``cp_rank``'s route on the CPU from its own slices of the permutation: ``mine`` ``(R,)`` int64,
+    where each of its src-local rows goes (``d * R + l``), and ``origin`` ``(R,)`` int64, where each
+    of its dst-local rows comes from (``s * R + j``); ``total_remote`` counts the group's moved rows."""
     r, span = cp_rank, max(rows, 1)
-    mine = tgt[r * rows:(r + 1) * rows]
     to_rank = mine // span
     remote = to_rank != r
     out_idx = np.flatnonzero(remote)
     send_rows = out_idx[np.argsort(mine[out_idx], kind="stable")]  # by (dst rank, dst row)
     keep_src = np.flatnonzero(~remote)
     keep_dst = mine[keep_src] - r * rows
-    origin = inv[r * rows:(r + 1) * rows] // span
+    origin = origin // span
     incoming = np.flatnonzero(origin != r)  # dst rows, ascending
     recv_rows = incoming[np.argsort(origin[incoming], kind="stable")]  # by (src rank, dst row)
     as_t = torch.from_numpy

@@ -176,7 +176,7 @@ def _bshd_restore(plan: BshdPlan) -> np.ndarray:
     column ``q``, that rank's flat row ``b L + q`` (``L = M / cp``), so at ``r B L + b L + q`` of the
     rank-concatenated buffer. Contiguous: ``r = p // L``, ``q = p % L``. Zigzag, ``h = M / (2 cp)``:
     chunk ``k = p // h`` on rank ``min(k, 2 cp - 1 - k)``, ``q = p - (k - second) h`` as
-    ``plan/indices.py``'s ``thd_restore``. In int32 (a BSHD plan has fewer than 2**31 positions).
+    ``index/closed.py``'s ``thd_restore``. In int32 (a BSHD plan has fewer than 2**31 positions).
     """
     i32 = np.dtype(np.int32)
     lens = _index.int64_array(plan.seqlens_py)  # a BSHD batch has no buffer order

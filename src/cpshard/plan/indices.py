@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from cpshard.base.layout import Layout
+from cpshard.index import closed as _closed
 from cpshard.index import halo as _halo
 from cpshard.index import route as _route
 from cpshard.index import segments as _index
@@ -379,7 +380,7 @@ class PlanIndices:
         local rows) that holds each token, tokens in the caller's order (int32, as a plan's buffers
         hold fewer than 2**31 rows). One expansion of the segments of :meth:`_restore_order`, or, for
         THD plans whose segments average fewer than 16 tokens, the closed form per token
-        (:func:`thd_restore`): it builds no segments of every rank."""
+        (:func:`~cpshard.index.closed.thd_restore`): it builds no segments of every rank."""
         plan = self.plan
 
         def make() -> torch.Tensor:
@@ -483,8 +484,14 @@ class PlanIndices:
         def make() -> _route.Route:
             if device.type != "cpu":
                 return self.relayout(dst, cp_rank, torch.device("cpu")).to(device)
-            plan = self.plan
-            return _route.build_route(*self.permutation(dst), plan.cp_size, math.prod(plan.local_shape), cp_rank)
+            plan, rows = self.plan, math.prod(self.plan.local_shape)
+            (padded, alone), (dst_padded, dst_alone) = self.split(), dst.indices().split()
+            if not (alone or dst_alone):  # THD twins: this rank's rows, by closed forms (plan.closed)
+                moved = self._kept("moved", dst, lambda: _closed.thd_moved(plan, dst, (padded, dst_padded)))
+                return _route.rank_route(_closed.thd_rows(dst, self.canonical(cp_rank), dst_padded),
+                                         _closed.thd_rows(plan, dst.indices().canonical(cp_rank), padded),
+                                         moved, plan.cp_size, rows, cp_rank)
+            return _route.build_route(*self.permutation(dst), plan.cp_size, rows, cp_rank)
         return self._kept("route", (dst, cp_rank, device), make)
 
     def split(self) -> tuple[np.ndarray, bool]:
@@ -539,39 +546,3 @@ def _segments_per_token(plan: Any) -> float:
     segment under contiguous, two chunks under zigzag), known before any is built."""
     per_seq = 2 if plan.layout is Layout.ZIGZAG and plan.cp_size > 1 else 1
     return plan.num_seqs * plan.cp_size * per_seq / max(plan.num_tokens, 1)
-
-
-def thd_restore(plan: Any) -> np.ndarray:
-    """:meth:`PlanIndices.unshard` of a THD plan in closed form, per token (no segments of every rank).
-
-    With ``P`` a sequence's padded length and ``c = P / cp`` rows on each rank: under contiguous
-    (and at ``cp = 1``) the rank-concatenated buffer is the global padded buffer, so token ``p`` of
-    a sequence is row ``cu_padded + p``. Under zigzag, with ``h = P / (2 cp)``, token ``p`` is in
-    chunk ``k = p // h``, held by rank ``k`` (``k < cp``) or ``2 cp - 1 - k``, at that rank's local
-    row ``cu_padded / cp + p % h`` (plus ``h`` in the second chunk). Built over the tokens at once,
-    in int32 and in place (a plan's buffers hold fewer than 2**31 rows; each fresh token-long array
-    costs its page faults): cheaper than every rank's segments where those average fewer than 16
-    tokens (for long chunks the segments' one expansion is cheaper).
-    """
-    i32 = np.dtype(np.int32)
-    lens = _index.int64_array(plan.input_seqlens_py)  # caller's order
-    cu_padded = _index.int64_array(plan.cu_seqlens_padded_py[:-1])
-    if plan.order is not None:
-        cu_padded = cu_padded[np.argsort(np.asarray(plan.order))]
-    cp = plan.cp_size
-    if plan.layout is not Layout.ZIGZAG or cp == 1:
-        return _index.expand_np(cu_padded, lens, i32)  # token p of a sequence: cu_padded + p
-    padded = _index.int64_array(plan.padded_seqlens_py)
-    if plan.order is not None:
-        padded = padded[np.argsort(np.asarray(plan.order))]
-    out = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
-    h = np.repeat((padded // (2 * cp)).astype(i32), lens)
-    chunk = out // h
-    np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
-    out -= h  # the local row inside the sequence's two chunks
-    np.subtract(2 * cp - 1, chunk, out=h)
-    np.minimum(chunk, h, out=chunk)  # the rank holding the chunk
-    chunk *= plan.local_len
-    out += chunk
-    out += np.repeat((cu_padded // cp).astype(i32), lens)
-    return out

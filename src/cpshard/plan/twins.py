@@ -24,9 +24,11 @@ slice of ``tgt`` and of its inverse:
 - rows from rank ``s != r`` arrive grouped by ``s``, each group in this rank's local order, which is
   the order ``s`` sent them in (``recv_rows``, ``recv_splits``).
 
-Every rank computes every rank's part of the permutation, so sender and receiver agree without a
-metadata message, and the split sizes are Python ints (no device-to-host copy). The reverse route
-(dst to src) is the backward of a relayout.
+Every rank can compute every rank's part of the permutation, so sender and receiver agree without
+a metadata message, and the split sizes are Python ints (no device-to-host copy). Between THD twins
+a rank computes only its own slices, from closed forms (``cpshard/index/closed.py``: where each of its
+canonical rows lives under the other twin, and how many rows change rank over the group); BSHD twins
+build the whole permutation. The reverse route (dst to src) is the backward of a relayout.
 
 Padding valid for both layouts: zigzag's (``2 * cp * tp`` per sequence, or ``2 * cp`` under
 minimal padding) serves contiguous too. A contiguous plan has a zigzag twin only if every padded

@@ -38,7 +38,8 @@ from cpshard.index.balance import balanced_order, rank_work, zigzag_works
 from cpshard.index.halo import HaloExchange
 from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
-from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token, thd_restore
+from cpshard.index.closed import thd_restore
+from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token
 
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
 

@@ -1,0 +1,138 @@
+"""Closed forms over a THD plan's sequences: where a padded position lives, and what a relayout moves.
+
+One idea: the arithmetic of where a THD plan puts the rows of its sequences, computed over the
+sequences (or over the rows a caller asks about) instead of from every rank's segments. A THD plan
+splits its whole padded buffer over the ranks: with ``L = local_len`` rows on each rank and a
+sequence at buffer offset ``cu`` with padded length ``P``,
+
+- **contiguous** (and any layout at ``cp = 1``): rank ``r`` holds buffer rows ``[r L, (r + 1) L)``,
+  so position ``p`` is the rank-concatenated row ``cu + p``;
+- **zigzag**: with ``h = P / (2 cp)``, position ``p`` is in chunk ``k = p // h``, held by rank
+  ``min(k, 2 cp - 1 - k)`` at its local row ``cu / cp + p % h`` (plus ``h`` in the second chunk).
+
+:meth:`~cpshard.plan.indices.PlanIndices.unshard` (:func:`thd_restore`) and
+:meth:`~cpshard.plan.indices.PlanIndices.relayout` (:func:`thd_rows`, :func:`thd_moved`) read them,
+so that the first restore or relayout of a large plan builds one rank's segments, not every rank's.
+Like the rest of the index layer it builds and names no plan: it reads a plan's attributes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cpshard.base.layout import Layout
+from cpshard.index import segments as _index
+
+__all__ = ["thd_moved", "thd_restore", "thd_rows"]
+
+
+def _caller_order(plan: Any, values: np.ndarray) -> np.ndarray:
+    """``values`` (one per sequence, buffer order) in the caller's order."""
+    return values if plan.order is None else values[np.argsort(np.asarray(plan.order))]
+
+
+def _placement(plan: Any, padded: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(padded, cu)``: each sequence's padded length and buffer offset, in the caller's order, from
+    ``padded`` (int64, buffer order; the index service keeps it) or the plan's own tuple."""
+    if padded is None:
+        padded = _index.int64_array(plan.padded_seqlens_py)
+    cu = np.cumsum(padded) - padded
+    return _caller_order(plan, padded), _caller_order(plan, cu)
+
+
+def thd_restore(plan: Any) -> np.ndarray:
+    """:meth:`PlanIndices.unshard` of a THD plan in closed form, per token (no segments of every rank).
+
+    Each token's row of the rank-concatenated buffer (the forms in this module's docstring), in the
+    caller's order. Built over the tokens at once, in int32 and in place (a plan's buffers hold fewer
+    than 2**31 rows; each fresh token-long array costs its page faults): cheaper than every rank's
+    segments where those average fewer than 16 tokens (for long chunks the segments' one expansion
+    is cheaper).
+    """
+    i32 = np.dtype(np.int32)
+    lens = _index.int64_array(plan.input_seqlens_py)  # caller's order
+    cu_padded = _caller_order(plan, _index.int64_array(plan.cu_seqlens_padded_py[:-1]))
+    cp = plan.cp_size
+    if plan.layout is not Layout.ZIGZAG or cp == 1:
+        return _index.expand_np(cu_padded, lens, i32)  # token p of a sequence: cu_padded + p
+    padded = _caller_order(plan, _index.int64_array(plan.padded_seqlens_py))
+    out = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
+    h = np.repeat((padded // (2 * cp)).astype(i32), lens)
+    chunk = out // h
+    np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
+    out -= h  # the local row inside the sequence's two chunks
+    np.subtract(2 * cp - 1, chunk, out=h)
+    np.minimum(chunk, h, out=chunk)  # the rank holding the chunk
+    chunk *= plan.local_len
+    out += chunk
+    out += np.repeat((cu_padded // cp).astype(i32), lens)
+    return out
+
+
+def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None) -> np.ndarray:
+    """``(N,)`` int64: the rank-concatenated row (``rank * local_len + local row``) of each
+    **canonical** row ``canonical`` ``(N,)`` int64 names: ``cu_padded_caller[i] + p`` for caller's
+    sequence ``i`` at padded position ``p`` (Note [Twin plans and their route] in ``twins.py``).
+    ``padded``: the plan's padded lengths as int64 in buffer order, where the caller keeps them.
+
+    >>> from cpshard import ShardPlan
+    >>> plan = ShardPlan.build([5, 3], cp_size=2)  # padded (8, 4): h = 2 and 1
+    >>> thd_rows(plan, np.arange(12)).tolist()     # rank 0 holds rows 0-5, rank 1 rows 6-11
+    [0, 1, 6, 7, 8, 9, 2, 3, 4, 10, 11, 5]
+    """
+    padded, cu = _placement(plan, padded)
+    start = np.concatenate([[0], np.cumsum(padded)])  # caller's padded buffer
+    seq = np.searchsorted(start, canonical, side="right") - 1
+    pos = canonical - start[seq]
+    cu = cu[seq]
+    cp = plan.cp_size
+    if plan.layout is not Layout.ZIGZAG or cp == 1:
+        return cu + pos
+    h = padded[seq] // (2 * cp)
+    chunk = pos // h
+    rank = np.minimum(chunk, 2 * cp - 1 - chunk)
+    return rank * plan.local_len + cu // cp + pos - (chunk - (chunk >= cp)) * h
+
+
+def _overlap(lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) -> np.ndarray:
+    return np.maximum(np.minimum(hi1, hi2) - np.maximum(lo1, lo2), 0)
+
+
+def thd_moved(src: Any, dst: Any, padded: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+    """How many rows change rank when twin THD plans ``src`` and ``dst`` trade layouts or buffer
+    orders: the route's ``total_remote``, over the whole group, in ``O(sequences + cp)``.
+
+    A row stays when both plans put it on the same rank. Under zigzag a sequence's rank-``d`` rows
+    are its chunks ``d`` and ``2 cp - 1 - d`` wherever the sequence sits; under contiguous they are
+    the part of it inside ``[d L, (d + 1) L)``. So two zigzag twins move nothing, and otherwise each
+    sequence is compared on the ranks its contiguous placement touches (one or two for a sequence
+    shorter than ``L``): the rows that stay are the overlaps of the two plans' rank-``d`` rows.
+    ``padded``: both plans' padded lengths as int64 in buffer order, where the caller keeps them.
+    """
+    cp = src.cp_size
+    zigzag = [p.layout is Layout.ZIGZAG and cp > 1 for p in (src, dst)]
+    if all(zigzag) or cp == 1:
+        return 0
+    given = padded or (None, None)
+    (padded, cu_a), (_, cu_b) = _placement(src, given[0]), _placement(dst, given[1])
+    if zigzag[0]:  # a: the contiguous twin, whose ranks are enumerated; b: the other
+        cu_a, cu_b = cu_b, cu_a
+    L = src.local_len
+    total = int(padded.sum())
+    used = padded > 0
+    padded, cu_a, cu_b = padded[used], cu_a[used], cu_b[used]
+    first, count = cu_a // L, (cu_a + padded - 1) // L - cu_a // L + 1
+    seq = np.repeat(np.arange(padded.size), count)  # one pair per (sequence, rank it touches)
+    rank = first[seq] + np.arange(seq.size) - np.repeat(np.cumsum(count) - count, count)
+    size = padded[seq]
+    lo = np.maximum(rank * L - cu_a[seq], 0)  # a's rank-d rows of the sequence, as positions
+    hi = np.minimum((rank + 1) * L - cu_a[seq], size)
+    if zigzag[0] or zigzag[1]:
+        h = size // (2 * cp)
+        other = 2 * cp - 1 - rank
+        kept = _overlap(lo, hi, rank * h, (rank + 1) * h) + _overlap(lo, hi, other * h, (other + 1) * h)
+    else:
+        kept = _overlap(lo, hi, rank * L - cu_b[seq], (rank + 1) * L - cu_b[seq])
+    return int(total - kept.sum())
