@@ -42,7 +42,8 @@ micro-batches (``packing.search``: windows that each hold every DP rank's share 
 the batch; a batch of at most 256 micro-batches is one window, the plain fill), first fit finds its
 bin in ``O(log K)`` (``RoomTree``), the moves and swaps below score at most ``2**16`` cells and
 ``2**12`` swap partners a step, an exchange round of the refinement looks at the top micro-batches
-and at most 128 partners, and the DP split's swaps take one ``searchsorted`` per DP rank each. The
+and at most 128 partners (8 rounds up to ``cp = 4``, ``32 / cp`` past it, at least 2: a candidate
+costs ``cp - 1`` boundary lookups), and the DP split's swaps take one ``searchsorted`` per DP rank each. The
 time is then linear in the batch up to a log (``benchmarks/pack.py --sweep``).
 
 Then, under zigzag (and at ``cp = 1``), moves and swaps of sequences out of the slowest DP rank's
