@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from cpshard.base.errors import check_int, fail
@@ -119,7 +120,10 @@ def _lengths(batch: Any) -> list[int]:
             bad = mask[~((mask == 0) | (mask == 1))][:1].tolist() if not mask.is_complex() else [mask.dtype]
             fail("batch['attention_mask']", f"a {mask.dtype} mask holding {bad[0]}", "must hold only 0 and 1 (1 on "
                  "a sample's tokens)", "pass verl's attention mask (bool, integer or floating 0/1)")
-        lens = (mask != 0).sum(dim=1).tolist()
+        if mask.device.type == "cpu" and not mask.is_floating_point():  # NumPy counts a row's non-zeros many
+            lens = np.count_nonzero(mask.numpy(), axis=1).tolist()  # times faster than torch sums them
+        else:
+            lens = (mask != 0).sum(dim=1).tolist()
     if not lens:
         fail("batch", "0 samples", "must hold at least one sample", "call it with a non-empty batch")
     return lens

@@ -42,7 +42,8 @@ micro-batches (``packing.search``: windows that each hold every DP rank's share 
 the batch; a batch of at most 256 micro-batches is one window, the plain fill), first fit finds its
 bin in ``O(log K)`` (``RoomTree``), the moves and swaps below score at most ``2**16`` cells and
 ``2**12`` swap partners a step, an exchange round of the refinement looks at the top micro-batches
-and at most 128 partners, and the DP split's swaps take one ``searchsorted`` per DP rank each. The
+and at most 128 partners (8 rounds up to ``cp = 4``, ``32 / cp`` past it, at least 2: a candidate
+costs ``cp - 1`` boundary lookups), and the DP split's swaps take one ``searchsorted`` per DP rank each. The
 time is then linear in the batch up to a log (``benchmarks/pack.py --sweep``).
 
 Then, under zigzag (and at ``cp = 1``), moves and swaps of sequences out of the slowest DP rank's
@@ -88,7 +89,8 @@ from cpshard.plan.values import ShardPlan
 __all__ = ["Packing", "pack", "packing_bound", "plan_work", "step_ratio"]
 
 _ORDER_BUDGET = 1 << 12  # candidate orders the first descent scores, per micro-batch (Note [Refining a packing])
-_EXCHANGE_ROUNDS = 8  # exchange rounds at most ...
+_EXCHANGE_ROUNDS = 8  # exchange rounds at most (at cp <= _EXCHANGE_CP; fewer past it) ...
+_EXCHANGE_CP = 4  # ... each candidate costs cp - 1 boundary lookups: the rounds times cp stay at most 8 x 4 (2 rounds least)
 _EXCHANGE_BUDGET = 1 << 12  # ... and candidate swaps they score, per micro-batch
 
 
@@ -136,10 +138,11 @@ def _refined(prob: Problem, groups: list[list[int]], group: int = 1) -> tuple[li
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
         buffers.start()
         buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
+        rounds = max(2, _EXCHANGE_ROUNDS * _EXCHANGE_CP // max(prob.cp, _EXCHANGE_CP))
         if group == 1:
-            buffers.exchange(_EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
+            buffers.exchange(rounds, _EXCHANGE_BUDGET * len(groups))
         else:
-            buffers.exchange_groups(group, _EXCHANGE_ROUNDS, _EXCHANGE_BUDGET * len(groups))
+            buffers.exchange_groups(group, rounds, _EXCHANGE_BUDGET * len(groups))
         return buffers.orders(), buffers.works
     return [sorted(g) for g in groups], None
 

@@ -26,9 +26,11 @@ _SEARCH_STEPS = 64  # moves / swaps tried on the slowest DP rank, at most
 _MOVE_CELLS = 1 << 16  # a step scores moves of at most this many (sequence, micro-batch) pairs: the heaviest first
 # ffd_count's estimate of its two ways, in microseconds: an item through the tree a level; a run; a run a bin
 _TREE_STEP, _RUN_STEP, _RUN_BIN = 0.4, 25.0, 0.003
+_SCAN_CELLS = 1 << 16  # ffd_count scans the open bins item by item up to this many (items x least bins)
 FILL_WINDOW = 256  # micro-batches the fill scores for one unit, at most (Search.fill)
 _SWAP_UNITS = 1 << 12  # a step scores swaps with at most this many units, evenly spread by size
-_PATIENCE = 4  # the search stops after this many steps in a row that lowered only the sum of squares
+_PATIENCE = 1  # the search stops after this many steps in a row that lowered only the sum of squares
+# (the DP split is chosen again from exact costs at the end: assign)
 
 
 def ffd_count(p: np.ndarray, capacity: int) -> int:
@@ -40,10 +42,21 @@ def ffd_count(p: np.ndarray, capacity: int) -> int:
     scans of them (``O(distinct sizes x bins)`` element operations instead of ``O(n x bins)`` Python
     steps). The count is first fit's, item by item. Where that is dearer than placing the ``n`` items
     one by one through a :class:`RoomTree` (``O(n log n)`` Python steps: many distinct sizes in a
-    small batch), they go through the tree instead; the count is the same.
+    small batch), they go through the tree instead; and a small batch (items x bins at most
+    ``_SCAN_CELLS``) scans a plain list of the open bins, cheaper still. The count is the same every way.
     """
     sizes, runs = np.unique(p, return_counts=True)
     bins = -(-int(p.sum()) // max(capacity, 1))
+    if p.size * bins <= _SCAN_CELLS:  # a small batch: first fit item by item over a list of the open bins' rooms
+        open_: list[int] = []
+        for s in np.sort(p)[::-1].tolist():
+            for b, r in enumerate(open_):
+                if r >= s:
+                    open_[b] = r - s
+                    break
+            else:
+                open_.append(capacity - s)
+        return max(1, len(open_))
     if p.size * math.log2(p.size + 1) * _TREE_STEP < sizes.size * (_RUN_STEP + bins * _RUN_BIN):
         tree = RoomTree(np.full(p.size, capacity, dtype=np.int64))
         used = -1
@@ -240,23 +253,30 @@ class Search:
         rows, cost, size, h1 = self.rows[bins], self.cost[bins], self.size[bins], self.h1[bins]
         acc = np.ascontiguousarray(self.acc[bins].T)  # (cp, bins): a unit's new maxima reduce over rows
         tot = acc[0].copy()  # the contiguous model's total work, 1-D (written back at the end)
-        limit = prob.capacity - self.p  # a micro-batch takes unit i while its rows are at most this
         members = [np.flatnonzero(owner == d) for d in range(self.dp)]
         base = times[owner] - cost  # the step a micro-batch's DP rank takes without it
-        vec, heavy, contiguous = self.vec, self.heavy, self.contiguous
-        score = np.empty_like(base)
+        contiguous = self.contiguous
+        # per unit, as Python ints or (cp, 1) columns: the loop below runs once a unit, so its NumPy calls
+        # are few and write into buffers allocated once (same decisions as the plain expressions)
+        p_of, heavy_of, w_of = self.p.tolist(), self.heavy.tolist(), self.vec[:, 0].tolist()
+        col = np.ascontiguousarray(self.vec[:, :, None])
+        room = prob.capacity - rows  # a micro-batch takes a unit of p rows while p is at most its room
+        score, new, full = np.empty_like(base), np.empty_like(base), np.empty(rows.size, dtype=bool)
+        grid = np.empty_like(acc)
+        where = self.where
         missed: list[int] = []
         for i in units.tolist():
             if contiguous:
-                new = tot + vec[i, 0]
-                new += cp - 1
+                np.add(tot, w_of[i] + cp - 1, out=new)
                 new //= cp  # the new total's share of one rank, rounded up
                 np.maximum(new, h1, out=new)
-                np.maximum(new, heavy[i], out=new)
+                np.maximum(new, heavy_of[i], out=new)
             else:
-                new = (acc + vec[i][:, None]).max(0)
+                np.add(acc, col[i], out=grid)
+                grid.max(0, out=new)
             np.add(base, new, out=score)
-            score[rows > limit[i]] = big
+            np.less(room, p_of[i], out=full)
+            score[full] = big
             b = int(score.argmin())
             low = score[b]
             if low == big:
@@ -272,14 +292,16 @@ class Search:
                 base[b] -= delta
                 times[d] += delta
                 cost[b] += delta
-            self.where[i] = bins[b]
+            where[i] = bins[b]
             if contiguous:
-                tot[b] += vec[i, 0]
+                tot[b] += w_of[i]
             else:
-                acc[:, b] += vec[i]
-            rows[b] += self.p[i]
+                acc[:, b] += col[i, :, 0]
+            rows[b] += p_of[i]
+            room[b] -= p_of[i]
             size[b] += 1
-            h1[b] = max(h1[b], heavy[i])
+            if heavy_of[i] > h1[b]:
+                h1[b] = heavy_of[i]
         if contiguous:
             acc[0] = tot
         self.rows[bins], self.cost[bins], self.size[bins], self.h1[bins], self.acc[bins] = rows, cost, size, h1, acc.T
