@@ -38,7 +38,7 @@ import statistics
 import torch
 from _timing import median_ms
 
-from cpshard.index.balance import _bound, _check, balanced_order, rank_work, work_lower_bound
+from cpshard.index.balance import balanced_order, rank_work, simple_work_bound, work_lower_bound
 
 MICRO_BATCH = 32768
 MEAN_LEN = 2048
@@ -101,8 +101,7 @@ def main() -> None:
                 mean = sum(n * (n + 1) // 2 for n in lens) / cp
                 bound = work_lower_bound(lens, padded, cp)
                 bounds.append(bound / mean)
-                n, _, local = _check(lens, padded, cp)
-                simple.append(_bound(n, local, cp) / mean)
+                simple.append(simple_work_bound(lens, padded, cp) / mean)
                 orders = {"plain": list(range(len(lens))),
                           "swap": _swap_search(lens, padded, cp, args.swaps, seed),
                           "balanced": list(balanced_order(lens, padded, cp))}

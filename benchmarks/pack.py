@@ -20,7 +20,7 @@ Columns, per configuration, the mean over the batches:
   ``rearrange_micro_batches`` rule: ``ceil(tokens / max_tokens)`` micro-batches (the max over DP ranks),
   Karmarkar-Karp on the same workload, raised by one until every part's **unpadded** tokens fit.
   With verl installed its own ``get_seqlen_balanced_partitions`` runs; without it, a re-statement
-  (longest-processing-time greedy; ``cpshard.compat._verl_pack.verl_partition``, which the
+  (longest-processing-time greedy; ``cpshard.compat.verl_partition``, which the
   CLI's ``cpshard pack`` shares) and the header says so.
 * ``verl+bal``: the same partition, every contiguous micro-batch built with ``reorder="balanced"``.
 * ``pack``: ``cpshard.pack`` (its own buffer order); ``pack+bal``: the same with ``reorder="balanced"``.
@@ -55,7 +55,7 @@ import torch
 from _timing import gc_off_ms
 
 from cpshard import ShardPlan
-from cpshard.compat._verl_pack import verl_partition, verl_partitioner
+from cpshard.compat import verl_partition, verl_partitioner
 from cpshard.pack import pack, plan_work, step_ratio
 
 MAX_TOKENS = 32768

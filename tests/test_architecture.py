@@ -91,11 +91,6 @@ GRAPH, TREES, LINES = read_house()
 OUTSIDE = {f"{p.parent.name}/{p.name}": ast.parse(p.read_text())
            for folder in ("tests", "benchmarks", "examples") for p in sorted((ROOT / folder).glob("*.py"))}
 
-#: Private names taken across subpackages today, each to become public or a documented test hook;
-#: a new one fails ``test_no_private_name_crosses_a_subpackage``.
-PENDING_PRIVATE: set[str] = set()
-#: ``ShardPlan | BshdPlan`` unions left outside the plan package (none left: the list may only shrink).
-PENDING_UNIONS: set[str] = set()
 
 
 # -- the rules, each a function of what was read ------------------------------------------------
@@ -277,22 +272,16 @@ def test_module_sizes():
 
 
 def test_no_private_name_crosses_a_subpackage():
-    found = private_crossings(TREES, set(GRAPH))
-    assert found - PENDING_PRIVATE == set()
-    assert PENDING_PRIVATE <= found, "a pending crossing was mended: drop it from PENDING_PRIVATE"
+    assert private_crossings(TREES, set(GRAPH)) == set(), "make the name public, or move the code beside it"
 
 
 def test_tests_take_public_names_or_hooks():
-    """Tests, benchmarks and examples take public names or documented hooks; what they take privately
-    today is listed (``tests/private_names.txt``), and the list may only shrink."""
-    listed = set((ROOT / "tests" / "private_names.txt").read_text().split("\n")) - {""}
-    found = private_crossings(OUTSIDE, set(GRAPH))
-    assert found - listed == set(), "take a public name or a documented hook instead"
-    assert listed <= found, "a private use was mended: drop it from tests/private_names.txt"
+    """Tests, benchmarks and examples take public names or documented hooks, never a private one."""
+    assert private_crossings(OUTSIDE, set(GRAPH)) == set(), "take a public name or a documented hook instead"
 
 
 def test_no_union_of_plan_kinds_outside_the_plan():
-    assert {u.split(" line")[0] for u in plan_unions(TREES)} == PENDING_UNIONS
+    assert plan_unions(TREES) == [], "take a Plan and let the plan kind answer"
 
 
 def test_the_index_service_names_no_plan():

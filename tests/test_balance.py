@@ -168,8 +168,8 @@ def test_errors_name_the_rule(args, match):
 @given(last=st.integers(0, 5000), data=st.data())
 @props(200)
 def test_spread_positions_are_torchs_rounded_linspace(last, data):
-    """The descent's spread positions (``_spread``, NumPy) are exactly the ones torch's float32
+    """The descent's spread positions (``spread_positions``, NumPy) are exactly the ones torch's float32
     ``linspace`` gave when the balancer ran on torch: the same orders whatever the array library."""
-    from cpshard.index.balance import _spread
+    from cpshard.index.balance import spread_positions
     steps = data.draw(st.integers(1, last + 1))
-    assert _spread(last, steps).tolist() == torch.linspace(0, last, steps).round().long().tolist()
+    assert spread_positions(last, steps).tolist() == torch.linspace(0, last, steps).round().long().tolist()

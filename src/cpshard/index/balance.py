@@ -41,7 +41,8 @@ import torch
 
 from cpshard.base.errors import fail
 
-__all__ = ["balanced_order", "longest_first", "order_score", "rank_work", "tri", "work_lower_bound", "zigzag_works"]
+__all__ = ["balanced_order", "longest_first", "order_score", "rank_work", "simple_work_bound", "spread_positions", "tri",
+           "work_lower_bound", "zigzag_works"]
 
 _I64 = np.dtype(np.int64)
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
@@ -172,7 +173,7 @@ def _permutations(b: int) -> np.ndarray:
     return out
 
 
-def _spread(last: int, steps: int) -> np.ndarray:
+def spread_positions(last: int, steps: int) -> np.ndarray:
     """``steps`` evenly spread integers from 0 to ``last``: torch's float32 ``linspace(0, last, steps)``
     rounded half to even, restated exactly (the first half counted up from 0, the rest down from
     ``last``, in float32), so that the descent visits the positions it always did."""
@@ -196,8 +197,8 @@ def _heavy_moves(table: np.ndarray, local: int, order: np.ndarray, heavy: int) -
     pairs = max(16, _STEP_ROWS // (2 * b))
     if pos.size * b > pairs:
         keep = max(4, math.isqrt(pairs))
-        pos = pos[_spread(pos.size - 1, min(pos.size, keep))]
-    targets = _spread(b - 1, min(b, max(2, pairs // pos.size)))
+        pos = pos[spread_positions(pos.size - 1, min(pos.size, keep))]
+    targets = spread_positions(b - 1, min(b, max(2, pairs // pos.size)))
     i, j = (x.reshape(-1) for x in np.meshgrid(pos, targets, indexing="ij"))
     keep_pair = i != j
     return _move_maps(b, i[keep_pair], j[keep_pair])
@@ -350,6 +351,13 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
             current = (score, order)
             best = min(best, current, key=lambda x: x[0])
     return tuple(best[1].tolist())
+
+
+def simple_work_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> int:
+    """Parts (1) and (2) of :func:`work_lower_bound` alone (the mean and every sequence's heaviest
+    piece): what the window part (3) adds is the difference, which ``benchmarks/balance.py`` shows."""
+    n, _, local = _check(seqlens, padded, cp_size)
+    return _bound(n, local, cp_size)
 
 
 def work_lower_bound(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> int:
