@@ -141,7 +141,7 @@ def _dp_agree(count: int, units: int, failed: bool, dp_group: Any) -> tuple[int,
     """``(largest count, fewest samples or groups, whether a rank failed)`` over the DP group: one
     ``all_reduce(MAX)`` of three ints, verl's one collective, so that a rank that cannot take the agreed
     count makes every rank raise (verl 0.9.1 agrees on its limits the same way), not one hang."""
-    from cpshard.distributed.collectives import max_over
+    from cpshard.distributed.sums import max_over
 
     got = max_over(torch.tensor([count, -units, int(failed)], dtype=torch.long), dp_group).tolist()
     return int(got[0]), -int(got[1]), bool(got[2])
@@ -225,7 +225,7 @@ def rearrange_micro_batches(
     samples share a micro-batch (verl's reward-model pairs; :func:`cpshard.pack`'s ``group_size``), and
     the batch must hold whole groups (verl asserts it; this raises a ``ValueError`` naming it).
     """
-    from cpshard.distributed.collectives import initialized
+    from cpshard.distributed.groups import initialized
 
     agree = bool(same_micro_num_in_dp) and dp_group is not None and initialized()
     joined: list[bool] = []  # set as this rank enters the count agreement

@@ -34,10 +34,8 @@ from cpshard.base.dtypes import carrier, check_fill, movable
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.types import Group, Scalar
 from cpshard.distributed.checks import check_local, checked_call, plan_fingerprint
-from cpshard.distributed.groups import initialized as initialized  # re-exported: the packing drop-in takes it here
 from cpshard.distributed.groups import solo
 from cpshard.distributed.stamp import Stamp, all_gather_stamped, all_to_all
-from cpshard.distributed.sums import max_over as max_over  # re-exported, as initialized
 from cpshard.distributed.sums import reduce_stamped
 from cpshard.index import halo as _halo
 from cpshard.index.shift import ShiftExchange
