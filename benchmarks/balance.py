@@ -1,4 +1,4 @@
-"""Benchmark: per-rank causal attention balance under the contiguous layout (issue 10, part 2).
+"""Benchmark: per-rank causal attention balance under the contiguous layout.
 
 Run (CPU, one process, one torch thread)::
 

@@ -1,4 +1,4 @@
-"""Benchmark: micro-batch packing against verl's partition (issue 19).
+"""Benchmark: micro-batch packing against verl's partition.
 
 Run (CPU, one process, one torch thread unless ``--threads``)::
 

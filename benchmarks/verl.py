@@ -105,7 +105,7 @@ def main() -> None:
             ok = same(verl_fn(), ours_fn())
         print(f"{name:42} {t_verl:10.2f} {t_ours:10.2f} {t_shared:10.2f} {t_verl / t_ours:12.1f}x {str(ok):>5}")
 
-    # issue 10's step: tokens, next-token labels and the loss mask for one rank, a fresh plan per step
+    # one step: tokens, next-token labels and the loss mask for one rank, a fresh plan per step
     values = ids.values()
     mask = torch.nested.nested_tensor_from_jagged(torch.ones(values.shape[0], dtype=torch.bool), ids.offsets())
     for layout in ("zigzag", "contiguous"):

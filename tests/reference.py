@@ -62,7 +62,7 @@ def ref_alignment_before_fp8(cp: int, tp: int, layout) -> int:
 def ref_alignment(cp: int, tp: int, layout, fp8: bool = False, padding: str = "aligned") -> int:
     """The per-sequence alignment ``a`` (with fp8: ``lcm(16, a)``).
 
-    ``padding="minimal"`` (issue 10): only what the layout needs, ``2 * cp`` chunks for zigzag with
+    ``padding="minimal"``: only what the layout needs, ``2 * cp`` chunks for zigzag with
     ``cp > 1``, nothing (1) otherwise; ``tp`` is then met through the total alone.
     """
     if padding == "minimal":
@@ -254,7 +254,7 @@ def ref_shard(
     """Rank ``rank``'s local rows (L, *trailing) of ``shift(x, shift)``.
 
     ``seqs`` is a list of per-sequence tensors (n_i, *trailing). ``ext`` holds ``fp8``,
-    ``min_local_rows``, ``length_bucket`` and ``padding``. ``order`` (issue 10's reordering) puts
+    ``min_local_rows``, ``length_bucket`` and ``padding``. ``order`` (the reordering) puts
     the caller's sequence ``order[j]`` at buffer position ``j``: the batch is padded in the
     caller's order, then each sequence moves with its padded length. ``trailing``/``dtype`` are
     only needed when there are no sequences to read them from.

@@ -1,4 +1,4 @@
-"""The balanced contiguous order (issue 10, part 2): rank_work against a per-row oracle, the lower bound
+"""The balanced contiguous order: rank_work against a per-row oracle, the lower bound
 against every order of small batches, and balanced_order's promises."""
 
 from __future__ import annotations

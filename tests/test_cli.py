@@ -208,7 +208,7 @@ def test_summary_stays_small_with_many_ranks_and_names_the_busiest():
     assert "left out" not in small and sum(1 for line in small.splitlines() if line.startswith("rank ")) == 16
 
 
-# -- issue 17: what a CLI user can hand it ---------------------------------------------------------
+# -- what a CLI user can hand it ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content, message", [
     (b"\xffgarbage", "is not a text file (byte 0 is b'\\xff')"),

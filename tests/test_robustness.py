@@ -1,4 +1,4 @@
-"""Valid and near-valid input that once crashed or gave an unclear error (issue 6's adversarial list).
+"""Valid and near-valid input that once crashed or gave an unclear error (an adversarial list).
 
 Each case either works exactly as its ordinary counterpart does or raises the project's error,
 naming the argument, the rule and the fix.
@@ -281,7 +281,7 @@ def test_cli_plans_minimal_padding_and_balanced_order(capsys):
     assert "--padding does not apply with --bshd" in capsys.readouterr().err
 
 
-# -- issue 17: inputs that once gave a silent wrong result or a crash ---------------------------------
+# -- inputs that once gave a silent wrong result or a crash -------------------------------------------
 
 @pytest.mark.parametrize("stride", [2**31 - 8, 2**31, 2**32, 2**32 + 3])
 def test_bshd_index_never_wraps_past_int32(stride):
