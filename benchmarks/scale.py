@@ -46,8 +46,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from _timing import gc_off_ms
+
 from cpshard import ShardPlan, halo_exchange, pack, shard, shift_exchange, unshard
 from cpshard.compat import verl_partition, verl_partitioner
 
