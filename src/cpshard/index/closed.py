@@ -42,6 +42,20 @@ def _placement(plan: Any, padded: np.ndarray | None) -> tuple[np.ndarray, np.nda
     return _caller_order(plan, padded), _caller_order(plan, cu)
 
 
+def _zigzag_rows(pos: np.ndarray, h: np.ndarray, base: np.ndarray, cp: int, local_len: int) -> np.ndarray:
+    """The rank-concatenated rows of zigzag positions ``pos`` (chunks of ``h`` rows, the sequence's
+    local rows starting at ``base``: ``cu / cp``), computed in place in ``pos`` (``h`` is spent)."""
+    chunk = pos // h
+    np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
+    pos -= h  # the local row inside the sequence's two chunks
+    np.subtract(2 * cp - 1, chunk, out=h)
+    np.minimum(chunk, h, out=chunk)  # the rank holding the chunk
+    chunk *= local_len
+    pos += chunk
+    pos += base
+    return pos
+
+
 def thd_restore(plan: Any) -> np.ndarray:
     """:meth:`PlanIndices.unshard` of a THD plan in closed form, per token (no segments of every rank).
 
@@ -53,22 +67,13 @@ def thd_restore(plan: Any) -> np.ndarray:
     """
     i32 = np.dtype(np.int32)
     lens = _index.int64_array(plan.input_seqlens_py)  # caller's order
-    cu_padded = _caller_order(plan, _index.int64_array(plan.cu_seqlens_padded_py[:-1]))
+    padded, cu = _placement(plan, None)
     cp = plan.cp_size
     if plan.layout is not Layout.ZIGZAG or cp == 1:
-        return _index.expand_np(cu_padded, lens, i32)  # token p of a sequence: cu_padded + p
-    padded = _caller_order(plan, _index.int64_array(plan.padded_seqlens_py))
-    out = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
-    h = np.repeat((padded // (2 * cp)).astype(i32), lens)
-    chunk = out // h
-    np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
-    out -= h  # the local row inside the sequence's two chunks
-    np.subtract(2 * cp - 1, chunk, out=h)
-    np.minimum(chunk, h, out=chunk)  # the rank holding the chunk
-    chunk *= plan.local_len
-    out += chunk
-    out += np.repeat((cu_padded // cp).astype(i32), lens)
-    return out
+        return _index.expand_np(cu, lens, i32)  # token p of a sequence: cu_padded + p
+    pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
+    return _zigzag_rows(pos, np.repeat((padded // (2 * cp)).astype(i32), lens), np.repeat((cu // cp).astype(i32), lens),
+                        cp, plan.local_len)
 
 
 def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None) -> np.ndarray:
@@ -86,14 +91,10 @@ def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None)
     start = np.concatenate([[0], np.cumsum(padded)])  # caller's padded buffer
     seq = np.searchsorted(start, canonical, side="right") - 1
     pos = canonical - start[seq]
-    cu = cu[seq]
     cp = plan.cp_size
     if plan.layout is not Layout.ZIGZAG or cp == 1:
-        return cu + pos
-    h = padded[seq] // (2 * cp)
-    chunk = pos // h
-    rank = np.minimum(chunk, 2 * cp - 1 - chunk)
-    return rank * plan.local_len + cu // cp + pos - (chunk - (chunk >= cp)) * h
+        return cu[seq] + pos
+    return _zigzag_rows(pos, padded[seq] // (2 * cp), cu[seq] // cp, cp, plan.local_len)
 
 
 def _overlap(lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) -> np.ndarray:
