@@ -30,7 +30,8 @@ shift_exchange  :class:`~cpshard.index.shift.ShiftExchange`;     rank, shift, de
 halo            :class:`~cpshard.index.halo.HaloExchange`;       rank, shifts, device;
                 the group's crossing halo rows                   shifts
 relayout        where every row goes under a twin plan           the twin
-route           :class:`~cpshard.index.route.Route`              the twin, rank, device
+route           :class:`~cpshard.index.route.Route`;             the twin, rank, device;
+                the group's moved rows (THD twins)               the twin
 blocks          the reference attention's query blocks           rank, device, block size
 scan            the reference scan's segments                    (one)
 unpadded        the plan of the tokens alone (for ``shift``)     (one)
@@ -487,7 +488,7 @@ class PlanIndices:
             plan, rows = self.plan, math.prod(self.plan.local_shape)
             (padded, alone), (dst_padded, dst_alone) = self.split(), dst.indices().split()
             if not (alone or dst_alone):  # THD twins: this rank's rows, by closed forms (plan.closed)
-                moved = self._kept("moved", dst, lambda: _closed.thd_moved(plan, dst, (padded, dst_padded)))
+                moved = self._kept("route", ("moved", dst), lambda: _closed.thd_moved(plan, dst, (padded, dst_padded)))
                 return _route.rank_route(_closed.thd_rows(dst, self.canonical(cp_rank), dst_padded),
                                          _closed.thd_rows(plan, dst.indices().canonical(cp_rank), padded),
                                          moved, plan.cp_size, rows, cp_rank)
