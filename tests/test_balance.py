@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpshard import ShardPlan
@@ -173,3 +173,24 @@ def test_spread_positions_are_torchs_rounded_linspace(last, data):
     from cpshard.index.balance import spread_positions
     steps = data.draw(st.integers(1, last + 1))
     assert spread_positions(last, steps).tolist() == torch.linspace(0, last, steps).round().long().tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=24), st.sampled_from([1, 2, 8]),
+       st.integers(1, 16), st.integers(1, 600))
+def test_longest_first_places_each_sequence_as_documented(lens, unit, cp, local):
+    """``longest_first`` against a restatement: longest first (ties by index), each to the rank with room
+    for its rows holding the least work (ties: the lower rank), else to the rank with the fewest rows
+    (ties: the least work, then the lower rank); within a rank in placing order. Short locals make every
+    rank full, the case the placement takes without its heap."""
+    from cpshard.index.balance import longest_first
+
+    padded = [-(-x // unit) * unit for x in lens]
+    work, rows, bins = [0] * cp, [0] * cp, [[] for _ in range(cp)]
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        room = [r for r in range(cp) if rows[r] + padded[i] <= local]
+        r = min(room, key=lambda r: (work[r], r)) if room else min(range(cp), key=lambda r: (rows[r], work[r], r))
+        rows[r] += padded[i]
+        work[r] += lens[i] * (lens[i] + 1) // 2
+        bins[r].append(i)
+    assert longest_first(lens, padded, local, cp) == [i for b in bins for i in b]

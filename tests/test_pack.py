@@ -269,6 +269,16 @@ def _rescan(n, p, order, keep, cp):
     return rank_work(lens, pads, list(range(len(lens))), cp)
 
 
+def _micro_batches(groups_lens, unit):
+    """Sequence lengths, their padded lengths (multiples of ``unit``) and the micro-batches' index lists
+    of lengths given per micro-batch."""
+    n, groups = [], []
+    for lens in groups_lens:
+        groups.append(list(range(len(n), len(n) + len(lens))))
+        n += lens
+    return n, [-(-x // unit) * unit for x in n], groups
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=7), min_size=2, max_size=4),
        st.sampled_from([1, 2, 3, 4]), st.sampled_from([1, 2, 4]), st.data())
@@ -278,11 +288,7 @@ def test_refinement_moves_score_exactly(groups_lens, cp, unit, data):
     from cpshard.packing.refine import Buffers
 
     keep = np.lcm(unit, cp)
-    n, groups = [], []
-    for lens in groups_lens:
-        groups.append(list(range(len(n), len(n) + len(lens))))
-        n += lens
-    p = [-(-x // unit) * unit for x in n]
+    n, p, groups = _micro_batches(groups_lens, unit)
     capacity = max(sum(p[i] for i in g) for g in groups) + data.draw(st.integers(0, 12)) * keep
     capacity = -(-capacity // keep) * keep
     buf = Buffers(np.array(n, dtype=np.int64), np.array(p, dtype=np.int64), int(keep), cp, capacity, groups)
@@ -353,6 +359,48 @@ def test_refinement_descends_and_exchanges_to_exact_works():
         assert buf.works[b].tolist() == _rescan(n, p, order, keep, cp)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=12), min_size=1, max_size=5),
+       st.sampled_from([1, 2, 8]), st.sampled_from([1, 3, 8, 16]), st.integers(0, 4096), st.data())
+def test_work_prefix_lookups_match_a_walk_of_the_buffer(groups_lens, unit, cp, slack, data):
+    """``G_b(x)``, the work of micro-batch ``b``'s first ``x`` buffer rows, from the bucket table and its
+    steps (``Buffers._lookup``), against a walk of the buffer token by token; buckets hold several
+    sequence ends when sequences are short against the capacity, and again after micro-batches change."""
+    import numpy as np
+
+    from cpshard.packing.refine import Buffers
+
+    keep = int(np.lcm(unit, cp))
+    n, p, groups = _micro_batches(groups_lens, unit)
+    capacity = -(-(max(sum(p[i] for i in g) for g in groups) + slack) // keep) * keep
+    buf = Buffers(np.array(n, dtype=np.int64), np.array(p, dtype=np.int64), keep, cp, capacity, groups)
+
+    def walk(order, x):
+        work = row = 0
+        for i in order:
+            for t in range(p[i]):
+                if row >= x:
+                    return work
+                work += t + 1 if t < n[i] else 0
+                row += 1
+        return work
+
+    def check():
+        b = np.array(data.draw(st.lists(st.integers(0, len(groups) - 1), min_size=1, max_size=30)))
+        x = np.array(data.draw(st.lists(st.integers(0, 2 * capacity), min_size=b.size, max_size=b.size)))
+        got = buf._g(b, x)
+        orders = buf.orders()
+        assert got.tolist() == [walk(orders[bi], xi) for bi, xi in zip(b.tolist(), x.tolist())]
+
+    check()
+    buf.start()  # new orders everywhere: the table is built again
+    check()
+    if len(groups) > 1:
+        buf.descend(np.arange(len(groups)), 1 << 12)  # a few micro-batches re-indexed in place
+        buf.exchange(2, 1 << 12)
+        check()
+
+
 @pytest.mark.parametrize("lens", [[363, 5], [1449, 67, 49, 2258, 545, 98, 34, 13, 1302, 626, 5, 183, 133, 194, 363]])
 def test_zigzag_minimal_padding_works_count_the_extended_last_sequence(lens):
     """Minimal padding may extend a zigzag micro-batch's last sequence past its own padding (to keep it
@@ -375,11 +423,7 @@ def test_whole_orders_score_exactly(groups_lens, cp, unit, data):
     from cpshard.packing.refine import Buffers
 
     keep = int(np.lcm(unit, cp))
-    n, groups = [], []
-    for lens in groups_lens:
-        groups.append(list(range(len(n), len(n) + len(lens))))
-        n += lens
-    p = [-(-x // unit) * unit for x in n]
+    n, p, groups = _micro_batches(groups_lens, unit)
     capacity = -(-sum(p) // keep) * keep + keep
     buf = Buffers(np.array(n, dtype=np.int64), np.array(p, dtype=np.int64), keep, cp, capacity, groups)
     orders = []

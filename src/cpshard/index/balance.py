@@ -266,6 +266,14 @@ def longest_first(n: list[int], p: list[int], local: int, cp_size: int) -> list[
     rows = [0] * cp_size
     bins: list[list[int]] = [[] for _ in range(cp_size)]
     for i in sorted(range(len(n)), key=lambda i: -n[i]):
+        if min(rows) + p[i] > local:  # no rank has room: the emptiest, ties to the least work, then rank
+            w, r = min(work, key=lambda wr: (rows[wr[1]], wr))
+            work.remove((w, r))
+            heapq.heapify(work)
+            rows[r] += p[i]
+            bins[r].append(i)
+            heapq.heappush(work, (w + n[i] * (n[i] + 1) // 2, r))
+            continue
         full = []
         while work and rows[work[0][1]] + p[i] > local:
             full.append(heapq.heappop(work))

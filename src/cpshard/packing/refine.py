@@ -32,13 +32,16 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
 
 1. **Orders.** From longest-first starts (``index.balance.longest_first``), :meth:`Buffers.descend` runs a
    best-improvement descent of every micro-batch at once over the swaps and insertions between up to
-   ``_GRID`` evenly spread positions, scored by the largest rank, then the sum of squares
-   (``index.balance.order_score``'s key), until none improves or ``budget`` candidates are spent.
+   ``_GRID`` evenly spread positions (fewer past ``cp = 8``, at least ``_GRID_LEAST``, so that the
+   candidates times their ``cp - 1`` boundaries stay about as many as at ``cp = 8``), scored by the
+   largest rank, then the sum of squares (``index.balance.order_score``'s key), until none improves or
+   ``budget`` candidates are spent.
 2. **Exchanges.** DP ranks share out ``sum_m c_m`` (``c_m`` a micro-batch's slowest rank), so
    :meth:`Buffers.exchange` lowers it. Every exchange splices a run of consecutive buffer positions of
    one micro-batch in place of a run of another and back (``_spliced``: the old ``G`` before the
    splice, the run's own ``G`` inside it, the old ``G`` shifted after it): for the ``_EXCHANGE_TOP``
-   micro-batches whose slowest rank is furthest above their mean, a sequence for none (a move), for
+   micro-batches whose slowest rank is furthest above their mean (fewer past ``cp = 8``, at least 2,
+   and fewer partners too, by the same rule as the grid), a sequence for none (a move), for
    one (a swap), or, when it holds rows of the slowest rank, for a run of ``2 .. _RUN`` (which lets
    a long document's micro-batch trade one filler for several and so reach offsets a single one
    cannot); a run of theirs for one sequence of half a rank or more; and moves into them. Every
@@ -57,26 +60,38 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
    the DP ranks with their counts fixed: longest first to the least loaded rank with a place left, then swaps of a
    micro-batch of the slowest rank with one of another while the slowest rank's time falls.
 
+**Tiles.** Candidates are scored in tiles of at most ``_TILE_CELLS`` (candidate, boundary) cells, and the
+pairs of an exchange round are enumerated in tiles of as many: one pass of array operations over a
+tile keeps its temporaries in the CPU's cache, where one pass over every candidate streams them from
+memory (on ``benchmarks/pack.py``'s batches the exact scoring takes 0.6x the time in tiles). The
+results are the same either way. ``G`` lookups start at a bucket table (``packing.prefix.Buckets``) instead
+of a binary search over every key.
+
 Every step is deterministic (no random choice; ties go to the lowest index).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from cpshard.index.balance import longest_first, order_score, tri
+from cpshard.packing.prefix import Buckets, at_position, lookup, tables
 
 __all__ = ["Buffers"]
 
 _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
-_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer
-_EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out
+_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer (up to cp = 8; past it
+_GRID_LEAST = 6  # ... fewer, so that a step's candidates times cp - 1 boundaries stay about 10**2 x 7, at least this)
+_EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out (up to cp = 8; past it ...
+_TOP_CELLS = 84  # ... fewer, at least 2: the top count times cp - 1 boundaries stays about 12 x 7)
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _PARTNERS = 128  # past this many micro-batches an exchange round looks at this many partners
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
+_TILE_CELLS = 1 << 15  # (candidate, boundary) cells, or enumerated pairs, one pass of array operations takes
 
 
 # a round's candidates: micro-batches u and v, the gain of each, applying candidate c, candidates scored
@@ -107,6 +122,7 @@ class Buffers:
             self._set(b, [int(i) for i in g])
         self.rows = self._p[self.order].sum(1)
         self._span = 2 * capacity + 2
+        self._grid = max(_GRID_LEAST, min(_GRID, math.isqrt(_GRID * _GRID * 7 // max(cp - 1, 1))))
         self._index()
         self.works = self._rank_works(np.arange(k), self.rows)
 
@@ -119,11 +135,13 @@ class Buffers:
         self.pos[ids] = np.arange(len(ids))
 
     def _index(self) -> None:
-        """Every micro-batch's position tables (:func:`_tables`, one sorted array of keys over all
+        """Every micro-batch's position tables (``packing.prefix.tables``, one sorted array of keys over all
         micro-batches). The last column is always empty (``_room``)."""
         self._cols = self.order.shape[1]
-        self._keys, self._key_start, self._start, self._before, self._len = _tables(
+        self._keys, self._key_start, self._start, self._before, self._len = tables(
             self._p[self.order], self._n[self.order], self._span)
+        self._buckets = Buckets(self.order.shape[0], self._span, int(self.capacity) // self._cols)
+        self._buckets.fill(self._keys, np.arange(self.order.shape[0], dtype=np.int64))
 
     def _reindex(self, which: np.ndarray) -> None:
         """:meth:`_index` for the micro-batches ``which`` (sorted, unique) only, the order's columns
@@ -136,16 +154,18 @@ class Buffers:
             self._index()
             return
         sub = self.order[which]
-        keys, key_start, start, before, length = _tables(self._p[sub], self._n[sub], self._span)
+        keys, key_start, start, before, length = tables(self._p[sub], self._n[sub], self._span)
         shift = ((which - np.arange(which.size)) * self._span)[:, None]  # from row q's keys to row b's
         flat = (which[:, None] * self._cols + np.arange(self._cols)[None, :]).reshape(-1)
         self._keys[flat] = (keys.reshape(which.size, -1) + shift).reshape(-1)
         self._key_start[flat] = (key_start.reshape(which.size, -1) + shift).reshape(-1)
         self._start[flat], self._before[flat], self._len[flat] = start, before, length
+        self._buckets.fill(self._keys, which)
 
     def _lookup(self, key: np.ndarray) -> np.ndarray:
         """``G`` at keys ``b * span + x``: the work of micro-batch ``b``'s first ``x`` buffer rows."""
-        return _lookup((self._keys, self._key_start, self._start, self._before, self._len), key)
+        return at_position((self._keys, self._key_start, self._start, self._before, self._len), key,
+                           self._buckets.position(self._keys, key))
 
     def _g(self, b: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``G_b(x)``: the work of micro-batch ``b``'s first ``x`` buffer rows (``b`` broadcast over ``x``)."""
@@ -199,6 +219,15 @@ class Buffers:
         added = np.stack([np.zeros_like(before), before - src_before, work_new - work_old], axis=1)
         g = self._lookup(c + offset.reshape(-1)[pick]) + added.reshape(-1)[pick]
         return self._framed(g, self.works[b].sum(1) + (work_new - work_old))
+
+    def _tiled(self, score: Callable[..., np.ndarray], *columns: np.ndarray) -> np.ndarray:
+        """``score(*columns)`` ``(Q, cp)`` over tiles of candidates, concatenated: a tile's candidates
+        times their ``cp - 1`` boundaries make at most ``_TILE_CELLS`` cells (Note [Refining a
+        packing], **Tiles**)."""
+        q, tile = columns[0].size, max(1, _TILE_CELLS // max(self.cp - 1, 1))
+        if q <= tile:
+            return score(*columns)
+        return np.concatenate([score(*(c[k:k + tile] for c in columns)) for k in range(0, q, tile)])
 
     def _moved(self, b: np.ndarray, i: np.ndarray, j: np.ndarray, swap: np.ndarray) -> np.ndarray:
         """``(Q, cp)`` works of micro-batch ``b`` with positions ``i != j`` swapped (``swap``) or the sequence
@@ -259,9 +288,9 @@ class Buffers:
         active = which[self._unbalanced(which)]
         spent = 0
         while active.size and spent < budget:
-            group, i, j, swap = _candidates(self.size[active])
+            group, i, j, swap = _candidates(self.size[active], self._grid)
             b = active[group]
-            works = self._moved(b, i, j, swap)
+            works = self._tiled(self._moved, b, i, j, swap)
             spent += int(b.size)
             score = order_score(works)
             first = np.lexsort((np.arange(b.size), score, group))  # each micro-batch's best candidate first
@@ -327,11 +356,11 @@ class Buffers:
         """The micro-batches a round exchanges with: all of them up to ``_PARTNERS``; past it ``top`` and
         the ``_PARTNERS`` whose slowest rank is closest to their mean (the most room for a heavier
         piece), so that a round's candidates, and the refinement, stay linear in the batch."""
-        k = self.size.size
-        if k <= _PARTNERS:
+        k, most = self.size.size, min(_PARTNERS, max(16, _PARTNERS * 7 // max(self.cp - 1, 1)))
+        if k <= most:
             return np.arange(k, dtype=np.int64)
         excess = self.works.max(1) - self.works.sum(1) / self.cp
-        calm = np.argsort(excess, kind="stable")[:_PARTNERS]
+        calm = np.argsort(excess, kind="stable")[:most]
         return np.union1d(top, calm).astype(np.int64)
 
     def _exchanges(self, top: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -354,14 +383,20 @@ class Buffers:
         for (ub, u1, u2), (vb, v1, v2) in cands:
             ru = self._start[ub * self._cols + u2] - self._start[ub * self._cols + u1]
             rv = self._start[vb * self._cols + v2] - self._start[vb * self._cols + v1]
-            rows_u = self.rows[ub][:, None] - ru[:, None] + rv[None, :]
-            rows_v = self.rows[vb][None, :] - rv[None, :] + ru[:, None]
-            size_u = self.size[ub][:, None] - (u2 - u1)[:, None] + (v2 - v1)[None, :]
-            size_v = self.size[vb][None, :] - (v2 - v1)[None, :] + (u2 - u1)[:, None]
-            ok = ((ub[:, None] != vb[None, :]) & (rows_u <= self.capacity) & (rows_v <= self.capacity)
-                  & (size_u > 0) & (size_v > 0))
-            i, j = np.nonzero(ok)
-            cols.append((ub[i], u1[i], u2[i], vb[j], v1[j], v2[j], rows_u[i, j], rows_v[i, j]))
+            # u takes v's run while rv <= hu, v takes u's while ru <= hv; each keeps a sequence while
+            # what stays of it plus what arrives is not empty
+            hu, hv = self.capacity - self.rows[ub] + ru, self.capacity - self.rows[vb] + rv
+            lu, lv = u2 - u1, v2 - v1
+            stay_u, stay_v = self.size[ub] - lu, self.size[vb] - lv
+            step = max(1, _TILE_CELLS // max(vb.size, 1))
+            for k in range(0, ub.size, step):  # tiles of rows, in order: the pairs come out row-major
+                t = slice(k, k + step)
+                ok = ((rv[None, :] <= hu[t, None]) & (ru[t, None] <= hv[None, :]) & (ub[t, None] != vb[None, :])
+                      & (stay_u[t, None] + lv[None, :] > 0) & (stay_v[None, :] + lu[t, None] > 0))
+                i, j = np.nonzero(ok)
+                i += k
+                cols.append((ub[i], u1[i], u2[i], vb[j], v1[j], v2[j], self.rows[ub[i]] - ru[i] + rv[j],
+                             self.rows[vb[j]] - rv[j] + ru[i]))
         return tuple(np.concatenate([c[f] for c in cols]) for f in range(8))
 
     def exchange(self, rounds: int, budget: int) -> None:
@@ -382,7 +417,7 @@ class Buffers:
             self._room(int(self.size.max()) + room)
             costs = self.costs()
             excess = costs - self.works.sum(1) / self.cp
-            top = np.argsort(-excess, kind="stable")[:_EXCHANGE_TOP]
+            top = np.argsort(-excess, kind="stable")[:min(_EXCHANGE_TOP, max(2, _TOP_CELLS // max(self.cp - 1, 1)))]
             top = np.sort(top[excess[top] > 0])
             if top.size == 0:
                 break
@@ -414,14 +449,14 @@ class Buffers:
         u, u1, u2, v, v1, v2, ru, rv = self._exchanges(top)
         if u.size == 0:
             return None
-        wu = self._spliced(u, u1, u2, v, v1, v2, ru)
+        wu = self._tiled(self._spliced, u, u1, u2, v, v1, v2, ru)
         scored = u.size
         # v's slowest rank is at least its new mean: only candidates that could still gain score v
         work_v = self.works[v].sum(1) + self._before[u * self._cols + u2] - self._before[u * self._cols + u1] \
             - self._before[v * self._cols + v2] + self._before[v * self._cols + v1]
         hope = costs[u] - wu.max(1) + costs[v] - work_v / self.cp > 0
         u, u1, u2, v, v1, v2, ru, rv, wu = (x[hope] for x in (u, u1, u2, v, v1, v2, ru, rv, wu))
-        wv = self._spliced(v, v1, v2, u, u1, u2, rv)
+        wv = self._tiled(self._spliced, v, v1, v2, u, u1, u2, rv)
         scored += u.size
 
         def apply(c: int) -> None:
@@ -446,10 +481,10 @@ class Buffers:
         q = orders.shape[0]
         orders = np.concatenate([orders, np.full((q, 1), self.null, dtype=np.int64)], axis=1)  # an empty last
         p_o = self._p[orders]
-        tables = _tables(p_o, self._n[orders], self._span)
+        found = tables(p_o, self._n[orders], self._span)
         rows = p_o.sum(1)
         c = np.arange(q, dtype=np.int64)[:, None] * self._span + self._inner(rows)
-        return self._framed(_lookup(tables, c), tables[3].reshape(orders.shape)[:, -1]), rows
+        return self._framed(lookup(found, c), found[3].reshape(orders.shape)[:, -1]), rows
 
     def exchange_groups(self, group: int, rounds: int, budget: int) -> None:
         """:meth:`exchange` for packings whose every ``group`` consecutive sequences share a micro-batch:
@@ -522,41 +557,18 @@ class Buffers:
         return orders
 
 
-def _tables(p_o: np.ndarray, n_o: np.ndarray, span: int) -> tuple[np.ndarray, ...]:
-    """Per position of orders whose padded and real lengths are ``p_o``, ``n_o`` ``(Q, cols)`` (the last
-    column empty), flat: the search keys ``q * span + end row`` (the last column's ``q``'s last key, so
-    that every row of order ``q`` finds a position), ``q * span + start row``, the start row, the work
-    before it and the length. One sorted key array over all ``Q`` orders."""
-    w_o = tri(n_o)
-    ends = np.cumsum(p_o, 1)
-    start = ends - p_o
-    base = np.arange(p_o.shape[0], dtype=np.int64)[:, None] * span
-    keys = base + ends
-    keys[:, -1] = base[:, 0] + span - 1
-    return (keys.reshape(-1), (base + start).reshape(-1), start.reshape(-1), (np.cumsum(w_o, 1) - w_o).reshape(-1),
-            n_o.reshape(-1))
-
-
-def _lookup(tables: tuple[np.ndarray, ...], key: np.ndarray) -> np.ndarray:
-    """``G`` at ``key = q * span + x`` (:func:`_tables`): the work before the position holding row ``x``
-    of order ``q``, plus that sequence's own prefix up to ``x``. One ``searchsorted`` for all keys."""
-    keys, key_start, _, before, length = tables
-    j = np.searchsorted(keys, key, side="right")  # the position holding each row
-    return before[j] + tri(np.minimum(key - key_start[j], length[j]))
-
-
-def _grid(size: int) -> np.ndarray:
-    """Up to ``_GRID`` buffer positions of a micro-batch of ``size`` sequences, evenly spread."""
-    if size <= _GRID:
+def _grid(size: int, grid: int) -> np.ndarray:
+    """Up to ``grid`` buffer positions of a micro-batch of ``size`` sequences, evenly spread."""
+    if size <= grid:
         return np.arange(size, dtype=np.int64)
-    return np.unique(np.linspace(0, size - 1, _GRID).round().astype(np.int64))
+    return np.unique(np.linspace(0, size - 1, grid).round().astype(np.int64))
 
 
 @functools.lru_cache(maxsize=256)
-def _moves(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _moves(size: int, grid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The descent's moves in a micro-batch of ``size`` sequences, ``(i, j, swap)``: swaps of grid
     positions ``i < j`` and moves of ``i`` to ``j`` for ``i != j``."""
-    at = _grid(size)
+    at = _grid(size, grid)
     i, j = (x.reshape(-1) for x in np.meshgrid(at, at, indexing="ij"))
     keep = i != j
     i, j = i[keep], j[keep]
@@ -566,9 +578,9 @@ def _moves(size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.concatenate([i[up], i]), np.concatenate([j[up], j]), swap
 
 
-def _candidates(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _candidates(sizes: np.ndarray, grid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every descent move of micro-batches of ``sizes``, flat and grouped: ``(which, i, j, swap)``."""
-    parts = [_moves(size) for size in sizes.tolist()]
+    parts = [_moves(size, grid) for size in sizes.tolist()]
     counts = [p[0].size for p in parts]
     which = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
     return (which, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
