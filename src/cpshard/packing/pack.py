@@ -42,13 +42,13 @@ micro-batches (``packing.search``: windows that each hold every DP rank's share 
 the batch; a batch of at most 256 micro-batches is one window, the plain fill), first fit finds its
 bin in ``O(log K)`` (``RoomTree``), the moves and swaps below score at most ``2**16`` cells and
 ``2**12`` swap partners a step, an exchange round of the refinement looks at the top micro-batches
-and at most 128 partners (8 rounds up to ``cp = 4``, ``32 / cp`` past it, at least 2), and the DP
+and at most 128 partners (8 rounds up to ``cp = 4``, ``32 / cp`` past it, at least 1), and the DP
 split's swaps take one ``searchsorted`` per DP rank each. The time is then linear in the batch up to a
 log (``benchmarks/pack.py --sweep``). An exact candidate costs ``cp - 1`` boundary lookups, so past
 ``cp = 8`` the refinement scores fewer of them, keeping (candidates x boundaries) about what it is at
-``cp = 8``: fewer top micro-batches and partners a round and a coarser grid for the descent (Note
-[Refining a packing]); at ``cp = 64`` on 1,024 sequences this took the time from 2.1 to 0.4 s for a
-step ratio 0.8% higher (1.932 against 1.916; verl's partition: 3.51).
+``cp = 8``: fewer top micro-batches and partners a round, a coarser grid for the descent (Note
+[Refining a packing]) and, from ``cp = 32``, one round; at ``cp = 64`` on 1,024 sequences this took the
+time from 2.1 s to under 0.2 s for a step ratio 0.8% higher (1.932 against 1.916; verl's partition: 3.51).
 
 Then, under zigzag (and at ``cp = 1``), moves and swaps of sequences out of the slowest DP rank's
 micro-batches, while the step (and then the sum of squares of the DP ranks' times) falls, stopping
@@ -94,7 +94,7 @@ __all__ = ["Packing", "pack", "packing_bound", "plan_work", "step_ratio"]
 
 _ORDER_BUDGET = 1 << 12  # candidate orders the first descent scores, per micro-batch (Note [Refining a packing])
 _EXCHANGE_ROUNDS = 8  # exchange rounds at most (at cp <= _EXCHANGE_CP; fewer past it) ...
-_EXCHANGE_CP = 4  # ... each candidate costs cp - 1 boundary lookups: the rounds times cp stay at most 8 x 4 (2 rounds least)
+_EXCHANGE_CP = 4  # ... each candidate costs cp - 1 boundary lookups: the rounds times cp stay at most 8 x 4 (1 round least)
 _EXCHANGE_BUDGET = 1 << 12  # ... and candidate swaps they score, per micro-batch
 
 
@@ -142,7 +142,7 @@ def _refined(prob: Problem, groups: list[list[int]], group: int = 1) -> tuple[li
         buffers = Buffers(prob.n, prob.p, prob.keep, prob.cp, prob.capacity, groups)
         buffers.start()
         buffers.descend(np.arange(len(groups)), _ORDER_BUDGET * len(groups))
-        rounds = max(2, _EXCHANGE_ROUNDS * _EXCHANGE_CP // max(prob.cp, _EXCHANGE_CP))
+        rounds = max(1, _EXCHANGE_ROUNDS * _EXCHANGE_CP // max(prob.cp, _EXCHANGE_CP))
         if group == 1:
             buffers.exchange(rounds, _EXCHANGE_BUDGET * len(groups))
         else:
