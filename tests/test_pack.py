@@ -363,9 +363,10 @@ def test_refinement_descends_and_exchanges_to_exact_works():
 @given(st.lists(st.lists(st.integers(0, 300), min_size=1, max_size=12), min_size=1, max_size=5),
        st.sampled_from([1, 2, 8]), st.sampled_from([1, 3, 8, 16]), st.integers(0, 4096), st.data())
 def test_work_prefix_lookups_match_a_walk_of_the_buffer(groups_lens, unit, cp, slack, data):
-    """``G_b(x)``, the work of micro-batch ``b``'s first ``x`` buffer rows, from the bucket table and its
-    steps (``Buffers._lookup``), against a walk of the buffer token by token; buckets hold several
-    sequence ends when sequences are short against the capacity, and again after micro-batches change."""
+    """``G_b(x)``, the work of micro-batch ``b``'s first ``x`` buffer rows (``Buffers._g``: one lookup in the
+    position tables of every micro-batch), against a walk of the buffer token by token: at rows inside,
+    at the ends of and past a micro-batch's sequences, before and after the tables are rebuilt (new
+    orders everywhere) and re-indexed in place (a few micro-batches changed)."""
     import numpy as np
 
     from cpshard.packing.refine import Buffers

@@ -64,8 +64,7 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
 pairs of an exchange round are enumerated in tiles of as many: one pass of array operations over a
 tile keeps its temporaries in the CPU's cache, where one pass over every candidate streams them from
 memory (on ``benchmarks/pack.py``'s batches the exact scoring takes 0.6x the time in tiles). The
-results are the same either way. ``G`` lookups start at a bucket table (``packing.prefix.Buckets``) instead
-of a binary search over every key.
+results are the same either way.
 
 Every step is deterministic (no random choice; ties go to the lowest index).
 """
@@ -79,7 +78,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from cpshard.index.balance import longest_first, order_score, tri
-from cpshard.packing.prefix import Buckets, at_position, lookup, tables
+from cpshard.packing.prefix import lookup, tables
 
 __all__ = ["Buffers"]
 
@@ -140,8 +139,6 @@ class Buffers:
         self._cols = self.order.shape[1]
         self._keys, self._key_start, self._start, self._before, self._len = tables(
             self._p[self.order], self._n[self.order], self._span)
-        self._buckets = Buckets(self.order.shape[0], self._span, int(self.capacity) // self._cols)
-        self._buckets.fill(self._keys, np.arange(self.order.shape[0], dtype=np.int64))
 
     def _reindex(self, which: np.ndarray) -> None:
         """:meth:`_index` for the micro-batches ``which`` (sorted, unique) only, the order's columns
@@ -160,12 +157,10 @@ class Buffers:
         self._keys[flat] = (keys.reshape(which.size, -1) + shift).reshape(-1)
         self._key_start[flat] = (key_start.reshape(which.size, -1) + shift).reshape(-1)
         self._start[flat], self._before[flat], self._len[flat] = start, before, length
-        self._buckets.fill(self._keys, which)
 
     def _lookup(self, key: np.ndarray) -> np.ndarray:
         """``G`` at keys ``b * span + x``: the work of micro-batch ``b``'s first ``x`` buffer rows."""
-        return at_position((self._keys, self._key_start, self._start, self._before, self._len), key,
-                           self._buckets.position(self._keys, key))
+        return lookup((self._keys, self._key_start, self._start, self._before, self._len), key)
 
     def _g(self, b: np.ndarray, x: np.ndarray) -> np.ndarray:
         """``G_b(x)``: the work of micro-batch ``b``'s first ``x`` buffer rows (``b`` broadcast over ``x``)."""
