@@ -45,6 +45,7 @@ import torch
 from cpshard.base.dtypes import movable
 from cpshard.base.layout import Layout
 from cpshard.index import segments as _index
+from cpshard.index.balance import tri
 
 __all__ = ["HaloExchange", "build_halo_exchange", "pack_rows", "remote_halo_rows", "unpack_rows"]
 
@@ -182,10 +183,6 @@ def build_halo_exchange(every: _index.AllSegments, segs: _index.Segments, seqlen
     )
 
 
-def _tri(x: np.ndarray) -> np.ndarray:
-    return x * (x + 1) // 2
-
-
 def remote_halo_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout, alone: bool,
                      shifts: Sequence[int]) -> int:
     """How many halo rows cross ranks over the whole group for ``shifts`` (the exchange's
@@ -212,9 +209,9 @@ def remote_halo_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: L
         c = np.maximum(padded // (2 * cp), 1)
         last = np.maximum(-(-n // c) - 1, 0)  # the last chunk holding a token (0 for an empty sequence)
         i1 = np.clip((n - ahead) // c, 0, last)  # chunks 1..i1 end at least `ahead` tokens before the end
-        after = ahead * i1 + (last - i1) * n - c * (_tri(last) - _tri(i1))
+        after = ahead * i1 + (last - i1) * n - c * (tri(last) - tri(i1))
         i2 = np.clip(back // c, 0, last)  # chunks 0..i2 start at most `back` positions in
-        before = c * _tri(i2) + back * (last - i2)
+        before = c * tri(i2) + back * (last - i2)
         total = int((after + before).sum())
         for u in range(min(cp, (ahead + 1) // 2)):  # after-halo of chunk cp - 1 - u reaching its mirror
             j = cp - 1 - u
