@@ -25,7 +25,7 @@ import numpy as np
 from cpshard.base.layout import Layout
 from cpshard.index import segments as _index
 
-__all__ = ["thd_moved", "thd_restore", "thd_rows"]
+__all__ = ["thd_moved", "thd_restore", "thd_rows", "zigzag_rows"]
 
 
 def _caller_order(plan: Any, values: np.ndarray) -> np.ndarray:
@@ -42,9 +42,11 @@ def _placement(plan: Any, padded: np.ndarray | None) -> tuple[np.ndarray, np.nda
     return _caller_order(plan, padded), _caller_order(plan, cu)
 
 
-def _zigzag_rows(pos: np.ndarray, h: np.ndarray, base: np.ndarray, cp: int, local_len: int) -> np.ndarray:
+def zigzag_rows(pos: np.ndarray, h: np.ndarray, base: np.ndarray, cp: int, local_len: int) -> np.ndarray:
     """The rank-concatenated rows of zigzag positions ``pos`` (chunks of ``h`` rows, the sequence's
-    local rows starting at ``base``: ``cu / cp``), computed in place in ``pos`` (``h`` is spent)."""
+    local rows starting at ``base``: ``cu / cp`` in a THD buffer; ``local_len`` a rank's rows), computed
+    in place in ``pos`` (``h`` is spent). A BSHD batch row is a sequence of its own: ``base`` its first
+    local row, ``local_len`` the rows of a rank's whole part (``plan.bshd``'s restore)."""
     chunk = pos // h
     np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
     pos -= h  # the local row inside the sequence's two chunks
@@ -72,7 +74,7 @@ def thd_restore(plan: Any) -> np.ndarray:
     if plan.layout is not Layout.ZIGZAG or cp == 1:
         return _index.expand_np(cu, lens, i32)  # token p of a sequence: cu_padded + p
     pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
-    return _zigzag_rows(pos, np.repeat((padded // (2 * cp)).astype(i32), lens), np.repeat((cu // cp).astype(i32), lens),
+    return zigzag_rows(pos, np.repeat((padded // (2 * cp)).astype(i32), lens), np.repeat((cu // cp).astype(i32), lens),
                         cp, plan.local_len)
 
 
@@ -94,7 +96,7 @@ def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None)
     cp = plan.cp_size
     if plan.layout is not Layout.ZIGZAG or cp == 1:
         return cu[seq] + pos
-    return _zigzag_rows(pos, padded[seq] // (2 * cp), cu[seq] // cp, cp, plan.local_len)
+    return zigzag_rows(pos, padded[seq] // (2 * cp), cu[seq] // cp, cp, plan.local_len)
 
 
 def _overlap(lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) -> np.ndarray:

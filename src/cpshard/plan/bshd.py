@@ -18,8 +18,9 @@ import torch
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
+from cpshard.index.closed import zigzag_rows
 from cpshard.plan.args import parse_plan_args
-from cpshard.plan.indices import PlanIndices, _segments_per_token
+from cpshard.plan.indices import PlanIndices
 from cpshard.plan.values import Plan, check_value_fields
 
 __all__ = ["BshdPlan"]
@@ -143,9 +144,8 @@ class BshdPlan(Plan):
                  "pass the padded batch, or packed token rows as a list or jagged nested tensor")
         return x.reshape(b * x.shape[1], *x.shape[2:]), x.shape[1]
 
-    def _closed_form_restore(self) -> np.ndarray | None:
-        # per token where the segments average fewer than 16 tokens (PlanIndices.unshard)
-        return _bshd_restore(self) if _segments_per_token(self) > 1 / 16 else None
+    def _closed_form_restore(self) -> np.ndarray:
+        return _bshd_restore(self)
 
     def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
         if order is not TwinOrder.SAME:
@@ -174,9 +174,9 @@ def _bshd_restore(plan: BshdPlan) -> np.ndarray:
 
     Every row of ``M`` columns is split alone: column ``p`` of row ``b`` sits on rank ``r`` at local
     column ``q``, that rank's flat row ``b L + q`` (``L = M / cp``), so at ``r B L + b L + q`` of the
-    rank-concatenated buffer. Contiguous: ``r = p // L``, ``q = p % L``. Zigzag, ``h = M / (2 cp)``:
-    chunk ``k = p // h`` on rank ``min(k, 2 cp - 1 - k)``, ``q = p - (k - second) h`` as
-    ``index/closed.py``'s ``thd_restore``. In int32 (a BSHD plan has fewer than 2**31 positions).
+    rank-concatenated buffer. Contiguous: ``r = p // L``, ``q = p % L``; zigzag: the chunks of
+    ``M / (2 cp)`` columns of ``index.closed.zigzag_rows``, each batch row a sequence whose local rows
+    start at ``b L`` on ranks of ``B L`` rows. In int32 (a BSHD plan has fewer than 2**31 positions).
     """
     i32 = np.dtype(np.int32)
     lens = _index.int64_array(plan.seqlens_py)  # a BSHD batch has no buffer order
@@ -185,16 +185,12 @@ def _bshd_restore(plan: BshdPlan) -> np.ndarray:
     pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's column
     base = np.repeat((np.arange(plan.num_seqs, dtype=np.int64) * local).astype(i32), lens)
     if cp > 1 and plan.layout is Layout.ZIGZAG:
-        h = max(plan.max_seqlen // (2 * cp), 1)  # M = 0 holds no token
-        chunk = pos // h
-        pos -= h * (chunk - (chunk >= cp))
-        rank = np.minimum(chunk, 2 * cp - 1 - chunk)
-    elif cp > 1:
+        h = np.full(pos.shape, max(plan.max_seqlen // (2 * cp), 1), dtype=i32)  # M = 0 holds no token
+        return zigzag_rows(pos, h, base, cp, rows)
+    if cp > 1:
         rank = pos // max(local, 1)
         pos -= rank * local
-    else:
-        rank = np.zeros_like(pos)
-    rank *= rows
-    pos += rank
+        rank *= rows
+        pos += rank
     pos += base
     return pos

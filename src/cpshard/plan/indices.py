@@ -380,12 +380,13 @@ class PlanIndices:
         """``(N,)`` int32: the row of the rank-concatenated flat buffer (``cat`` of every rank's flattened
         local rows) that holds each token, tokens in the caller's order (int32, as a plan's buffers
         hold fewer than 2**31 rows). One expansion of the segments of :meth:`_restore_order`, or, for
-        THD plans whose segments average fewer than 16 tokens, the closed form per token
-        (:func:`~cpshard.index.closed.thd_restore`): it builds no segments of every rank."""
+        plans whose segments average fewer than 16 tokens, the plan kind's closed form per token
+        (:func:`~cpshard.index.closed.thd_restore`, ``plan.bshd``'s): it builds no segments of every
+        rank (for long segments their one expansion is cheaper)."""
         plan = self.plan
 
         def make() -> torch.Tensor:
-            index = plan._closed_form_restore()  # the plan kind's, where it has one (THD)
+            index = plan._closed_form_restore() if _segments_per_token(plan) > 1 / 16 else None
             if index is None:
                 rank, start, _, tokens, order = self._restore_order()
                 first = rank * math.prod(plan.local_shape) + start

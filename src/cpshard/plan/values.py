@@ -39,7 +39,7 @@ from cpshard.index.halo import HaloExchange
 from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
 from cpshard.index.closed import thd_restore
-from cpshard.plan.indices import DeviceTensors, PlanIndices, _segments_per_token
+from cpshard.plan.indices import DeviceTensors, PlanIndices
 
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
 
@@ -217,8 +217,9 @@ class Plan:
         return None
 
     def _closed_form_restore(self) -> np.ndarray | None:
-        """:meth:`PlanIndices.unshard`'s index in a closed form of this plan kind where that is
-        cheaper than every rank's segments, or None."""
+        """:meth:`PlanIndices.unshard`'s index in a closed form of this plan kind, per token, or None
+        where the kind has none (the index service uses it where segments would average fewer than 16
+        tokens)."""
         return None
 
     def _unpadded(self) -> ShardPlan:
@@ -530,9 +531,8 @@ class ShardPlan(Plan):
             return zigzag_works(self._indices.lengths(), padded, self.cp_size).sum(0).tolist()
         return rank_work(self.seqlens_py, self.padded_seqlens_py, range(self.num_seqs), self.cp_size)
 
-    def _closed_form_restore(self) -> np.ndarray | None:
-        # per token where the segments average fewer than 16 tokens (PlanIndices.unshard)
-        return thd_restore(self) if _segments_per_token(self) > 1 / 16 else None
+    def _closed_form_restore(self) -> np.ndarray:
+        return thd_restore(self)
 
     def _twin(self, target: Layout, order: TwinOrder) -> ShardPlan:
         cp, tp = self.cp_size, self.tp_size
