@@ -137,6 +137,24 @@ def test_bound_below_exhaustive_optimum_and_pack_near_it(layout, cp, dp):
     assert sum(gaps) / len(gaps) <= 1.10, gaps
 
 
+def test_lower_bound_is_found_when_first_read_and_kept():
+    """``Packing.lower_bound`` is :func:`packing_bound` of the same batch and settings, found when first read
+    (``pack`` does not pay for it) and then kept; a pickled packing still answers it."""
+    import pickle
+    import random
+
+    rng = random.Random(3)
+    lens = [rng.randint(1, 3000) for _ in range(60)]
+    for layout, cp in (("contiguous", 4), ("zigzag", 2)):
+        kw = {"max_tokens": 8192, "cp_size": cp, "layout": layout, "dp_size": 2, "tp_size": 2}
+        p = pack(lens, **kw)
+        assert "lower_bound" not in vars(p)
+        copy = pickle.loads(pickle.dumps(p))
+        assert p.lower_bound == packing_bound(lens, **kw) <= p.step_ratio
+        assert vars(p)["lower_bound"] == p.lower_bound == copy.lower_bound
+        assert copy == p and "_problem" not in repr(p)
+
+
 def _groups_intact(packing: Packing, group: int) -> bool:
     """Every micro-batch holding a member of group ``k`` holds all of ``k * group .. k * group + group - 1``."""
     return all(set(mb) == {k * group + j for k in {i // group for i in mb} for j in range(group)}
@@ -322,6 +340,39 @@ def test_refinement_moves_score_exactly(groups_lens, cp, unit, data):
         got = buf._spliced(np.array([b]), np.array([b1]), np.array([b2]), np.array([other]), np.array([s1]),
                            np.array([s2]), np.array([rows]))[0]
         assert got.tolist() == _rescan(n, p, order, keep, cp), (order, b1, b2, s1, s2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 400), min_size=1, max_size=6), min_size=2, max_size=5),
+       st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 8]), st.integers(0, 600), st.data())
+def test_one_for_one_swaps_are_those_of_about_equal_rows(groups_lens, cp, unit, slack, data):
+    """The exchange round's one-for-one swaps (Note [Refining a packing], **Near swaps**) against every
+    pair of sequences: a sequence of a top micro-batch ``u`` for one of another micro-batch, exactly when
+    both stay within the budget and the rows change by at most a quarter of ``u``'s rows per rank."""
+    import numpy as np
+
+    from cpshard.packing.refine import Buffers
+
+    keep = int(np.lcm(unit, cp))
+    n, p, groups = _micro_batches(groups_lens, unit)
+    capacity = -(-(max(sum(p[i] for i in g) for g in groups) + slack) // keep) * keep
+    buf = Buffers(np.array(n, dtype=np.int64), np.array(p, dtype=np.int64), keep, cp, capacity, groups)
+    top = np.array(sorted(data.draw(st.sets(st.integers(0, len(groups) - 1), min_size=1))), dtype=np.int64)
+    buf._room(int(buf.size.max()) + 1)
+    u, u1, u2, v, v1, v2, _, _ = buf._exchanges(top)
+    one = (u2 - u1 == 1) & (v2 - v1 == 1)
+    got = sorted(zip(u[one].tolist(), u1[one].tolist(), v[one].tolist(), v1[one].tolist()))
+    rows = [sum(p[i] for i in g) for g in groups]
+    want = []
+    for a in top.tolist():
+        per_rank = -(-rows[a] // keep) * keep // cp
+        for x, i in enumerate(groups[a]):
+            for b, g in enumerate(groups):
+                for y, j in enumerate(g):
+                    if (b != a and rows[a] - p[i] + p[j] <= capacity and rows[b] - p[j] + p[i] <= capacity
+                            and abs(p[j] - p[i]) <= per_rank // 4):
+                        want.append((a, x, b, y))
+    assert got == sorted(want)
 
 
 def test_refinement_descends_and_exchanges_to_exact_works():
