@@ -345,10 +345,10 @@ def test_refinement_moves_score_exactly(groups_lens, cp, unit, data):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 400), min_size=1, max_size=6), min_size=2, max_size=5),
        st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 8]), st.integers(0, 600), st.data())
-def test_one_for_one_swaps_are_those_of_about_equal_rows(groups_lens, cp, unit, slack, data):
+def test_one_for_one_swaps_are_those_within_a_rank_of_rows(groups_lens, cp, unit, slack, data):
     """The exchange round's one-for-one swaps (Note [Refining a packing], **Near swaps**) against every
     pair of sequences: a sequence of a top micro-batch ``u`` for one of another micro-batch, exactly when
-    both stay within the budget and the rows change by at most a quarter of ``u``'s rows per rank."""
+    both stay within the budget and the rows change by at most ``u``'s rows per rank."""
     import numpy as np
 
     from cpshard.packing.refine import Buffers
@@ -370,7 +370,7 @@ def test_one_for_one_swaps_are_those_of_about_equal_rows(groups_lens, cp, unit, 
             for b, g in enumerate(groups):
                 for y, j in enumerate(g):
                     if (b != a and rows[a] - p[i] + p[j] <= capacity and rows[b] - p[j] + p[i] <= capacity
-                            and abs(p[j] - p[i]) <= per_rank // 4):
+                            and abs(p[j] - p[i]) <= per_rank):
                         want.append((a, x, b, y))
     assert got == sorted(want)
 

@@ -42,7 +42,7 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
    splice, the run's own ``G`` inside it, the old ``G`` shifted after it): for the ``_EXCHANGE_TOP``
    micro-batches whose slowest rank is furthest above their mean (fewer past ``cp = 8``, at least 2,
    and fewer partners too, by the same rule as the grid), a sequence for none (a move), for one
-   of about its length (a swap: **Near swaps** below), or, when it holds rows of the slowest rank,
+   within a rank's rows of its length (a swap: **Near swaps** below), or, when it holds rows of the slowest rank,
    for a run of ``2 .. _RUN`` (which lets a long document's micro-batch trade one filler for several
    and so reach offsets a single one cannot); a run of theirs for one sequence of half a rank or
    more; and moves into them. Every candidate that keeps both micro-batches within the budget is
@@ -67,16 +67,16 @@ tile keeps its temporaries in the CPU's cache, where one pass over every candida
 memory (on ``benchmarks/pack.py``'s batches the exact scoring takes 0.6x the time in tiles). The
 results are the same either way.
 
-**Near swaps.** A one-for-one swap whose two sequences differ by more than a quarter of a rank's rows
-(``_SWAP_SHIFT``) is not a candidate (moves and runs are: trading one sequence for several is how a
+**Near swaps.** A one-for-one swap whose two sequences differ by more than ``L / _SWAP_SHIFT`` rows (one
+rank's rows) is not a candidate; moves and runs are (trading one sequence for several is how a
 micro-batch reaches an offset a single swap cannot). Such a swap shifts every later boundary of both
-buffers far, and the descent that follows rarely repairs both; of the one-for-one swaps the exchanges
-applied on ``benchmarks/pack.py``'s batches (six of each, all swaps scored), those changing the rows by
-less than a fifth of a rank's rows gave 98% of their gain at ``cp = 4``, 99% on the RL batches and 54%
-(81% under half a rank) at ``cp = 8``. Dropping the far ones removes most of a round's candidates where
-lengths vary widely, so a round costs less and, under the same budget, more rounds run: over ten of each
-batch the step ratios moved by -0.05 (``cp = 4``), +0.3 (``cp = 8``) and +0.01 (RL) points, and ``pack``
-on 512 sequences at ``cp = 8`` took about a quarter less time.
+buffers by more than a rank, and the descent that follows rarely repairs both: of the one-for-one swaps
+the exchanges applied on ``benchmarks/pack.py``'s batches (six of each, every swap scored), those within a
+rank's rows gave all of their gain at ``cp = 4`` and on the RL batches and 91% at ``cp = 8``. Where
+lengths vary widely against ``L`` the far swaps are many of a round's candidates: at ``cp = 8`` the
+exchanges score 38-40% fewer (exponential batches), with step ratios within 0.1 point of scoring them all
+(ten batches of each kind); at ``cp = 4`` the budget then buys more rounds. A quarter of a rank's rows
+saves a little more and loses 1.4 points on one batch of 1,024 sequences at ``cp = 8``.
 
 Every step is deterministic (no random choice; ties go to the lowest index).
 """
@@ -100,7 +100,7 @@ _GRID_LEAST = 6  # ... fewer, so that a step's candidates times cp - 1 boundarie
 _EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out (up to cp = 8; past it ...
 _TOP_CELLS = 84  # ... fewer, at least 2: the top count times cp - 1 boundaries stays about 12 x 7)
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
-_SWAP_SHIFT = 4  # a one-for-one swap changes its micro-batches' rows by at most a rank's rows over this
+_SWAP_SHIFT = 1  # a one-for-one swap changes its micro-batches' rows by at most a rank's rows over this
 _PARTNERS = 128  # past this many micro-batches an exchange round looks at this many partners
 _DESCENT_AFTER_SWAP = 1  # the micro-batches of a round's swaps take one descent step (all descend at the end)
 _TILE_CELLS = 1 << 15  # (candidate, boundary) cells, or enumerated pairs, one pass of array operations takes
