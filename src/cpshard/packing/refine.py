@@ -42,10 +42,10 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
    splice, the run's own ``G`` inside it, the old ``G`` shifted after it): for the ``_EXCHANGE_TOP``
    micro-batches whose slowest rank is furthest above their mean (fewer past ``cp = 8``, at least 2,
    and fewer partners too, by the same rule as the grid), a sequence for none (a move), for one
-   within a rank's rows of its length (a swap: **Near swaps** below), or, when it holds rows of the slowest rank,
-   for a run of ``2 .. _RUN`` (which lets a long document's micro-batch trade one filler for several
-   and so reach offsets a single one cannot); a run of theirs for one sequence of half a rank or
-   more; and moves into them. Every candidate that keeps both micro-batches within the budget is
+   within a rank's rows of its length (a swap: **Near swaps** below), or, when it holds rows of the
+   slowest rank, for a run of ``2 .. _RUN`` (which lets a long document's micro-batch trade one filler
+   for several and so reach offsets a single one cannot); a run of theirs for one sequence of half a
+   rank or more; and moves into them. Every candidate that keeps both micro-batches within the budget is
    scored exactly on both (the receiving side only when its new mean leaves room for a gain);
    improving ones are applied best first, one per micro-batch a round, and the micro-batches they
    touched descend a step (all of them fully at the end). An exchange is kept only when ``c_a + c_b``
