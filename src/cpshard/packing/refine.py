@@ -32,10 +32,9 @@ rescan of its buffer: thousands are scored in one call of a few NumPy operations
 
 1. **Orders.** From longest-first starts (``index.balance.longest_first``), :meth:`Buffers.descend` runs a
    best-improvement descent of every micro-batch at once over the swaps and insertions between up to
-   ``_GRID`` evenly spread positions (fewer past ``cp = 8``, at least ``_GRID_LEAST``, so that the
-   candidates times their ``cp - 1`` boundaries stay about as many as at ``cp = 8``), scored by the
-   largest rank, then the sum of squares (``index.balance.order_score``'s key), until none improves or
-   ``budget`` candidates are spent.
+   ``_GRID`` evenly spread positions (fewer past ``cp = 8``: ``Buffers._for_cp``), scored by the largest
+   rank, then the sum of squares (``index.balance.order_score``'s key), until none improves or ``budget``
+   candidates are spent.
 2. **Exchanges.** DP ranks share out ``sum_m c_m`` (``c_m`` a micro-batch's slowest rank), so
    :meth:`Buffers.exchange` lowers it. Every exchange splices a run of consecutive buffer positions of
    one micro-batch in place of a run of another and back (``_spliced``: the old ``G`` before the
@@ -68,15 +67,11 @@ memory (on ``benchmarks/pack.py``'s batches the exact scoring takes 0.6x the tim
 results are the same either way.
 
 **Near swaps.** A one-for-one swap whose two sequences differ by more than ``L / _SWAP_SHIFT`` rows (one
-rank's rows) is not a candidate; moves and runs are (trading one sequence for several is how a
-micro-batch reaches an offset a single swap cannot). Such a swap shifts every later boundary of both
-buffers by more than a rank, and the descent that follows rarely repairs both: of the one-for-one swaps
-the exchanges applied on ``benchmarks/pack.py``'s batches (six of each, every swap scored), those within a
-rank's rows gave all of their gain at ``cp = 4`` and on the RL batches and 91% at ``cp = 8``. Where
-lengths vary widely against ``L`` the far swaps are many of a round's candidates: at ``cp = 8`` the
-exchanges score 38-40% fewer (exponential batches), with step ratios within 0.1 point of scoring them all
-(ten batches of each kind); at ``cp = 4`` the budget then buys more rounds. A quarter of a rank's rows
-saves a little more and loses 1.4 points on one batch of 1,024 sequences at ``cp = 8``.
+rank's) is not a candidate; moves and runs are (one sequence for several reaches offsets a swap cannot).
+Such a swap shifts every later boundary of both buffers by more than a rank: on ``benchmarks/pack.py``'s
+batches the swaps within a rank gave all of the applied swaps' gain at ``cp = 4`` and on RL, 91% at
+``cp = 8``, where the far ones were 38-40% of the exchanges' candidates; step ratios stay within 0.1 point
+of scoring them all (a quarter of a rank lost 1.4 points on one batch of 1,024 sequences at ``cp = 8``).
 
 Every step is deterministic (no random choice; ties go to the lowest index).
 """
@@ -95,10 +90,9 @@ from cpshard.packing.prefix import lookup, tables
 __all__ = ["Buffers"]
 
 _GOOD = 1e-3  # a micro-batch whose slowest rank is this close to its mean descends no further
-_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer (up to cp = 8; past it
-_GRID_LEAST = 6  # ... fewer, so that a step's candidates times cp - 1 boundaries stay about 10**2 x 7, at least this)
-_EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out (up to cp = 8; past it ...
-_TOP_CELLS = 84  # ... fewer, at least 2: the top count times cp - 1 boundaries stays about 12 x 7)
+_GRID = 10  # positions a descent step moves from and to, evenly spread over the buffer (fewer past cp = 8 ...
+_GRID_LEAST = 6  # ... and at least this: _for_cp)
+_EXCHANGE_TOP = 12  # micro-batches whose sequences an exchange round tries to swap out (up to cp = 8; fewer past it)
 _RUN = 4  # an exchange swaps one sequence for a run of up to this many consecutive ones
 _SWAP_SHIFT = 1  # a one-for-one swap changes its micro-batches' rows by at most a rank's rows over this
 _PARTNERS = 128  # past this many micro-batches an exchange round looks at this many partners
@@ -134,7 +128,7 @@ class Buffers:
             self._set(b, [int(i) for i in g])
         self.rows = self._p[self.order].sum(1)
         self._span = 2 * capacity + 2
-        self._grid = max(_GRID_LEAST, min(_GRID, math.isqrt(_GRID * _GRID * 7 // max(cp - 1, 1))))
+        self._grid = math.isqrt(self._for_cp(_GRID * _GRID, _GRID_LEAST * _GRID_LEAST))  # moves go as its square
         self._index()
         self.works = self._rank_works(np.arange(k), self.rows)
 
@@ -182,6 +176,12 @@ class Buffers:
     def _local(self, rows: np.ndarray) -> np.ndarray:
         """The rows a rank holds of micro-batches of ``rows`` padded rows (their total rounded up to ``keep``)."""
         return -(-rows // self.keep) * self.keep // self.cp
+
+    def _for_cp(self, count: int, least: int) -> int:
+        """``count`` up to ``cp = 8``, past it ``count * 7 / (cp - 1)`` and at least ``least``: a candidate costs
+        ``cp - 1`` boundary lookups, and so candidates times boundaries stay about as at ``cp = 8`` (the
+        top micro-batches and partners of an exchange round, the square of the descent's grid)."""
+        return min(count, max(least, count * 7 // max(self.cp - 1, 1)))
 
     def _inner(self, rows: np.ndarray) -> np.ndarray:
         """``(Q, cp - 1)`` the boundaries between ranks (``G`` is 0 at the first and the whole work at the
@@ -364,7 +364,7 @@ class Buffers:
         """The micro-batches a round exchanges with: all of them up to ``_PARTNERS``; past it ``top`` and
         the ``_PARTNERS`` whose slowest rank is closest to their mean (the most room for a heavier
         piece), so that a round's candidates, and the refinement, stay linear in the batch."""
-        k, most = self.size.size, min(_PARTNERS, max(16, _PARTNERS * 7 // max(self.cp - 1, 1)))
+        k, most = self.size.size, self._for_cp(_PARTNERS, 16)
         if k <= most:
             return np.arange(k, dtype=np.int64)
         excess = self.works.max(1) - self.works.sum(1) / self.cp
@@ -397,15 +397,16 @@ class Buffers:
             hu, hv = self.capacity - self.rows[ub] + ru, self.capacity - self.rows[vb] + rv
             lu, lv = u2 - u1, v2 - v1
             stay_u, stay_v = self.size[ub] - lu, self.size[vb] - lv
-            shift = self._local(self.rows[ub]) // _SWAP_SHIFT if near else np.full(ub.size, self.capacity)
+            shift = self._local(self.rows[ub]) // _SWAP_SHIFT
             step = max(1, _TILE_CELLS // max(vb.size, 1))
-            for k in range(0, ub.size, step):  # tiles of rows, in order: the pairs come out row-major
-                t = slice(k, k + step)
+            for first in range(0, ub.size, step):  # tiles of rows, in order: the pairs come out row-major
+                t = slice(first, first + step)
                 ok = ((rv[None, :] <= hu[t, None]) & (ru[t, None] <= hv[None, :]) & (ub[t, None] != vb[None, :])
-                      & (stay_u[t, None] + lv[None, :] > 0) & (stay_v[None, :] + lu[t, None] > 0)
-                      & ((np.abs(rv[None, :] - ru[t, None]) <= shift[t, None]) | (lv[None, :] == 0)))
+                      & (stay_u[t, None] + lv[None, :] > 0) & (stay_v[None, :] + lu[t, None] > 0))
+                if near:
+                    ok &= (np.abs(rv[None, :] - ru[t, None]) <= shift[t, None]) | (lv[None, :] == 0)
                 i, j = np.nonzero(ok)
-                i += k
+                i += first
                 cols.append((ub[i], u1[i], u2[i], vb[j], v1[j], v2[j], self.rows[ub[i]] - ru[i] + rv[j],
                              self.rows[vb[j]] - rv[j] + ru[i]))
         return tuple(np.concatenate([c[f] for c in cols]) for f in range(8))
@@ -428,7 +429,7 @@ class Buffers:
             self._room(int(self.size.max()) + room)
             costs = self.costs()
             excess = costs - self.works.sum(1) / self.cp
-            top = np.argsort(-excess, kind="stable")[:min(_EXCHANGE_TOP, max(2, _TOP_CELLS // max(self.cp - 1, 1)))]
+            top = np.argsort(-excess, kind="stable")[:self._for_cp(_EXCHANGE_TOP, 2)]
             top = np.sort(top[excess[top] > 0])
             if top.size == 0:
                 break
