@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHECK", "DATA", "HEADER_BYTES", "HEADER_WORDS", "OPS", "describe_mismatch", "digest", "make",
+__all__ = ["CHECK", "DATA", "HEADER_BYTES", "HEADER_WORDS", "OPS", "describe_mismatch", "digest", "exact", "make",
            "mismatch", "reduction_dtype", "trailer", "trailer_mismatch"]
 
 HEADER_WORDS = 8
@@ -71,12 +71,25 @@ OPS = {"gather": 1, "all_gather_rows": 2, "gather_states": 3, "shift_sharded": 4
        "check": 9}
 _OP_NAMES = {v: k for k, v in OPS.items()}
 _FIELDS = ("kind", "operation", "rank", "check setting", "plan", "dtype", "row shape",
-           "shift, pad and fill values")
+           "shift, pad and fill values or the calling operation's arguments")
+
+
+def exact(value: Any) -> Any:
+    """``value`` with every float replaced by its exact bits (``float.hex``: ``0.1`` and the nearest
+    other double, or ``0.0`` and ``-0.0``, digest apart), inside tuples, lists and dicts too."""
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, (list, tuple)):
+        return type(value)(exact(v) for v in value)
+    if isinstance(value, dict):
+        return {k: exact(v) for k, v in value.items()}
+    return value
 
 
 def digest(value: Any) -> int:
-    """63 bits of a BLAKE2b digest of ``repr(value)`` (non-negative, fits an int64 word)."""
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+    """63 bits of a BLAKE2b digest of ``repr(value)``, floats by their exact bits (:func:`exact`;
+    non-negative, fits an int64 word)."""
+    return int.from_bytes(hashlib.blake2b(repr(exact(value)).encode(), digest_size=8).digest(), "little") >> 1
 
 
 _DTYPE_NAMES = {digest(str(d)): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
@@ -123,8 +136,9 @@ def _value(field: str, word: int) -> str:
 
 
 def describe_mismatch(op: str, rank: int, bad: dict[int, tuple[list[str], Sequence[int]]],
-                      mine: Sequence[int]) -> str:
-    """The error message for the senders in ``bad`` (``{sender: (fields, received header)}``)."""
+                      mine: Sequence[int], call: dict[str, Any] | None = None) -> str:
+    """The error message for the senders in ``bad`` (``{sender: (fields, received header)}``); ``call``:
+    this rank's arguments, listed where the digest of the arguments differs."""
     parts = []
     for sender, (fields, got) in sorted(bad.items()):
         if fields == ["no header"]:
@@ -135,6 +149,9 @@ def describe_mismatch(op: str, rank: int, bad: dict[int, tuple[list[str], Sequen
                  if f in ("kind", "operation", "check setting") or (f == "dtype" and got[5] in _DTYPE_NAMES)
                  else f for f in fields]
         parts.append(f"rank {sender} differs in {', '.join(shown)}")
+    rest = {k: v for k, v in (call or {}).items() if k not in _SHAPE_KEYS}
+    if rest and any(_FIELDS[7] in fields for fields, _ in bad.values()):
+        parts[-1] += f" (this rank passed {', '.join(f'{k}={v}' for k, v in rest.items())})"
     return (f"{op}: the ranks of the context-parallel group disagree about this call (this is rank {rank}): "
             f"{'; '.join(parts)}. Its result would be wrong, so no rank returns it. Fix: call it on every rank "
             "with the same plan (built from the same lengths), dtype, row shape, shifts and fill values, and "

@@ -38,6 +38,17 @@ zero there, so a depth or a rank without a valid token adds exactly zero, never 
 Communication per call, whatever ``N`` and the batch size: at most one ``all_to_all_single`` (the
 labels and mask of every depth, when they exist only sharded; Note [Halo exchange for several
 shifts] in ``index/halo.py``) and one ``all_reduce`` (the counts). None at ``cp = 1``.
+
+Note [MTP arguments]
+--------------------
+Every argument that changes the result, or which collectives follow, is agreed on: ``scaling_factor``
+(its exact bits), ``normalization``, ``counts``, the resolved ``grad_reduction``, ``num_depths``,
+``label_fill`` and the form of the labels and the mask (sharded rows, the whole batch, derived from
+``input_ids``, none). With checks on, one agreement over the CP group covers them all before any
+data moves (the exchange's own, or one of its own where nothing is exchanged), so that
+``counts="global"`` on one rank and ``"local"`` on another raise on both instead of one waiting in the
+count sum. With checks off they travel in the exchange's header and the count sum's trailer, where
+those run (docs/guarantees.md says what is left).
 """
 
 from __future__ import annotations
@@ -54,9 +65,11 @@ import torch
 from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_int, fail, parse_choice
 from cpshard.base.types import TokenRows
-from cpshard.distributed.collectives import shift_sharded_multi
-from cpshard.distributed.groups import group_rank
-from cpshard.distributed.sums import sum_over_group
+from cpshard.distributed.agree import resolve_check
+from cpshard.distributed.checks import agree
+from cpshard.distributed.collectives import shift_sharded_multi_for
+from cpshard.distributed.groups import group_rank, solo
+from cpshard.distributed.sums import reduce_over
 from cpshard.loss.reductions import masked_rows
 from cpshard.ops.sharding import shard
 from cpshard.plan.values import Plan
@@ -179,6 +192,22 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         ``masks`` ``(1 + N, *local_shape)``, row 0 the mask aligned with the labels (pad rows 0;
         its sum is ``orig``), row ``d`` depth ``d``'s. ``local_shape`` is ``plan.local_shape``.
     """
+    labels_d, masks, _ = _targets(labels, loss_mask, plan, group, num_depths, input_ids, label_fill, check, {})
+    return labels_d, masks
+
+
+def _form(x: Any) -> str | None:
+    """How a rank passed labels or a mask (which collectives follow depend on it: agreed on)."""
+    return None if x is None else "whole batch" if _is_global(x) else "sharded"
+
+
+def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, num_depths: int,
+             input_ids: Rows | None, label_fill: int, check: bool | None,
+             args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """:func:`mtp_targets`, with the calling loss's arguments ``args`` (every rank alike) in the
+    agreement and the exchange's header; also whether the agreement ran (checks on, ``cp > 1`` or a
+    group): it always runs there, with or without an exchange, so that ranks that pass their labels in
+    another form (and so make another collective) or other arguments raise on every rank."""
     n = check_int("num_depths", num_depths, minimum=1)
     if labels is None and input_ids is None:
         fail("labels", None, "needs input_ids when labels is None (labels are derived from them)",
@@ -191,6 +220,12 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
     shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
     rank = group_rank(plan, group)
+    args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": label_fill,
+            "num_depths": n}
+    agreed = resolve_check(check) and not solo(plan, group)
+    exchanges = any(x is not None and not _is_global(x) for x in (source, loss_mask))
+    if agreed and not exchanges:  # the exchange agrees on its own call (which then holds args) below
+        agree(plan, group, None, args)
 
     sharded: list[tuple[str, torch.Tensor]] = []
     out: dict[str, torch.Tensor] = {}
@@ -206,14 +241,14 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
     if sharded:
         fills = [label_fill if name != "loss_mask" else 0 for name, _ in sharded]
         tensors = [t for _, t in sharded]
-        shifted = shift_sharded_multi(tensors, plan, group, shifts=shifts, pad_values=fills, fills=fills,
-                                      check=check)
+        shifted = shift_sharded_multi_for(tensors, plan, group, args, shifts=shifts, pad_values=fills, fills=fills,
+                                          check=agreed)
         out.update({name: s for (name, _), s in zip(sharded, shifted)})
     labels_all = out[source_name]
     if loss_mask is None:  # ones on every token row, shifted: True where the source exists
         valid = torch.stack([plan.label_mask(rank, k) for k in shifts]).to(labels_all.device)
         out["loss_mask"] = valid.to(labels_all.dtype)
-    return labels_all[1:], out["loss_mask"]
+    return labels_all[1:], out["loss_mask"], agreed
 
 
 def mtp_loss(
@@ -284,12 +319,15 @@ def mtp_loss(
              kind=TypeError)
     chunks = _chunks(hidden_states, num_depths)
     n = len(chunks) - 1
-    labels_d, masks = mtp_targets(labels, loss_mask, plan, group, num_depths=n, input_ids=input_ids,
-                                  label_fill=label_fill, check=check)
+    # every argument that changes the result or the collectives (Note [MTP arguments])
+    args = {"scaling_factor": float(scaling_factor), "normalization": normalization.value, "counts": counts.value,
+            "grad_reduction": reduction.value}
+    labels_d, masks, agreed = _targets(labels, loss_mask, plan, group, n, input_ids, label_fill, check, args)
     local_counts = torch.stack([m.sum() for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
-    if global_counts:
-        totals = sum_over_group(local_counts, plan, group, check=check)
+    if global_counts:  # stamped with the arguments; agreed on above, with checks on
+        totals = reduce_over(local_counts, group, op="mtp_loss", plans=(plan,), checked=agreed,
+                             call={**args, "dtype": local_counts.dtype, "row shape": tuple(local_counts.shape)})
     else:
         totals = local_counts
     factor = plan.cp_size if global_counts else 1  # the logged losses' (their mean over CP is the depth's)

@@ -194,11 +194,13 @@ def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, rows_plan: ShardPlan, check: bool | None) -> torch.Tensor:
     from cpshard.distributed.checks import validated
-    from cpshard.distributed.collectives import gather_states, joined
+    from cpshard.distributed.collectives import gather_states_for, joined
+
+    args = {"naive": rows_plan != plan}  # every rank alike: agreed on, and carried by the gather's header
 
     def validate() -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
         pair = _check(a, x, plan)
-        return pair, {"dtype": pair[0].dtype, "row shape": tuple(pair[0].shape[1:]), "scan": rows_plan != plan}
+        return pair, {"dtype": pair[0].dtype, "row shape": tuple(pair[0].shape[1:]), **args}
 
     (a, x), rank, _ = validated(plan, group, check, validate)
     layout = scan_layout(rows_plan)
@@ -206,7 +208,7 @@ def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, rows_plan: ShardPlan, che
     H, A = segmented_scan(a, x, layout.starts[rank].to(dev), rows_plan.token_mask(rank).to(dev))
     if plan.cp_size == 1:
         return H
-    states = gather_states(last_states(H, A), plan, group, check=False)  # agreed above, with checks on
+    states = gather_states_for(last_states(H, A), plan, group, args, check=False)  # agreed above, with checks on
     # every rank's output depends on the gathered states, also where it reads no carry (rank 0,
     # unchained ranks): the gather's backward all_reduce then runs on every rank
     return joined(apply_carry(H, A, states, layout, rank), states)
