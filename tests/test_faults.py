@@ -224,9 +224,9 @@ def test_every_argument_flipped_on_one_rank_raises_on_every_rank_naming_it_check
 
 
 def test_every_argument_the_collective_carries_raises_checks_off(others):
-    """Before: a different attention scale, the naive attention against the attention, and the MTP
-    loss's arguments returned on every rank. A count given to a call that makes no collective is
-    each rank's own (docs/guarantees.md): no message can carry it."""
+    """Before: a different attention scale, the naive attention against the attention, the MTP loss's
+    arguments and sequence_mean's num_seqs returned on every rank. A count given to a call that makes
+    no collective is each rank's own (docs/guarantees.md): no message can carry it."""
     per_rank = _per_rank(others, "every_argument_unchecked")
     for rank, calls in enumerate(per_rank):
         ops = ["all_gather_rows"] * 2 + ["shift_sharded_multi"] * 4 + ["mtp_loss"]
@@ -235,7 +235,9 @@ def test_every_argument_the_collective_carries_raises_checks_off(others):
             assert msg.startswith(f"{op}: the ranks of the "), (argument, msg)
             assert f"{argument}=" in msg and "this rank passed" in msg.lower(), (argument, msg)
         (_, tokens), (_, seqs) = calls[7:]
-        assert tokens[0] == seqs[0] == "ok"
+        assert tokens[0] == "ok"
+        assert _raised_at_once(seqs).startswith("sequence_mean: the ranks of the CP group passed different num_seqs "
+                                                f"(this rank passed {2.0 + rank})")
     plan = ShardPlan.build([9, 7], cp_size=2)
     sums = [float((torch.arange(plan.local_len, dtype=torch.float64) + 1)[plan.token_mask(r)].sum()) for r in (0, 1)]
     assert [calls[7][1][1] for calls in per_rank] == [2 * sums[0] / 10, 2 * sums[1] / 12]  # each its own count

@@ -236,20 +236,50 @@ class _Call:
         return reduce_over(counts, self.dp_group, op=f"{self.name} over dp_group", call=self.dp_call,
                            checked=self.checked, failed=failed)
 
-    def over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+    def over_cp(self, counts: torch.Tensor, given: tuple[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``counts`` summed over the CP group (stamped: the loss, its plan and arguments), or as they
-        are at ``cp = 1``; a disagreement or failure read there reaches the DP group too."""
+        are at ``cp = 1``; a disagreement or failure read there reaches the DP group too. ``given``: a
+        count the caller passed (name, value), whose exact bits ride in the same sum (:func:`_value_words`),
+        so that ranks that pass different values raise, checks on or off, with no host read."""
         if self.plan.cp_size == 1:
             return counts
+        words = _value_words(given[1]) if given is not None else counts.new_zeros(0)
         try:
-            return reduce_over(counts, self.group, op=self.name, plans=(self.plan,), call=self.call,
-                               checked=self.checked)
+            summed = reduce_over(torch.cat([counts.reshape(-1), words]), self.group, op=self.name,
+                                 plans=(self.plan,), call=self.call, checked=self.checked)
+            if given is not None:
+                _same_everywhere(summed[counts.numel():], words, self.plan.cp_size, self.name, *given)
         except ValueError as exc:
             return self._leave(exc)
+        return summed[:counts.numel()].view(counts.shape)
 
     def over_dp(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over ``dp_group`` (stamped: the loss and its arguments), or as they are."""
         return self._sum_dp(counts) if self.dp_group is not None else counts
+
+
+def _value_words(value: torch.Tensor) -> torch.Tensor:
+    """A float64 scalar's 64 bits as four 16-bit chunks ``c`` (1 .. 2**16), then their squares, in float64
+    on its device: summed over ``n`` ranks (exact below ``2**21`` ranks), ``sum c = n c`` and ``sum c**2 =
+    n c**2`` hold for every chunk only when every rank's value has the same bits (Note [Stamped
+    reductions] reads a digest the same way)."""
+    bits = value.detach().reshape(1).to(_F64).view(torch.int64)
+    c = ((bits >> torch.arange(0, 64, 16, device=value.device)) & 0xFFFF).to(_F64) + 1
+    return torch.cat([c, c * c])
+
+
+def _same_everywhere(summed: torch.Tensor, words: torch.Tensor, ranks: int, op: str, name: str,
+                     value: torch.Tensor) -> None:
+    """Raise unless every rank folded the same value's words into ``summed`` (on a device: a device-side
+    assertion, no host sync)."""
+    same = summed == ranks * words
+    if same.device.type != "cpu":
+        torch._assert_async(same.all())
+    elif not bool(same.all()):
+        raise ValueError(f"{op}: the ranks of the CP group passed different {name} (this rank passed "
+                         f"{float(value)}), so the shares would not add up to one loss; no rank returns one. Fix: "
+                         f"pass every rank of the group the same {name}, the total over every rank and micro-batch "
+                         "it covers.")
 
 
 def _call_args(grad_reduction: Any, dp_group: Any, **extra: Any) -> dict[str, Any]:
@@ -403,7 +433,8 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
     if given is not None and token_reduction == "sum":
         call.finish()
         return local.divide(sums.sum(), given)
-    counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)))
+    counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)),
+                          None if given is None else ("num_seqs", given))
     labelled = counts > 0
     if token_reduction == "mean":
         sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
