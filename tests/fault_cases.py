@@ -233,6 +233,25 @@ def _mtp_call(plan: Any, rank: int, *, labels: str = "sharded", check: bool | No
     return out.losses
 
 
+def _drop_in(plan: Any, rank: int, *, scaling: float = 0.1, per_token: bool = False) -> Any:
+    """Megatron's process_mtp_loss drop-in, BSHD [1, 8] rows a rank at cp = 2 (its config read)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from cpshard.megatron import process_mtp_loss
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    hidden = torch.randn(3 * 8, 1, 3, generator=g, dtype=torch.float64)
+    labels = (torch.arange(8) + rank).remainder(5)[None]
+    config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=scaling, calculate_per_token_loss=per_token)
+    return process_mtp_loss(hidden, labels, torch.ones(1, 8), lambda x, **_: (x @ w.T, None), None, None, False,
+                            lambda y, z: F.cross_entropy(z.transpose(0, 1).reshape(-1, 5), y.reshape(-1),
+                                                         reduction="none").view(1, 8),
+                            config, cp_group=_world())
+
+
 def _every_argument_calls(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
     """(argument, call) for each result-changing argument of each public collective, rank 1's another."""
     from cpshard import twin_plan
@@ -240,6 +259,7 @@ def _every_argument_calls(rank: int, world: int) -> list[tuple[str, Callable[[],
     from cpshard.distributed import all_gather_rows, gather_states, gather_tokens, sum_over_group
     from cpshard.loss import sequence_mean, token_mean, token_sum
     from cpshard.mtp import mtp_targets
+    from cpshard.scan import linear_scan
 
     group = _world()
     plan = ShardPlan.build([9, 7], cp_size=world)
@@ -248,6 +268,9 @@ def _every_argument_calls(rank: int, world: int) -> list[tuple[str, Callable[[],
     qkv = torch.randn(plan.local_len, 2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     whole = [torch.arange(9), torch.arange(7)]
     labels = shard(whole, plan, rank)
+    singles = [dist.new_group([r]) for r in range(world)]  # a DP group of one rank each, created by every rank
+    contiguous = twin_plan(plan, "contiguous")
+    a = torch.full((contiguous.local_len, 2), 0.5, dtype=torch.float64)
     return [
         ("dtype", lambda: gather(_flip(rank, x, x.double()), plan, group)),
         ("row shape", lambda: gather_tokens(_flip(rank, x[:, None], x[:, None].expand(-1, 2)), plan, group)),
@@ -275,6 +298,15 @@ def _every_argument_calls(rank: int, world: int) -> list[tuple[str, Callable[[],
         ("grad_reduction", lambda: _mtp_call(plan, rank, labels="whole", grad_reduction=_flip(rank, "mean", "sum"))),
         ("scale", lambda: attention(qkv, qkv, qkv, plan, group, scale=_flip(rank, None, 0.3))),
         ("naive", lambda: _flip(rank, attention, naive_attention)(qkv, qkv, qkv, plan, group)),
+        ("dtype", lambda: relayout(_flip(rank, x, x.double()), plan, twin_plan(plan, "contiguous"), group)),
+        ("pad_values", lambda: shift_sharded_multi([x], plan, group, shifts=[1], pad_values=[_flip(rank, None, 3)])),
+        ("grad_reduction", lambda: sequence_mean(v, m, plan, group, grad_reduction=_flip(rank, "mean", "sum"))),
+        ("dp_group", lambda: token_mean(v, m, plan, group, dp_group=_flip(rank, None, singles[rank]))),
+        (_flip(rank, "labels", "input_ids"), lambda: mtp_targets(*_flip(rank, (labels, None), (None, labels)), plan, group, num_depths=2,
+                                          input_ids=labels)),
+        ("loss_mask", lambda: mtp_targets(labels, _flip(rank, None, labels.float()), plan, group, num_depths=2)),
+        ("scaling_factor", lambda: _drop_in(plan, rank, scaling=_flip(rank, 0.1, 0.3))),
+        ("dtype", lambda: linear_scan(_flip(rank, a, a.float()), _flip(rank, a, a.float()), contiguous, group)),
     ]
 
 
@@ -310,5 +342,6 @@ def every_argument_unchecked(rank: int, world: int) -> list[tuple[Any, ...]]:
                                              check=False)),
         ("num_tokens", lambda: float(token_mean(v, m, plan, group, num_tokens=_flip(rank, 10, 12), check=False))),
         ("num_seqs", lambda: float(sequence_mean(v, m, plan, group, num_seqs=_flip(rank, 2, 3), check=False))),
+        ("normalization", lambda: _drop_in(plan, rank, per_token=_flip(rank, False, True))),
     ]
     return [(argument, _seen(call)) for argument, call in calls]

@@ -213,7 +213,7 @@ def test_every_argument_flipped_on_one_rank_raises_on_every_rank_naming_it_check
     gradients, counts="global" against "local" hung, num_tokens and num_seqs agreed only on whether
     they were given, and no error named the argument that differs."""
     per_rank = _per_rank(others, "every_argument_checked")
-    assert len(per_rank[0]) == 26
+    assert len(per_rank[0]) == 34
     for rank, calls in enumerate(per_rank):
         for argument, what in calls:
             msg = _raised_at_once(what)
@@ -234,7 +234,8 @@ def test_every_argument_the_collective_carries_raises_checks_off(others):
             msg = _raised_at_once(what)
             assert msg.startswith(f"{op}: the ranks of the "), (argument, msg)
             assert f"{argument}=" in msg and "this rank passed" in msg.lower(), (argument, msg)
-        (_, tokens), (_, seqs) = calls[7:]
+        (_, tokens), (_, seqs), (_, drop_in) = calls[7:]
+        assert _raised_at_once(drop_in).startswith("shift_sharded_multi: ") and "normalization=" in drop_in[2]
         assert tokens[0] == "ok"
         assert _raised_at_once(seqs).startswith("sequence_mean: the ranks of the CP group passed different num_seqs "
                                                 f"(this rank passed {2.0 + rank})")

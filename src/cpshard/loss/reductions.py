@@ -34,7 +34,8 @@ Communication: one ``all_reduce`` over the CP group per call (the count, or ever
 in one tensor), none at ``cp = 1`` and none for the sums (:func:`token_sum`,
 :func:`token_sum_and_count`); with ``dp_group``, one more small ``all_reduce`` over it. With checks on
 (``check=True``, :func:`cpshard.distributed.set_checks`, ``CPSHARD_CHECK=1``), first the agreement's
-small all-gather over the CP group, for every loss (those without a collective of their own too).
+small all-gather over the CP group, for every loss (those without a collective of their own too),
+and with ``dp_group`` one stamped DP collective per call (Note [DP-level calls]).
 
 Note [Failure in a loss]
 ------------------------
@@ -323,7 +324,7 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
     the same way is ``cp = 1``'s loss.
 
     One ``all_reduce`` of one count over ``group`` (none at ``cp = 1``); one more over ``dp_group``;
-    none with ``num_tokens``.
+    none with ``num_tokens`` (with checks on and ``dp_group``, one word over it: Note [DP-level calls]).
     """
     given = None if num_tokens is None else "given"  # its value joins the call with checks on (_Call.note)
     call = _Call("token_mean", plan, group, dp_group, check, _call_args(grad_reduction, dp_group, num_tokens=given),
@@ -350,7 +351,7 @@ def token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, grou
     Arguments as :func:`token_mean`. Returns ``f * s_r`` with ``f = cp`` (``cp * dp`` with
     ``dp_group``: the sum over the DP group's micro-batches) under ``"mean"`` and 1 under ``"sum"``;
     after ``backward()``, reduce gradients and the loss as :func:`token_mean` says. With checks on,
-    the agreement over ``group`` (its only collective).
+    the agreement over ``group`` and, with ``dp_group``, one stamped word over it (Note [DP-level calls]).
     """
     call = _Call("token_sum", plan, group, dp_group, check, _call_args(grad_reduction, dp_group), False)
     local = call.start(lambda: _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction))
