@@ -410,8 +410,12 @@ def _dp_disagree(rank, world):
         "num_seqs": lambda: sequence_mean(v, m, plan, cp, num_seqs=5 if a else None, **kw),
         "num_seqs value": lambda: sequence_mean(v, m, plan, cp, token_reduction="sum", num_seqs=5 if a else 6, **kw),
         "alike": lambda: token_mean(v, m, plan, cp, **kw),
+        # checks off: the DP sums carry the call; a call without a DP collective is each CP group's own
+        "grad_reduction unchecked": lambda: token_mean(v, m, plan, cp, grad_reduction="mean" if a else "sum",
+                                                       dp_group=dp, check=False),
+        "token_sum unchecked": lambda: token_sum(v, m, plan, cp, dp_group=dp if a else None, check=False),
     }
-    return {name: _seen(call) for name, call in cases.items()}
+    return {name: _seen(call) for name, call in cases.items()} | {"own sum": float(v[m].sum())}
 
 
 def _exactness_cp2(rank, world):
@@ -512,3 +516,8 @@ def test_cp_groups_that_disagree_about_the_dp_step_raise_on_every_rank():
             argument = name.split()[0]
             assert f"This rank passed loss={op}" in msg and (argument == "token_sum" or f"{argument}=" in msg), msg
         assert seen["alike"][0] == "ok"
+        kind, msg = seen["grad_reduction unchecked"]
+        assert kind == "raised" and msg.startswith("token_mean over dp_group: the ranks of the group disagree"), msg
+        # no collective: dp_group on one CP group and None on the other scale the shares by 4 and by 2
+        # (docs/guarantees.md, "Over dp_group"); checks on, the DP side would wait in its DP check instead
+        assert seen["token_sum unchecked"] == ("ok", (4 if a else 2) * seen["own sum"])
