@@ -82,8 +82,8 @@ def _reduction_error(stamp: Stamp, verdict: str) -> str:
     return (f"{stamp.op}: the ranks of the group disagree about this reduction (this is rank {stamp.rank}): "
             "another rank folded another call's digest into the sum (its plan, the number or dtype of the "
             "values, the operation or its arguments, or the check setting differ, or it runs another collective "
-            f"here).{passed} Its result would be wrong, so no rank returns it. Fix: call it on every rank with the same "
-            "plan and arguments; check=True (or set_checks(True)) on every rank names the ranks and their plans.")
+            f"here).{passed} Its result would be wrong, so no rank returns it. Fix: call it on every rank with the "
+            "same plan and arguments; check=True (or set_checks(True)) on every rank names the ranks and their plans.")
 
 
 def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:
