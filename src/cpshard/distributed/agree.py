@@ -8,7 +8,7 @@ peer that runs a data collective here instead, its checks off, is named rather t
 words): its plan's fingerprint (eight, ``PlanIndices.fingerprint``), a digest of the call's arguments
 that every rank must pass alike, whether its own input checks failed, and one digest per argument
 (``ARG_SLOTS``, in name order; the last slot folds the rest), so that the error names the arguments
-that differ. Floats are digested by their exact bits (``header.exact``). Every rank then sees the
+that differ. Floats are digested by their exact bits (``header.digest``). Every rank then sees the
 same rows and raises the same error (or none), so nothing hangs: different plans first (the root
 cause of most other errors), then a rank's own error, then the ranks that rejected their input, then
 different arguments.
@@ -67,7 +67,7 @@ def describe(fp: Sequence[int]) -> str:
             f"digest={fp[6]:x})")
 
 
-_digest = digest  # floats by their exact bits
+_digest = digest  # floats by their exact bits (their repr)
 
 
 def _slots(call: dict[str, Any]) -> list[int]:

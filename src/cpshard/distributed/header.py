@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHECK", "DATA", "HEADER_BYTES", "HEADER_WORDS", "OPS", "describe_mismatch", "digest", "exact", "make",
+__all__ = ["CHECK", "DATA", "HEADER_BYTES", "HEADER_WORDS", "OPS", "describe_mismatch", "digest", "make",
            "mismatch", "reduction_dtype", "trailer", "trailer_mismatch"]
 
 HEADER_WORDS = 8
@@ -74,22 +74,11 @@ _FIELDS = ("kind", "operation", "rank", "check setting", "plan", "dtype", "row s
            "shift, pad and fill values or the calling operation's arguments")
 
 
-def exact(value: Any) -> Any:
-    """``value`` with every float replaced by its exact bits (``float.hex``: ``0.1`` and the nearest
-    other double, or ``0.0`` and ``-0.0``, digest apart), inside tuples, lists and dicts too."""
-    if isinstance(value, float):
-        return ("float", value.hex())
-    if isinstance(value, (list, tuple)):
-        return type(value)(exact(v) for v in value)
-    if isinstance(value, dict):
-        return {k: exact(v) for k, v in value.items()}
-    return value
-
-
 def digest(value: Any) -> int:
-    """63 bits of a BLAKE2b digest of ``repr(value)``, floats by their exact bits (:func:`exact`;
-    non-negative, fits an int64 word)."""
-    return int.from_bytes(hashlib.blake2b(repr(exact(value)).encode(), digest_size=8).digest(), "little") >> 1
+    """63 bits of a BLAKE2b digest of ``repr(value)`` (non-negative, fits an int64 word). Floats by their
+    exact bits: a float's ``repr`` is the shortest text that reads back as the same double, so ``0.1`` and
+    the next double, or ``0.0`` and ``-0.0``, digest apart (the callers pass Python floats)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
 
 
 _DTYPE_NAMES = {digest(str(d)): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}

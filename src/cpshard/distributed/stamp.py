@@ -57,7 +57,7 @@ class Stamp:
     def reduction_word(self, size: int, reduce: str) -> int:
         """The digest a reduction of ``size`` values folds into its trailer (Note [Stamped
         reductions]): the header's words but the sender's rank, the operation by name, the size."""
-        call = tuple(sorted((k, repr(_header.exact(v))) for k, v in self.call.items()))
+        call = tuple(sorted((k, repr(v)) for k, v in self.call.items()))
         return _reduction_word(self.op, self.checked, self.plans, call, size, reduce)
 
     def backward(self, op: str) -> Stamp:
