@@ -4,7 +4,6 @@ ranks, through torch's own shard, unshard and flex attention: tests/test_torch_c
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -15,42 +14,15 @@ from hypothesis import strategies as st
 
 from cpshard import ShardPlan, shard
 from cpshard.compat import torch_cp
-from reference import ref_alignment, ref_document_mask, ref_rank_order
-from strategies import props
-
-
-@st.composite
-def batches(draw, *, fp8: bool = False, extra: bool = True):
-    """``(plans, rows)``: B >= 1 plans of one cp, layout and padding, one ``total_len`` S; lengths
-    with 0, 1 and those below ``2 * cp``; sometimes a balanced order; S sometimes past the longest row."""
-    cp = draw(st.sampled_from([1, 2, 3, 4]))
-    tp = draw(st.sampled_from([1, 1, 2]))
-    layout = draw(st.sampled_from(["zigzag", "contiguous"]))
-    padding = draw(st.sampled_from(["aligned", "minimal"]))
-    use_fp8 = fp8 and draw(st.booleans())
-    reorder = draw(st.sampled_from([None, "balanced"])) if layout == "contiguous" else None
-    a = ref_alignment(cp, tp, layout, use_fp8, padding)
-    length = st.sampled_from(sorted({0, 1, max(a - 1, 0), a, a + 1, 2 * cp - 1})) | st.integers(0, 12)
-    rows = draw(st.lists(st.lists(length, min_size=1, max_size=5), min_size=1, max_size=3))
-    kw = dict(cp_size=cp, tp_size=tp, layout=layout, padding=padding, fp8=use_fp8)
-    unit = math.lcm(a, cp * tp, 128 * ref_alignment(cp, tp, layout) if use_fp8 else 1)  # what a total keeps
-    S = max(ShardPlan.build(r, **kw).total_len for r in rows) or unit  # a batch of empty rows: one unit
-    if extra:
-        S += draw(st.sampled_from([0, 0, 1])) * unit
-    return [ShardPlan.build(r, **kw, reorder=reorder, total_len=S) for r in rows], rows
-
-
-def documents(plans, trailing=(), dtype=torch.int64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(1, 1000, (n, *trailing), generator=g).to(dtype) for n in plan.input_seqlens_py]
-            for plan in plans]
+from reference import ref_document_mask, ref_rank_order
+from strategies import props, torch_cp_batches, torch_cp_documents as documents
 
 
 # -- the indices -------------------------------------------------------------------------------
 
 
 @props(60)
-@given(batches(fp8=True))
+@given(torch_cp_batches(fp8=True))
 def test_rearrange_indices_equal_the_per_token_reference(batch):
     plans, _ = batch
     got = torch_cp.rearrange_indices(plans)
@@ -69,7 +41,7 @@ def test_rearrange_indices_equal_the_per_token_reference(batch):
 
 
 @props(40)
-@given(batches(), st.sampled_from([(), (2,)]))
+@given(torch_cp_batches(), st.sampled_from([(), (2,)]))
 def test_the_rearranged_buffer_gives_each_rank_its_shard(batch, trailing):
     plans, _ = batch
     docs = documents(plans, trailing)
@@ -89,7 +61,7 @@ def test_the_rearranged_buffer_gives_each_rank_its_shard(batch, trailing):
 
 
 @props(30)
-@given(batches(extra=False))
+@given(torch_cp_batches(extra=False))
 def test_document_mask_mod_equals_the_reference(batch):
     plans, _ = batch
     mask_mod = torch_cp.document_mask_mod(plans)
@@ -204,7 +176,8 @@ def test_buffer_errors():
     with pytest.raises(ValueError, match=r"buffer=tensor of shape \(1, 11\): must be \(B, S, ...\) = \(1, 12, ...\)"):
         torch_cp.from_buffer(torch.zeros(1, 11), [plan])
     empty = ShardPlan.build([0, 0], cp_size=2, total_len=8)
-    assert torch.equal(torch_cp.to_buffer([[torch.zeros(0), torch.zeros(0)]], [empty], pad_value=3), torch.full((1, 8), 3.0))
+    buffer = torch_cp.to_buffer([[torch.zeros(0), torch.zeros(0)]], [empty], pad_value=3)
+    assert torch.equal(buffer, torch.full((1, 8), 3.0))
 
 
 def test_ring_sdpa_is_refused():
