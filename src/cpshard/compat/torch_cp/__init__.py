@@ -35,13 +35,11 @@ import torch
 
 from cpshard.compat.torch_cp._buffer import document_mask_mod, from_buffer, rearrange_indices, to_buffer
 from cpshard.compat.torch_cp._plans import document_lengths, plans_from_positions
+from cpshard.compat.torch_cp._torch import TESTED_TORCH, balancer_class, ring_sdpa_active, torch_cp
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["TESTED_TORCH", "document_lengths", "document_mask_mod", "from_buffer", "load_balancer",
            "plans_from_positions", "rearrange_indices", "ring_sdpa_active", "to_buffer", "torch_names"]
-
-TESTED_TORCH = "2.13.0"
-"""The torch version whose private context-parallel interface this package was tested on."""
 
 
 def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None) -> Any:
@@ -56,25 +54,13 @@ def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | 
     Raises ``RuntimeError`` when asked for indices while torch's ring-SDPA path is on
     (:func:`ring_sdpa_active`); ``ImportError`` where the torch in use lacks the interface.
     """
-    from cpshard.compat.torch_cp._torch import balancer_class
-
     return balancer_class()(plans, device)
-
-
-def ring_sdpa_active() -> bool:
-    """Whether torch's ring-SDPA context parallelism is on in this process (its dispatcher enabled by
-    ``_enable_context_parallel_dispatcher``, torchtitan's SDPA path, or the ``context_parallel()``
-    context): a cpshard balancer refuses to serve it."""
-    from cpshard.compat.torch_cp._torch import ring_sdpa_active as active
-
-    return active()
 
 
 def torch_names() -> Any:
     """torch's private context-parallel names this package uses, by torch's own names
-    (``_LoadBalancer``, ``_context_parallel_shard``, ``context_parallel_unshard``,
-    ``_create_cp_block_mask``, ``flex_cp_allgather``, ...), checked once: for tests and adapters
-    (torchtitan's) that drive torch's own path, so that no other module names torch's privates."""
-    from cpshard.compat.torch_cp._torch import torch_cp
-
+    (``_LoadBalancer`` and torch's own balancers, ``_context_parallel_shard``,
+    ``context_parallel_unshard``, ``_create_cp_block_mask``, ``flex_cp_allgather``, ...), checked once:
+    for tests, benchmarks and adapters (torchtitan's) that drive torch's own path, so that no other
+    module names torch's privates."""
     return torch_cp()
