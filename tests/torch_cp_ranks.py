@@ -199,6 +199,26 @@ def sdpa_grads(rank: int, world: int) -> int:
     return len(seen)
 
 
+def ring_sdpa(rank: int, world: int) -> bool:
+    """Inside torch's ``context_parallel()`` (ring SDPA patched in, head-tail rows assumed) a cpshard
+    balancer refuses to hand out indices; after it, it serves again."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = _mesh(world)
+    plans, _ = _explicit(world, "zigzag")
+    balancer = torch_cp.load_balancer(plans)
+    refused = False
+    with context_parallel(mesh, buffers=[torch.zeros(1, 1, 4 * world, 2)], buffer_seq_dims=[2]):
+        assert torch_cp.ring_sdpa_active()
+        try:
+            balancer._generate_indices()
+        except RuntimeError as err:
+            refused = "ring-SDPA" in str(err)
+    assert not torch_cp.ring_sdpa_active()
+    assert balancer._generate_indices().shape == (2, plans[0].total_len)
+    return refused
+
+
 # -- a real model: transformers' Llama ------------------------------------------------------------
 
 _CP_ATTENTION = "cpshard_torch_cp_test"
