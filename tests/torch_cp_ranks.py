@@ -100,7 +100,7 @@ def shard_unshard(rank: int, world: int) -> int:
         plans, _ = batch
         docs = torch_cp_documents(plans, trailing)
         buffer = torch_cp.to_buffer(docs, plans, pad_value=-1)
-        balancer = torch_cp.load_balancer(plans)
+        balancer = torch_cp.load_balancer(plans, mesh=mesh)
         local, = names._context_parallel_shard(mesh, [buffer], [1], load_balancer=balancer)
         for b, plan in enumerate(plans):
             assert torch.equal(local[b], shard(docs[b], plan, rank, pad_value=-1)), (b, plan)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from cpshard.base.errors import fail
 from cpshard.compat.torch_cp._buffer import document_mask_mod, from_buffer, rearrange_indices, to_buffer
 from cpshard.compat.torch_cp._plans import document_lengths, plans_from_positions
 from cpshard.compat.torch_cp._torch import TESTED_TORCH, balancer_class, ring_sdpa_active, torch_cp
@@ -42,7 +43,8 @@ __all__ = ["TESTED_TORCH", "document_lengths", "document_mask_mod", "from_buffer
            "plans_from_positions", "rearrange_indices", "ring_sdpa_active", "to_buffer", "torch_names"]
 
 
-def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None) -> Any:
+def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None,
+                  mesh: Any = None) -> Any:
     """A torch ``_LoadBalancer`` (``torch.distributed.tensor.experimental._context_parallel``) over
     one :class:`~cpshard.ShardPlan` per batch row, for ``_context_parallel_shard``,
     ``context_parallel_unshard`` and the CP block mask (``_create_cp_block_mask``).
@@ -50,11 +52,18 @@ def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | 
     ``_generate_indices(restore=False)`` returns :func:`rearrange_indices` ``(B, S)`` int64 on
     ``device`` (CPU by default: the device of the buffers torch shards), ``restore=True`` its
     inverse; both built on first use and kept by the balancer. Every plan must have the same
-    ``total_len`` (``S``, the buffer's sequence length) and ``cp_size`` (the CP mesh's size).
+    ``total_len`` (``S``, the buffer's sequence length) and ``cp_size``, the size of the CP mesh
+    torch cuts the rows for (torch does not tell a balancer its mesh: pass ``mesh=`` to have it
+    checked here, and ``device`` defaults to the mesh's device type).
     Raises ``RuntimeError`` when asked for indices while torch's ring-SDPA path is on
     (:func:`ring_sdpa_active`); ``ImportError`` where the torch in use lacks the interface.
     """
-    return balancer_class()(plans, device)
+    balancer = balancer_class()(plans, device if device is not None or mesh is None else mesh.device_type)
+    if mesh is not None and mesh.size() != balancer.cp_size:
+        fail("mesh", f"a device mesh of {mesh.size()} ranks", f"must have the plans' cp_size={balancer.cp_size} "
+             "ranks: torch cuts each row into one piece per rank of the mesh", "build the plans with "
+             "cp_size=mesh.size(), or pass the context-parallel mesh (e.g. world_mesh['cp'])")
+    return balancer
 
 
 def torch_names() -> Any:
