@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from cpshard.base.dtypes import carrier, check_fill, movable
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.base.types import Group, Scalar
 from cpshard.distributed.checks import check_local, checked_call, plan_fingerprint
 from cpshard.distributed.groups import solo
@@ -282,8 +282,17 @@ def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group, *, check: bool
 
 
 def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: bool | None) -> torch.Tensor:
+    """``rows`` ``(R, ...)`` of every rank (``op="gather_states"``: ``rows`` is one rank's states,
+    gathered as one row), checked inside the agreement (checks on): a rank that refuses its input
+    makes every rank raise instead of leaving them waiting in the gather."""
+    name = "rows" if op == "all_gather_rows" else "states"
+
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
-        checked = check_tensor("rows" if op == "all_gather_rows" else "states", rows)
+        checked = check_real(name, check_tensor(name, rows))
+        if checked.is_nested or (op == "all_gather_rows" and checked.dim() == 0):
+            fail(name, f"a {'nested' if checked.is_nested else '0-d'} tensor", "must be a dense tensor of rows "
+                 "(one shape on every rank)", f"pass {name} as one strided tensor")
+        checked = checked.unsqueeze(0) if op == "gather_states" else checked
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:])}
 
     rows, rank, call, ran_check = checked_call(plan, group, check, validate)
@@ -408,6 +417,5 @@ def gather_states(states: torch.Tensor, plan: Plan, group: Any, *, check: bool |
     it leave the others waiting. ``check``: as in :func:`gather` (the agreement covers the dtype and
     shape: a rank whose states differ raises with the others, before the gather).
     """
-    states = check_tensor("states", states)
-    return _gather_rows(states.unsqueeze(0), plan, group, "gather_states", check).reshape(plan.cp_size,
-                                                                                          *states.shape)
+    gathered = _gather_rows(states, plan, group, "gather_states", check)
+    return gathered.reshape(plan.cp_size, *gathered.shape[1:])

@@ -52,8 +52,9 @@ from typing import Any, ClassVar
 import torch
 
 from cpshard.base.convention import GradReduction
-from cpshard.base.errors import check_int, fail, parse_choice
+from cpshard.base.errors import check_int, check_real, fail, parse_choice
 from cpshard.base.types import TokenRows
+from cpshard.distributed.checks import validated
 from cpshard.distributed.collectives import shift_sharded_multi
 from cpshard.distributed.groups import group_rank
 from cpshard.distributed.sums import sum_over_group
@@ -129,7 +130,8 @@ class MtpLoss:
             group, which Megatron's MTP logger takes over DP x CP, is the depth's loss over the whole
             batch) and ``f = 1`` for local counts (Megatron's per-rank value).
         counts: ``(1 + N,)`` detached, ``[orig, n_1, ..., n_N]``: summed over the CP group for
-            global counts, the rank's own for local counts, in the loss mask's sum dtype.
+            global counts, the rank's own for local counts; exact: int64 for a bool or integer loss
+            mask, float64 for a floating one (whatever its precision).
     """
 
     hidden: torch.Tensor
@@ -144,10 +146,14 @@ def _is_global(x: Any) -> bool:
 
 def _check_rows(name: str, x: Any, plan: Plan) -> None:
     if _is_global(x):
+        for i, t in enumerate([x] if isinstance(x, torch.Tensor) else x):
+            if isinstance(t, torch.Tensor):
+                check_real(name if isinstance(x, torch.Tensor) else f"{name}[{i}]", t)
         return
     if not isinstance(x, torch.Tensor):
         fail(name, type(x).__name__, "must be this rank's rows (a tensor), or the whole batch (a list of "
              "per-sequence tensors or a jagged nested tensor)", f"pass {name} as one of those", kind=TypeError)
+    check_real(name, x)
     if x.numel() != math.prod(plan.local_shape):
         fail(name, f"tensor of shape {tuple(x.shape)}",
              f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
@@ -179,14 +185,29 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         ``masks`` ``(1 + N, *local_shape)``, row 0 the mask aligned with the labels (pad rows 0;
         its sum is ``orig``), row ``d`` depth ``d``'s. ``local_shape`` is ``plan.local_shape``.
     """
+    def validate() -> tuple[int, dict[str, Any]]:
+        return _target_args(labels, loss_mask, plan, num_depths, input_ids), {}
+
+    n, _, _ = validated(plan, group, check, validate)  # a refusal on any rank raises on every rank
+    return _targets(labels, loss_mask, plan, group, n, input_ids, label_fill, check)
+
+
+def _target_args(labels: Any, loss_mask: Any, plan: Plan, num_depths: Any, input_ids: Any) -> int:
+    """:func:`mtp_targets`' checks of its arguments (no communication); returns ``N``."""
     n = check_int("num_depths", num_depths, minimum=1)
     if labels is None and input_ids is None:
         fail("labels", None, "needs input_ids when labels is None (labels are derived from them)",
              "pass labels, or input_ids to derive them")
-    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
-    _check_rows(source_name, source, plan)
+    _check_rows("labels" if labels is not None else "input_ids", labels if labels is not None else input_ids, plan)
     if loss_mask is not None:
         _check_rows("loss_mask", loss_mask, plan)
+    return n
+
+
+def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, n: int, input_ids: Rows | None,
+             label_fill: int, check: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mtp_targets` once its arguments are checked (:func:`_target_args`)."""
+    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
     base = 0 if labels is not None else 1
     shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
@@ -276,17 +297,22 @@ def mtp_loss(
     Communication: at most two collectives per call (one exchange of labels and masks for every
     depth, when they exist only sharded; one ``all_reduce`` of all counts); none at ``cp = 1``.
     """
-    normalization = Normalization.parse(normalization)
-    counts = Counts.parse(counts)
-    reduction = _grad_reduction(grad_reduction, normalization, counts)
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real):
-        fail("scaling_factor", repr(scaling_factor), "must be a real number", "pass e.g. scaling_factor=0.1",
-             kind=TypeError)
-    chunks = _chunks(hidden_states, num_depths)
+    def validate() -> tuple[tuple[Normalization, Counts, GradReduction, list[torch.Tensor]], dict[str, Any]]:
+        norm, kind = Normalization.parse(normalization), Counts.parse(counts)
+        reduced = _grad_reduction(grad_reduction, norm, kind)
+        if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real):
+            fail("scaling_factor", repr(scaling_factor), "must be a real number", "pass e.g. scaling_factor=0.1",
+                 kind=TypeError)
+        parts = _chunks(hidden_states, num_depths)
+        _target_args(labels, loss_mask, plan, len(parts) - 1, input_ids)
+        return (norm, kind, reduced, parts), {}
+
+    # every argument checked first, inside the agreement with checks on: a rank that refuses its
+    # own makes every rank raise, instead of its peers waiting in the labels' exchange
+    (normalization, counts, reduction, chunks), _, _ = validated(plan, group, check, validate)
     n = len(chunks) - 1
-    labels_d, masks = mtp_targets(labels, loss_mask, plan, group, num_depths=n, input_ids=input_ids,
-                                  label_fill=label_fill, check=check)
-    local_counts = torch.stack([m.sum() for m in masks])
+    labels_d, masks = _targets(labels, loss_mask, plan, group, n, input_ids, label_fill, check)
+    local_counts = torch.stack([m.sum(dtype=_count_dtype(m)) for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
     if global_counts:
         totals = sum_over_group(local_counts, plan, group, check=check)
@@ -310,8 +336,11 @@ def mtp_loss(
         masked = masked_rows(loss, mask)
         num = totals[d].clamp(min=1)
         summed = masked.sum()
+        weight = orig
+        if totals.is_floating_point():  # counted exactly in float64; divided in the loss's dtype, as cpshard.loss does
+            num, weight = num.to(summed.dtype), orig.to(summed.dtype)
         if normalization is Normalization.PER_TOKEN:
-            part = scale * grad_factor * summed * (orig / num)
+            part = scale * grad_factor * summed * (weight / num)
         else:
             part = scale * grad_factor * summed / num
         total = part if total is None else total + part
@@ -323,6 +352,12 @@ def mtp_loss(
     attach = autoscaler if autoscaler is not None else MtpLossAutoScaler.apply
     hidden = attach(chunks[0], total)
     return MtpLoss(hidden=hidden, losses=torch.stack(losses), counts=totals.detach())
+
+
+def _count_dtype(mask: torch.Tensor) -> torch.dtype:
+    """Where a mask's counts are summed exactly: int64 for a bool or integer mask, float64 for a
+    floating one (a bfloat16 sum of 555 ones is 556; float16 stops counting at 2048)."""
+    return torch.float64 if mask.is_floating_point() or mask.is_complex() else torch.int64
 
 
 def _grad_reduction(value: Any, normalization: Normalization, counts: Counts) -> GradReduction:
@@ -343,6 +378,7 @@ def _chunks(hidden: Any, num_depths: int | None) -> list[torch.Tensor]:
             fail("num_depths", None, "is required when hidden_states is one tensor of 1 + N chunks",
                  "pass num_depths=N (Megatron's config.mtp_num_layers)")
         n = check_int("num_depths", num_depths, minimum=1)
+        check_real("hidden_states", hidden)
         if hidden.dim() == 0 or hidden.shape[0] % (1 + n):
             fail("hidden_states", f"tensor of shape {tuple(hidden.shape)}",
                  f"dim 0 must split into 1 + num_depths = {1 + n} equal chunks",
@@ -357,4 +393,6 @@ def _chunks(hidden: Any, num_depths: int | None) -> list[torch.Tensor]:
     if num_depths is not None and check_int("num_depths", num_depths, minimum=1) != len(hidden) - 1:
         fail("num_depths", num_depths, f"must equal len(hidden_states) - 1 = {len(hidden) - 1}",
              "drop num_depths or pass matching chunks")
+    for i, h in enumerate(hidden):
+        check_real(f"hidden_states[{i}]", h)
     return list(hidden)

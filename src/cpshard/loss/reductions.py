@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from cpshard.base.convention import GradReduction
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed.agree import resolve_check
 from cpshard.distributed.checks import agree
 from cpshard.distributed.groups import group_rank, group_size
@@ -83,7 +83,7 @@ def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(name: str, x: Any, plan: Plan) -> torch.Tensor:
-    x = check_tensor(name, x)
+    x = check_real(name, check_tensor(name, x))
     if x.is_nested or x.numel() != math.prod(plan.local_shape):
         fail(name, f"tensor of shape {tuple(x.shape)}",
              f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
