@@ -207,3 +207,82 @@ def sequence_counts_differ_sizes(rank: int, world: int) -> list[tuple[Any, ...]]
     plan = ShardPlan.build([5, 3] if rank == 0 else [4, 4, 4], cp_size=world)
     v, m = _loss_inputs(plan, rank)
     return [_seen(lambda: sequence_mean(v, m, plan, _world(), check=False))]
+
+
+# -- refusals inside the agreement: a rank that refuses its own input, checks on ---------------------
+
+
+def _mtp_case(plan: Any, rank: int, **bad: Any) -> Callable[[], Any]:
+    """mtp_loss on this rank's rows (two depths, labels sharded), with rank 1's ``bad`` arguments."""
+    import torch.nn.functional as F
+
+    from cpshard.mtp import mtp_loss
+
+    g = torch.Generator().manual_seed(rank)
+    kw: dict[str, Any] = {"hidden_states": torch.randn(3 * plan.local_len, 4, generator=g, dtype=torch.float64),
+                          "labels": shard(torch.arange(8) % 5, plan, rank), "num_depths": 2, "check": True}
+    if rank == 1:
+        kw.update(bad)
+    weight = torch.randn(5, 4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    return lambda: float(mtp_loss(kw.pop("hidden_states"), kw.pop("labels"), None, plan, _world(),
+                                  output_layer=lambda h: h @ weight.T,
+                                  loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), **kw).losses.sum())
+
+
+def refusals_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """check=True, rank 1 refuses its own input where it used to raise before the agreement (its peers
+    then waited): the scan of a zigzag plan (rank 0's is contiguous), gather_states of None and of a
+    nested tensor, mtp_loss with chunks that do not split, label rows of another length, a
+    scaling_factor that is no number; mtp_targets with label rows of another length."""
+    from cpshard.distributed import gather_states
+    from cpshard.mtp import mtp_targets
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    scan_plan = ShardPlan.build([9, 5], cp_size=world, layout="zigzag" if rank == 1 else "contiguous")
+    a = torch.full((scan_plan.local_len, 2), 0.5, dtype=torch.float64)
+    states = torch.ones(2, 3)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    labels = shard(torch.arange(8) % 5, plan, rank)
+    hidden = torch.zeros(3 * plan.local_len, 4, dtype=torch.float64)
+    return [_seen(lambda: linear_scan(a, a, scan_plan, group, check=True)),
+            _seen(lambda: gather_states(None if rank == 1 else states, plan, group, check=True).shape),
+            _seen(lambda: gather_states(nested if rank == 1 else states, plan, group, check=True).shape),
+            _seen(_mtp_case(plan, rank, hidden_states=hidden[1:])),
+            _seen(_mtp_case(plan, rank, labels=labels[1:])),
+            _seen(_mtp_case(plan, rank, scaling_factor="0.1")),
+            _seen(lambda: mtp_targets(labels[1:] if rank == 1 else labels, None, plan, group, num_depths=2,
+                                      check=True)[0].shape),
+            _seen(_mtp_case(plan, rank))]
+
+
+def meta_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """check=True, rank 1's tensors on the meta device (torch's collectives return on them without
+    communicating: rank 1 returned a meta "result" and rank 0 waited): every collective, the losses,
+    the scan and the attention refuse them inside the agreement."""
+    from cpshard.attention import attention
+    from cpshard.distributed import all_gather_rows, sum_over_group
+    from cpshard.loss import token_mean
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    cont = ShardPlan.build([5, 3], cp_size=world, layout="contiguous")
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t.to("meta") if rank == 1 else t
+
+    local = shard(torch.arange(8.0), plan, rank)
+    qkv = torch.ones(plan.local_len, 2, 4, dtype=torch.float64)
+    rows = torch.ones(plan.local_len, 2)
+    scan_rows = torch.ones(cont.local_len, 2, dtype=torch.float64)
+    return [_seen(lambda: gather(on(local), plan, group, check=True).values()),
+            _seen(lambda: shift_sharded(on(local), plan, group, shift=1, check=True)),
+            _seen(lambda: shift_sharded_multi([on(local)], plan, group, shifts=[1, 2], check=True)),
+            _seen(lambda: all_gather_rows(on(rows), plan, group, check=True)),
+            _seen(lambda: sum_over_group(on(torch.ones(2)), plan, group, check=True)),
+            _seen(lambda: token_mean(on(rows[:, 0].double()), plan.token_mask(rank), plan, group, check=True)),
+            _seen(lambda: linear_scan(on(scan_rows), on(scan_rows), cont, group, check=True)),
+            _seen(lambda: attention(on(qkv), on(qkv), on(qkv), plan, group, check=True)),
+            _seen(lambda: float(token_mean(rows[:, 0].double(), plan.token_mask(rank), plan, group, check=True)))]

@@ -204,3 +204,48 @@ def test_a_stamped_reduction_reads_alike_only_when_every_rank_stamped_alike(dtyp
     trailers[odd] = trailer(other, dtype, ranks, reduce, True)
     failed = [sum(col) if reduce == "sum" else max(col) for col in zip(*trailers)]
     assert all(trailer_mismatch(failed, t, ranks, reduce) == "failed" for t in trailers)
+
+
+# -- refusals inside the agreement (check=True): every rank raises, the refusing one its own error ----
+
+_REFUSALS = ("refusals_checked", "meta_checked")
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    return _timed_suite(_REFUSALS)
+
+
+def _own_and_peer(what0, what1, own):
+    """Rank 1 raised its own error (``own``: how it starts); rank 0 heard that rank 1 refused."""
+    assert _raised_at_once(what1, own[1]).startswith(own[0]), what1
+    assert "ranks [1] of the context-parallel group rejected their input" in _raised_at_once(what0), what0
+
+
+def test_a_rank_that_refuses_its_input_makes_every_rank_raise(refusals):
+    """Before: rank 1 raised alone, before the agreement, and rank 0 waited in it (or in the labels'
+    exchange of mtp_loss)."""
+    calls0, calls1 = _per_rank(refusals, "refusals_checked")
+    # the scan of a zigzag plan against a contiguous one: the plans differ, which every rank names first
+    for what in (calls0[0], calls1[0]):
+        assert "built different plans" in _raised_at_once(what) and "layout='zigzag'" in what[2]
+    own = [("states=NoneType: must be a torch.Tensor", "TypeError"),
+           ("states=a nested tensor: must be a dense tensor of rows", "ValueError"),
+           ("hidden_states=tensor of shape (17, 4): dim 0 must split into 1 + num_depths = 3", "ValueError"),
+           ("labels=tensor of shape (5,): must hold one value per local row", "ValueError"),
+           ("scaling_factor='0.1': must be a real number", "TypeError"),
+           ("labels=tensor of shape (5,): must hold one value per local row", "ValueError")]
+    for what0, what1, expected in zip(calls0[1:7], calls1[1:7], own):
+        _own_and_peer(what0, what1, expected)
+    assert calls0[7][0] == calls1[7][0] == "ok"  # the group is usable after every refusal
+
+
+def test_tensors_on_the_meta_device_are_refused_on_every_rank(refusals):
+    """Before: rank 1 returned a meta "result" without communicating (torch's collectives do nothing on
+    meta tensors) and rank 0 waited in the collective."""
+    calls0, calls1 = _per_rank(refusals, "meta_checked")
+    names = ("local", "local", "local", "rows", "values", "per_token", "a", "q")
+    for what0, what1, name in zip(calls0[:-1], calls1[:-1], names):
+        _own_and_peer(what0, what1, (f"{name}=a tensor of shape", "ValueError"))
+        assert "on the meta device: must hold real values" in what1[2] and "Fix: pass" in what1[2]
+    assert calls0[-1][0] == calls1[-1][0] == "ok"
