@@ -286,3 +286,17 @@ def meta_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
             _seen(lambda: linear_scan(on(scan_rows), on(scan_rows), cont, group, check=True)),
             _seen(lambda: attention(on(qkv), on(qkv), on(qkv), plan, group, check=True)),
             _seen(lambda: float(token_mean(rows[:, 0].double(), plan.token_mask(rank), plan, group, check=True)))]
+
+
+def counts_refused(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """num_tokens below the tokens a rank holds (it returned the plain sum before): with checks on,
+    rank 1's refusal reaches rank 0 through the agreement; checks off, every rank given 0 raises its
+    own (no collective follows a given count)."""
+    from cpshard.loss import token_mean
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    v, m = _loss_inputs(plan, rank)
+    return [_seen(lambda: token_mean(v, m, plan, group, num_tokens=0 if rank == 1 else 8, check=True)),
+            _seen(lambda: token_mean(v, m, plan, group, num_tokens=0, check=False)),
+            _seen(lambda: float(token_mean(v, m, plan, group, num_tokens=8, check=True)))]

@@ -208,7 +208,7 @@ def test_a_stamped_reduction_reads_alike_only_when_every_rank_stamped_alike(dtyp
 
 # -- refusals inside the agreement (check=True): every rank raises, the refusing one its own error ----
 
-_REFUSALS = ("refusals_checked", "meta_checked")
+_REFUSALS = ("refusals_checked", "meta_checked", "counts_refused")
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +249,14 @@ def test_tensors_on_the_meta_device_are_refused_on_every_rank(refusals):
         _own_and_peer(what0, what1, (f"{name}=a tensor of shape", "ValueError"))
         assert "on the meta device: must hold real values" in what1[2] and "Fix: pass" in what1[2]
     assert calls0[-1][0] == calls1[-1][0] == "ok"
+
+
+def test_a_count_below_the_tokens_present_raises_on_every_rank(refusals):
+    """token_mean(num_tokens=0) while the mask holds tokens returned the plain sum before."""
+    (checked0, off0, fine0), (checked1, off1, fine1) = _per_rank(refusals, "counts_refused")
+    _own_and_peer(checked0, checked1, ("num_tokens=0: must count at least this rank's labelled tokens (5:", "ValueError"))
+    for what in (off0, off1):
+        assert _raised_at_once(what).startswith("num_tokens=0: must count at least this rank's labelled tokens")
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    rows = [(torch.arange(6, dtype=torch.float64) + 1)[plan.token_mask(r)] for r in range(2)]
+    assert fine0[0] == fine1[0] == "ok" and (fine0[1] + fine1[1]) / 2 == float(torch.cat(rows).mean())

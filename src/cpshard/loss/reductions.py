@@ -116,6 +116,7 @@ class _Local:
                      "that hold other micro-batches), not the CP group", "pass your DP group, or None")
             self.dp = group_size(dp_group, "dp_group")
         tokens = to_device(plan.token_mask(self.rank), values.device)  # pad rows never count
+        self.exact = not mask.is_floating_point()  # a bool or integer mask: its counts are exact
         self.mask = mask.detach() if mask.dtype == torch.bool else mask.detach().to(_F64)
         self.mask = torch.where(tokens, self.mask, torch.zeros((), dtype=self.mask.dtype, device=values.device))
         self.values = masked_rows(values, self.mask)
@@ -144,6 +145,22 @@ class _Local:
         if not float(value) >= 0:
             fail(name, repr(value), "must be a count >= 0", fix)
         return torch.tensor(float(value), dtype=_F64, device=self.values.device)
+
+    def covers(self, name: str, count: torch.Tensor, read: bool) -> None:
+        """Refuse a given count below this rank's own labelled tokens (weights: the mask's sum over
+        token rows), which the count must include. Read on the host where that costs no sync: the
+        rows on the CPU, or ``read`` (checks on: the agreement reads the host anyway); on a device
+        otherwise, a device-side assertion (no host sync), as for a negative count."""
+        present = self.mask.sum(dtype=_F64)
+        slack = 0.0 if self.exact else 1e-6 * present  # weights summed in another order may round below
+        if count.device.type == "cpu" or read:
+            have, need = float(count), float(present)
+            if have < need - float(slack):
+                fail(name, f"{have:g}", f"must count at least this rank's labelled tokens ({need:g}: the loss mask's "
+                     "sum over its token rows)", f"pass {name} as the total over every rank and micro-batch it "
+                     "covers, or None to count here")
+        else:
+            torch._assert_async(count >= present - slack)
 
     def divide(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """``factor * summed / count``, with a zero count taken as one (the sum is then zero too)."""
@@ -265,7 +282,10 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
 
     def build() -> tuple[_Local, torch.Tensor | None]:
         local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
-        return local, local.given("num_tokens", num_tokens)
+        count = local.given("num_tokens", num_tokens)
+        if count is not None:
+            local.covers("num_tokens", count, call.checked)
+        return local, count
 
     local, count = call.start(build)
     if count is None:
