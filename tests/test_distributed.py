@@ -84,6 +84,11 @@ def _gather_and_shift(rank, world):
                 crossing = shift_exchange(plan, rank, k).total_remote
                 assert counter.calls == ([ALL_TO_ALL] if crossing else []), counter.calls
             checked.append(f"{name}/shift{k}")
+        # every shift at once, k = 0 too: SPEC's default pad value is fill when shifted and 0 for k = 0,
+        # as shard and shift_sharded give (the k = 0 entry padded with fill before)
+        multi = shift_sharded_multi([parts[rank]], plan, dist.group.WORLD, shifts=(0, *SHIFTS), fills=[fill])[0]
+        for s, k in enumerate((0, *SHIFTS)):
+            assert torch.equal(multi[s], shard(x, plan, rank, shift=k, fill=fill)), (name, k)
     return checked
 
 

@@ -206,13 +206,13 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
         shifts: the shifts ``k`` (negative ones look back: the halo before each segment travels in
             the same collective).
         pad_values: per tensor, the value of pad rows (``None``: as :func:`cpshard.shard`, ``fill``
-            for a shifted tensor); default all ``None``.
+            for a shifted entry and 0 for an unshifted one, ``k = 0``); default all ``None``.
         fills: per tensor, the value of token rows shifted past the sequence's end; default 0.
         check: as in :func:`gather`.
 
     Returns:
         Per tensor, ``(len(shifts), *local_shape, *trailing)``: entry ``s`` is the tensor shifted by
-        ``shifts[s]``; pad rows take their pad value for every shift. No gradient flows (labels and
+        ``shifts[s]``, whose pad rows hold its pad value. No gradient flows (labels and
         masks); the inputs are read detached.
     """
     def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
@@ -226,7 +226,9 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
         if not ks:
             fail("shifts", list(shifts), "must hold at least one shift", "pass e.g. shifts=[1, 2]")
         fils = [check_fill("fills", v, t.dtype) for v, t in zip(fils, checked)]
-        pads = [f if v is None else check_fill("pad_values", v, t.dtype) for v, f, t in zip(pads, fils, checked)]
+        # per tensor, one pad value per shift: SPEC's default is fill for a shifted entry, 0 for k = 0
+        pads = [tuple(check_fill("pad_values", v, t.dtype) if v is not None else f if k else
+                      check_fill("pad_values", 0, t.dtype) for k in ks) for v, f, t in zip(pads, fils, checked)]
         call = {"dtypes": [t.dtype for t in checked],
                 "row shapes": [tuple(t.shape[len(plan.local_shape):]) for t in checked],
                 "shifts": ks, "pad_values": pads, "fills": fils}
