@@ -257,7 +257,9 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
         num_tokens: ``N`` when it is known before the step, e.g. verl's ``batch_num_tokens`` (every
             labelled token of the mini-batch's micro-batches, over the DP group: gradient
             accumulation then adds up to their mean): no collective at all. Pass ``dp_group`` too
-            when ``N`` spans DP ranks (only its size is read, for ``f``).
+            when ``N`` spans DP ranks (only its size is read, for ``f``). An ``N`` below this rank's
+            own labelled tokens is refused (read on the host where the rows are on the CPU or checks
+            are on; else a device-side assertion, no host sync).
         check: ``True`` runs the agreement over ``group`` first (one small all-gather), so that bad
             input or another plan on any rank raises on every rank, naming them; ``None`` follows
             :func:`cpshard.distributed.set_checks`. Checks on or off, the sums are stamped: ranks that
