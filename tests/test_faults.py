@@ -254,7 +254,7 @@ def test_tensors_on_the_meta_device_are_refused_on_every_rank(refusals):
 def test_a_count_below_the_tokens_present_raises_on_every_rank(refusals):
     """token_mean(num_tokens=0) while the mask holds tokens returned the plain sum before."""
     (checked0, off0, fine0), (checked1, off1, fine1) = _per_rank(refusals, "counts_refused")
-    own = "num_tokens=0: must count at least this rank's labelled tokens (5:"
+    own = "num_tokens=0: must count at least this rank's labelled tokens (5, from"
     _own_and_peer(checked0, checked1, (own, "ValueError"))
     for what in (off0, off1):
         assert _raised_at_once(what).startswith("num_tokens=0: must count at least this rank's labelled tokens")

@@ -239,7 +239,7 @@ def test_a_count_below_the_tokens_present_is_refused():
                  torch.tensor([1.0, 0, 1, 1, 1, 1, 0])):
         for given in (0, 4, torch.tensor(4.0), 4.5):
             with pytest.raises(ValueError, match=rf"^num_tokens={float(given):g}: must count at least this rank's "
-                                                 r"labelled tokens \(5: the loss mask's sum over its token rows\)"):
+                                                 r"labelled tokens \(5, from the loss mask over its token rows\)"):
                 token_mean(x, mask, plan, None, num_tokens=given)
         assert float(token_mean(x, mask, plan, None, num_tokens=5)) == float(x[mask.bool()].sum()) / 5
     # weights summed in another order may round a little below the mask's own float64 sum
@@ -248,6 +248,13 @@ def test_a_count_below_the_tokens_present_is_refused():
     assert float(token_mean(x, weights, plan, None, num_tokens=summed * (1 - 1e-7))) > 0
     with pytest.raises(ValueError, match=r"^num_tokens=0.6: must count at least"):
         token_mean(x, weights, plan, None, num_tokens=0.6)
+    # num_seqs: at least the sequences holding a labelled token here (both of them; then only one)
+    for token_reduction in ("mean", "sum"):
+        with pytest.raises(ValueError, match=r"^num_seqs=1: must count at least this rank's labelled sequences "
+                                             r"\(2, from the loss mask"):
+            sequence_mean(x, torch.ones(7), plan, None, num_seqs=1, token_reduction=token_reduction)
+        one = torch.tensor([1.0, 1, 1, 1, 0, 0, 0])
+        assert float(sequence_mean(x, one, plan, None, num_seqs=1, token_reduction=token_reduction)) > 0
 
 
 @pytest.mark.parametrize("value", [torch.tensor(-5.0), torch.tensor(float("nan")), -5, float("nan")])

@@ -146,18 +146,24 @@ class _Local:
             fail(name, repr(value), "must be a count >= 0", fix)
         return torch.tensor(float(value), dtype=_F64, device=self.values.device)
 
-    def covers(self, name: str, count: torch.Tensor, read: bool) -> None:
-        """Refuse a given count below this rank's own labelled tokens (weights: the mask's sum over
-        token rows), which the count must include. Read on the host where that costs no sync: the
-        rows on the CPU, or ``read`` (checks on: the agreement reads the host anyway); on a device
-        otherwise, a device-side assertion (no host sync), as for a negative count."""
-        present = self.mask.sum(dtype=_F64)
-        slack = 0.0 if self.exact else 1e-6 * present  # weights summed in another order may round below
+    def covers(self, name: str, count: torch.Tensor, read: bool, sequences: bool = False) -> None:
+        """Refuse a given count below what this rank holds, which the count must include: its labelled
+        tokens (weights: the mask's sum over token rows), or with ``sequences`` its sequences with a
+        labelled token. Read on the host where that costs no sync: the rows on the CPU, or ``read``
+        (checks on: the agreement reads the host anyway); on a device otherwise, a device-side
+        assertion (no host sync), as for a negative count."""
+        if sequences:
+            seq = to_device(self.plan.sequence_ids(self.rank), self.mask.device).reshape(-1)
+            held = torch.zeros(self.plan.num_seqs, dtype=_F64, device=self.mask.device)
+            present, what = (held.index_add(0, seq, self.mask.reshape(-1).to(_F64)) > 0).sum(dtype=_F64), "sequences"
+        else:
+            present, what = self.mask.sum(dtype=_F64), "tokens"
+        slack = 0.0 if self.exact or sequences else 1e-6 * present  # weights summed in another order may round
         if count.device.type == "cpu" or read:
             have, need = float(count), float(present)
             if have < need - float(slack):
-                fail(name, f"{have:g}", f"must count at least this rank's labelled tokens ({need:g}: the loss mask's "
-                     "sum over its token rows)", f"pass {name} as the total over every rank and micro-batch it "
+                fail(name, f"{have:g}", f"must count at least this rank's labelled {what} ({need:g}, from the loss "
+                     "mask over its token rows)", f"pass {name} as the total over every rank and micro-batch it "
                      "covers, or None to count here")
         else:
             torch._assert_async(count >= present - slack)
@@ -354,7 +360,8 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
             rank's micro-batch (one more ``all_reduce`` over it, of one number).
         num_seqs: ``S`` when it is known before the step (verl's ``global_batch_size``): no
             ``all_reduce`` over ``dp_group`` (give it for ``f``), and none at all with
-            ``token_reduction="sum"``.
+            ``token_reduction="sum"``. An ``S`` below this rank's sequences with a labelled token is
+            refused, as ``num_tokens`` is in :func:`token_mean`.
         check: as in :func:`token_mean`.
 
     Returns:
@@ -372,7 +379,10 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
             fail("token_reduction", repr(token_reduction), "must be 'mean' (a sequence's token mean) or 'sum'",
                  "pass token_reduction='mean' or 'sum'")
         local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
-        return local, local.given("num_seqs", num_seqs)
+        count = local.given("num_seqs", num_seqs)
+        if count is not None:
+            local.covers("num_seqs", count, call.checked, sequences=True)
+        return local, count
 
     local, given = call.start(build)
     device = local.values.device
