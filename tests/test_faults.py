@@ -261,3 +261,17 @@ def test_a_count_below_the_tokens_present_raises_on_every_rank(refusals):
     plan = ShardPlan.build([5, 3], cp_size=2)
     rows = [(torch.arange(6, dtype=torch.float64) + 1)[plan.token_mask(r)] for r in range(2)]
     assert fine0[0] == fine1[0] == "ok" and (fine0[1] + fine1[1]) / 2 == float(torch.cat(rows).mean())
+
+
+def test_the_agreement_holds_the_device_type():
+    """What checked_call adds to the agreement (no GPU here: the digest itself): the device types of
+    the checked tensors, in any nesting; a meta tensor anywhere is refused."""
+    from cpshard.distributed.agree import contribution
+    from cpshard.distributed.checks import device_types
+
+    assert device_types((torch.zeros(1), [torch.zeros(2), (torch.zeros(3),)], 3, None)) == ("cpu",)
+    with pytest.raises(ValueError, match=r"^input=a tensor of shape \(1,\) on the meta device"):
+        device_types((torch.zeros(1), [torch.zeros(1, device="meta")]))
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    words = [contribution(plan, None, {"dtype": torch.float32, "device": kind})[0] for kind in (("cpu",), ("cuda",))]
+    assert torch.equal(words[0][:8], words[1][:8]) and words[0][8] != words[1][8]  # same plan, another call

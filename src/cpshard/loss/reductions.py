@@ -200,12 +200,13 @@ class _Call:
             self._agreed(exc)
             raise  # _agreed re-raised it; kept for the type checker
         if not solo:
-            self._agreed(None)
+            rows = local[0] if isinstance(local, tuple) else local  # the _Local (and a given count)
+            self._agreed(None, {"device": rows.values.device.type})
         return local
 
-    def _agreed(self, error: Exception | None) -> None:
+    def _agreed(self, error: Exception | None, extra: dict[str, Any] | None = None) -> None:
         try:
-            agree(self.plan, self.group, error, self.call)
+            agree(self.plan, self.group, error, {**self.call, **(extra or {})})
         except (ValueError, TypeError) as exc:  # the verdict, or this rank's own error re-raised
             self._leave(exc)
 
