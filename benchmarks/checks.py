@@ -13,7 +13,7 @@ Per world size and batch, for the all-gather of ``gather`` and the all-to-all of
 - "headed": the same collective with each contribution (all-gather) or chunk (all-to-all) led by the
   64-byte header, checked on arrival (``distributed.stamp.all_gather_stamped`` / ``all_to_all``);
 - "call": the public call, checks off (the default), and "checked": with ``check=True`` (the
-  agreement all-gather of 144 bytes per rank first).
+  agreement all-gather of 272 bytes per rank first).
 
 Per call, every rank does ``barrier(); t0; call; t1``; a call's time is the max over ranks, the table
 the median over repeats. "+bytes" is what the header adds to the bytes one rank sends per call.

@@ -59,10 +59,10 @@ def shifts_differ(rank: int, world: int) -> list[tuple[Any, ...]]:
 
 
 def checks_differ(rank: int, world: int) -> list[tuple[Any, ...]]:
-    """check=True on rank 0 only; the gather's message is as long as the check's (144 bytes)."""
-    plan = ShardPlan.build([16, 24], cp_size=world, layout="contiguous")  # 20 float32 rows per rank: 80 bytes
-    assert plan.local_len == 20
-    local = shard(torch.arange(40.0), plan, rank)
+    """check=True on rank 0 only; the gather's message is as long as the check's (272 bytes)."""
+    plan = ShardPlan.build([48, 56], cp_size=world, layout="contiguous")  # 52 float32 rows per rank: 208 bytes
+    assert plan.local_len == 52
+    local = shard(torch.arange(104.0), plan, rank)
     return [_seen(lambda: gather(local, plan, _world(), check=rank == 0).values())]
 
 
@@ -207,6 +207,144 @@ def sequence_counts_differ_sizes(rank: int, world: int) -> list[tuple[Any, ...]]
     plan = ShardPlan.build([5, 3] if rank == 0 else [4, 4, 4], cp_size=world)
     v, m = _loss_inputs(plan, rank)
     return [_seen(lambda: sequence_mean(v, m, plan, _world(), check=False))]
+
+
+# -- every argument of every public collective, flipped on rank 1 (docs/guarantees.md, "Every argument") --
+
+
+def _flip(rank: int, here: Any, there: Any) -> Any:
+    return there if rank == 1 else here
+
+
+def _mtp_call(plan: Any, rank: int, *, labels: str = "sharded", check: bool | None = None, **kw: Any) -> Any:
+    """mtp_loss of 2 depths over lengths [9, 7] (the labels sharded, or the whole batch): the depth losses."""
+    import torch.nn.functional as F
+
+    from cpshard.mtp import mtp_loss
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(plan.local_len, 3, generator=g, dtype=torch.float64) for _ in range(3)]
+    w = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    whole = [torch.arange(9) % 5, torch.arange(7) % 3]
+    source = whole if labels == "whole" else shard(whole, plan, rank)
+    mask = None if labels == "whole" else shard([torch.ones(9), torch.ones(7)], plan, rank)
+    out = mtp_loss(chunks, source, mask, plan, _world(), output_layer=lambda x: x @ w.T,
+                   loss_fn=lambda y, z: F.cross_entropy(z, y.reshape(-1), reduction="none"), check=check, **kw)
+    return out.losses
+
+
+def _drop_in(plan: Any, rank: int, *, scaling: float = 0.1, per_token: bool = False) -> Any:
+    """Megatron's process_mtp_loss drop-in, BSHD [1, 8] rows a rank at cp = 2 (its config read)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from cpshard.megatron import process_mtp_loss
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    hidden = torch.randn(3 * 8, 1, 3, generator=g, dtype=torch.float64)
+    labels = (torch.arange(8) + rank).remainder(5)[None]
+    config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=scaling, calculate_per_token_loss=per_token)
+    return process_mtp_loss(hidden, labels, torch.ones(1, 8), lambda x, **_: (x @ w.T, None), None, None, False,
+                            lambda y, z: F.cross_entropy(z.transpose(0, 1).reshape(-1, 5), y.reshape(-1),
+                                                         reduction="none").view(1, 8),
+                            config, cp_group=_world())
+
+
+def _every_argument_calls(rank: int, world: int) -> list[tuple[str, Callable[[], Any]]]:
+    """(argument, call) for each result-changing argument of each public collective, rank 1's another."""
+    from cpshard import twin_plan
+    from cpshard.attention import attention, naive_attention
+    from cpshard.distributed import all_gather_rows, gather_states, gather_tokens, sum_over_group
+    from cpshard.loss import sequence_mean, token_mean, token_sum
+    from cpshard.mtp import mtp_targets
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    x = shard(torch.arange(16.0), plan, rank)
+    v, m = _loss_inputs(plan, rank)
+    qkv = torch.randn(plan.local_len, 2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    whole = [torch.arange(9), torch.arange(7)]
+    labels = shard(whole, plan, rank)
+    singles = [dist.new_group([r]) for r in range(world)]  # a DP group of one rank each, created by every rank
+    contiguous = twin_plan(plan, "contiguous")
+    a = torch.full((contiguous.local_len, 2), 0.5, dtype=torch.float64)
+    return [
+        ("dtype", lambda: gather(_flip(rank, x, x.double()), plan, group)),
+        ("row shape", lambda: gather_tokens(_flip(rank, x[:, None], x[:, None].expand(-1, 2)), plan, group)),
+        ("shift", lambda: shift_sharded(x, plan, group, shift=_flip(rank, 1, 2))),
+        ("pad_value", lambda: shift_sharded(x, plan, group, pad_value=_flip(rank, 0, -1))),
+        ("fill", lambda: shift_sharded(x, plan, group, fill=_flip(rank, 0.0, -0.0))),  # exact bits
+        ("shifts", lambda: shift_sharded_multi([x], plan, group, shifts=_flip(rank, [1, 2], [1, 3]))),
+        ("fills", lambda: shift_sharded_multi([x], plan, group, shifts=[1], fills=[_flip(rank, 0, 7)])),
+        ("dst_plan", lambda: relayout(x, plan, twin_plan(plan, _flip(rank, "contiguous", "zigzag")), group)),
+        ("row shape", lambda: all_gather_rows(_flip(rank, x[:, None], x[:, None].expand(-1, 2)), plan, group)),
+        ("dtype", lambda: gather_states(_flip(rank, x[:2], x[:2].double()), plan, group)),
+        ("row shape", lambda: sum_over_group(_flip(rank, torch.ones(2), torch.ones(3)), plan, group)),
+        ("grad_reduction", lambda: token_mean(v, m, plan, group, grad_reduction=_flip(rank, "mean", "sum"))),
+        ("num_tokens", lambda: token_mean(v, m, plan, group, num_tokens=_flip(rank, 10, 10.5))),
+        ("num_tokens", lambda: token_mean(v, m, plan, group, num_tokens=_flip(rank, None, 10))),
+        ("token_reduction", lambda: sequence_mean(v, m, plan, group, token_reduction=_flip(rank, "mean", "sum"))),
+        ("num_seqs", lambda: sequence_mean(v, m, plan, group, num_seqs=_flip(rank, 2, torch.tensor(3.0)))),
+        ("grad_reduction", lambda: token_sum(v, m, plan, group, grad_reduction=_flip(rank, "mean", "sum"))),
+        ("num_depths", lambda: mtp_targets(labels, None, plan, group, num_depths=_flip(rank, 2, 3))),
+        ("label_fill", lambda: mtp_targets(whole, None, plan, group, num_depths=2, label_fill=_flip(rank, 0, -1))),
+        ("labels", lambda: mtp_targets(_flip(rank, whole, labels), None, plan, group, num_depths=2)),
+        ("scaling_factor", lambda: _mtp_call(plan, rank, scaling_factor=_flip(rank, 0.1, 0.1 + 2**-50))),
+        ("normalization", lambda: _mtp_call(plan, rank, normalization=_flip(rank, "mean", "per_token"))),
+        ("counts", lambda: _mtp_call(plan, rank, labels="whole", counts=_flip(rank, "global", "local"))),
+        ("grad_reduction", lambda: _mtp_call(plan, rank, labels="whole", grad_reduction=_flip(rank, "mean", "sum"))),
+        ("scale", lambda: attention(qkv, qkv, qkv, plan, group, scale=_flip(rank, None, 0.3))),
+        ("naive", lambda: _flip(rank, attention, naive_attention)(qkv, qkv, qkv, plan, group)),
+        ("dtype", lambda: relayout(_flip(rank, x, x.double()), plan, twin_plan(plan, "contiguous"), group)),
+        ("pad_values", lambda: shift_sharded_multi([x], plan, group, shifts=[1], pad_values=[_flip(rank, None, 3)])),
+        ("grad_reduction", lambda: sequence_mean(v, m, plan, group, grad_reduction=_flip(rank, "mean", "sum"))),
+        ("dp_group", lambda: token_mean(v, m, plan, group, dp_group=_flip(rank, None, singles[rank]))),
+        (_flip(rank, "labels", "input_ids"),
+         lambda: mtp_targets(*_flip(rank, (labels, None), (None, labels)), plan, group, num_depths=2, input_ids=labels)),
+        ("loss_mask", lambda: mtp_targets(labels, _flip(rank, None, labels.float()), plan, group, num_depths=2)),
+        ("scaling_factor", lambda: _drop_in(plan, rank, scaling=_flip(rank, 0.1, 0.3))),
+        ("dtype", lambda: linear_scan(_flip(rank, a, a.float()), _flip(rank, a, a.float()), contiguous, group)),
+    ]
+
+
+def every_argument_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """set_checks(True): every flip raises on every rank, in the agreement, naming the argument."""
+    from cpshard.distributed import set_checks
+
+    previous = set_checks(True)
+    try:
+        return [(argument, _seen(call)) for argument, call in _every_argument_calls(rank, world)]
+    finally:
+        set_checks(previous)
+
+
+def every_argument_unchecked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks off: the flips whose collective carries the argument (the header or the trailer) raise
+    on every rank; a count given to a call that makes no collective is each rank's own."""
+    from cpshard.attention import attention, naive_attention
+    from cpshard.loss import sequence_mean, token_mean
+
+    group = _world()
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    v, m = _loss_inputs(plan, rank)
+    qkv = torch.randn(plan.local_len, 2, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    calls = [
+        ("scale", lambda: attention(qkv, qkv, qkv, plan, group, scale=_flip(rank, 0.5, 0.3), check=False)),
+        ("naive", lambda: _flip(rank, attention, naive_attention)(qkv, qkv, qkv, plan, group, check=False)),
+        ("scaling_factor", lambda: _mtp_call(plan, rank, scaling_factor=_flip(rank, 0.1, 0.2), check=False)),
+        ("normalization", lambda: _mtp_call(plan, rank, normalization=_flip(rank, "mean", "per_token"), check=False)),
+        ("counts", lambda: _mtp_call(plan, rank, counts=_flip(rank, "global", "local"), check=False)),
+        ("grad_reduction", lambda: _mtp_call(plan, rank, grad_reduction=_flip(rank, "mean", "sum"), check=False)),
+        ("scaling_factor", lambda: _mtp_call(plan, rank, labels="whole", scaling_factor=_flip(rank, 0.1, 0.2),
+                                             check=False)),
+        ("num_tokens", lambda: float(token_mean(v, m, plan, group, num_tokens=_flip(rank, 10, 12), check=False))),
+        ("num_seqs", lambda: float(sequence_mean(v, m, plan, group, num_seqs=_flip(rank, 2, 3), check=False))),
+        ("normalization", lambda: _drop_in(plan, rank, per_token=_flip(rank, False, True))),
+    ]
+    return [(argument, _seen(call)) for argument, call in calls]
 
 
 # -- refusals inside the agreement: a rank that refuses its own input, checks on ---------------------

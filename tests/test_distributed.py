@@ -410,8 +410,8 @@ def test_mismatched_plans_raise_everywhere(suites):
         else:
             assert "ranks [2] of the context-parallel group rejected their input" in errors[3], errors[3]
         assert "ranks [1] built ShardPlan(cp_size=2" in errors[4], errors[4]
-        for msg in errors[5:7]:
-            assert "called with different arguments: ranks [0, 2, 3] vs [1]" in msg, msg
+        for msg, argument in zip(errors[5:7], ("dtype", "shift")):  # each names the argument that differs
+            assert f"called with different arguments in {argument}: ranks [0, 2, 3] vs [1]" in msg, msg
         assert "dtype=torch.float" in errors[5] and "shift=" in errors[6]
         assert "ranks [3] built no plan (see that rank's TypeError)" in errors[7], errors[7]
         for msg in errors[8:10]:

@@ -89,7 +89,7 @@ def test_messages_of_different_sizes_abort_the_rank_that_receives_more():
 # -- every other collective: losses, sums, the scan, the attention (Note [Stamped reductions]) ----------
 
 _OTHERS = ("loss_plans_differ", "loss_checks_on", "loss_unchecked", "loss_dp", "scan_checked",
-           "pad_rank_backward")
+           "pad_rank_backward", "every_argument_checked", "every_argument_unchecked")
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +204,44 @@ def test_a_stamped_reduction_reads_alike_only_when_every_rank_stamped_alike(dtyp
     trailers[odd] = trailer(other, dtype, ranks, reduce, True)
     failed = [sum(col) if reduce == "sum" else max(col) for col in zip(*trailers)]
     assert all(trailer_mismatch(failed, t, ranks, reduce) == "failed" for t in trailers)
+
+
+# -- every argument of every public collective, flipped on rank 1 (docs/guarantees.md) -------------------
+
+def test_every_argument_flipped_on_one_rank_raises_on_every_rank_naming_it_checks_on(others):
+    """Before: the MTP loss's scaling_factor, normalization and grad_reduction returned wrong
+    gradients, counts="global" against "local" hung, num_tokens and num_seqs agreed only on whether
+    they were given, and no error named the argument that differs."""
+    per_rank = _per_rank(others, "every_argument_checked")
+    assert len(per_rank[0]) == 34
+    for rank, calls in enumerate(per_rank):
+        for argument, what in calls:
+            msg = _raised_at_once(what)
+            assert "the context-parallel group called with different arguments in " in msg, (argument, msg)
+            named = msg.split("called with different arguments in ")[1].split(": ranks")[0]
+            assert argument in named.split(", "), (argument, named)
+            assert f"(this is rank {rank}, which passed " in msg and "Fix: pass every rank the same" in msg
+
+
+def test_every_argument_the_collective_carries_raises_checks_off(others):
+    """Before: a different attention scale, the naive attention against the attention, the MTP loss's
+    arguments and sequence_mean's num_seqs returned on every rank. A count given to a call that makes
+    no collective is each rank's own (docs/guarantees.md): no message can carry it."""
+    per_rank = _per_rank(others, "every_argument_unchecked")
+    for rank, calls in enumerate(per_rank):
+        ops = ["all_gather_rows"] * 2 + ["shift_sharded_multi"] * 4 + ["mtp_loss"]
+        for (argument, what), op in zip(calls, ops):
+            msg = _raised_at_once(what)
+            assert msg.startswith(f"{op}: the ranks of the "), (argument, msg)
+            assert f"{argument}=" in msg and "this rank passed" in msg.lower(), (argument, msg)
+        (_, tokens), (_, seqs), (_, drop_in) = calls[7:]
+        assert _raised_at_once(drop_in).startswith("shift_sharded_multi: ") and "normalization=" in drop_in[2]
+        assert tokens[0] == "ok"
+        assert _raised_at_once(seqs).startswith("sequence_mean: the ranks of the CP group passed different num_seqs "
+                                                f"(this rank passed {2.0 + rank})")
+    plan = ShardPlan.build([9, 7], cp_size=2)
+    sums = [float((torch.arange(plan.local_len, dtype=torch.float64) + 1)[plan.token_mask(r)].sum()) for r in (0, 1)]
+    assert [calls[7][1][1] for calls in per_rank] == [2 * sums[0] / 10, 2 * sums[1] / 12]  # each its own count
 
 
 # -- refusals inside the agreement (check=True): every rank raises, the refusing one its own error ----

@@ -385,6 +385,39 @@ def _accumulated(rank, world, cp_group, dp_group):
     return checked, calls
 
 
+def _seen(call):
+    try:
+        return ("ok", float(call()))
+    except ValueError as exc:
+        return ("raised", str(exc))
+
+
+def _dp_disagree(rank, world):
+    """2 x 2 as _dp_cp, the CP groups disagreeing about the DP step (Note [DP-level calls]): with checks
+    on each call with dp_group makes one DP collective whose trailer carries the decision. Before: the
+    first four hung in the DP sum (or returned shares scaled by another factor), the last two returned."""
+    groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    cp, dp = groups[rank // 2], groups[2 + rank % 2]
+    a = rank < 2  # CP group A: ranks 0 and 1; B: 2 and 3
+    plan = ShardPlan.build([5, 3] if a else [4, 4, 4], cp_size=2)
+    v, m = torch.arange(plan.local_len, dtype=F64) + 1, plan.token_mask(rank % 2)
+    kw = {"dp_group": dp, "check": True}
+    cases = {
+        "num_tokens": lambda: token_mean(v, m, plan, cp, num_tokens=20 if a else None, **kw),
+        "token_sum": lambda: (token_sum if a else token_mean)(v, m, plan, cp, **kw),
+        "num_tokens value": lambda: token_mean(v, m, plan, cp, num_tokens=20 if a else 24, **kw),
+        "grad_reduction": lambda: token_sum(v, m, plan, cp, grad_reduction="mean" if a else "sum", **kw),
+        "num_seqs": lambda: sequence_mean(v, m, plan, cp, num_seqs=5 if a else None, **kw),
+        "num_seqs value": lambda: sequence_mean(v, m, plan, cp, token_reduction="sum", num_seqs=5 if a else 6, **kw),
+        "alike": lambda: token_mean(v, m, plan, cp, **kw),
+        # checks off: the DP sums carry the call; a call without a DP collective is each CP group's own
+        "grad_reduction unchecked": lambda: token_mean(v, m, plan, cp, grad_reduction="mean" if a else "sum",
+                                                       dp_group=dp, check=False),
+        "token_sum unchecked": lambda: token_sum(v, m, plan, cp, dp_group=dp if a else None, check=False),
+    }
+    return {name: _seen(call) for name, call in cases.items()} | {"own sum": float(v[m].sum())}
+
+
 def _exactness_cp2(rank, world):
     return _exactness(*_cp_groups(rank, world, 2))
 
@@ -407,7 +440,7 @@ def _megatron_cp2(rank, world):
 
 # one spawned world of 4 ranks runs every sub-case (starting processes is the slow part)
 _NAMES = ("_exactness_cp2", "_exactness_cp4", "_local_mean_cp2", "_local_mean_cp4", "_megatron_cp2",
-          "_collectives", "_dp_cp")
+          "_collectives", "_dp_cp", "_dp_disagree")
 
 
 @functools.cache
@@ -467,3 +500,24 @@ def test_the_megatron_rows_through_megatrons_own_schedule():
     for layout in ("zigzag", "contiguous/minimal/balanced"):
         assert report[f"{layout}/per-token"] and report[f"{layout}/two-value"], report
         assert not report[f"{layout}/three-value"], report  # Megatron's rank-local division
+
+
+def test_cp_groups_that_disagree_about_the_dp_step_raise_on_every_rank():
+    """Checks on: a count given on one CP group and summed on the other, token_sum against token_mean,
+    other counts or another grad_reduction over dp_group: every rank of both CP groups raises, naming
+    the loss and its arguments (Note [DP-level calls])."""
+    for rank, seen in enumerate(r["_dp_disagree"] for r in suites()):
+        a = rank < 2
+        ops = {"token_sum": "token_sum" if a else "token_mean", "grad_reduction": "token_sum"}
+        for name in ("num_tokens", "token_sum", "num_tokens value", "grad_reduction", "num_seqs", "num_seqs value"):
+            kind, msg = seen[name]
+            op = ops.get(name, "sequence_mean" if name.startswith("num_seqs") else "token_mean")
+            assert kind == "raised" and msg.startswith(f"{op} over dp_group: the ranks of the group disagree"), msg
+            argument = name.split()[0]
+            assert f"This rank passed loss={op}" in msg and (argument == "token_sum" or f"{argument}=" in msg), msg
+        assert seen["alike"][0] == "ok"
+        kind, msg = seen["grad_reduction unchecked"]
+        assert kind == "raised" and msg.startswith("token_mean over dp_group: the ranks of the group disagree"), msg
+        # no collective: dp_group on one CP group and None on the other scale the shares by 4 and by 2
+        # (docs/guarantees.md, "Over dp_group"); checks on, the DP side would wait in its DP check instead
+        assert seen["token_sum unchecked"] == ("ok", (4 if a else 2) * seen["own sum"])

@@ -3,18 +3,19 @@ small all-gather, and what every rank concludes from everyone's contributions. P
 itself is ``cpshard.distributed``'s (the only module that communicates); the process-wide switch
 (``set_checks``, ``CPSHARD_CHECK``) lives here.
 
-Each rank contributes ten int64 words, after a ``CHECK`` call header (``distributed/header.py``: a peer that
-runs a data collective here instead, its checks off, is named rather than read as these words): its
-plan's fingerprint (eight, ``PlanIndices.fingerprint``),
-a digest of the call's arguments that every rank must pass alike, and whether its own input checks
-failed. Every rank then sees the same rows and raises the same error (or none), so nothing hangs:
-different plans first (the root cause of most other errors), then a rank's own error, then the ranks
-that rejected their input, then different arguments.
+Each rank contributes twenty-six int64 words, after a ``CHECK`` call header (``distributed/header.py``: a
+peer that runs a data collective here instead, its checks off, is named rather than read as these
+words): its plan's fingerprint (eight, ``PlanIndices.fingerprint``), a digest of the call's arguments
+that every rank must pass alike, whether its own input checks failed, and one digest per argument
+(``ARG_SLOTS``, in name order; the last slot folds the rest), so that the error names the arguments
+that differ. Floats are digested by their exact bits (``header.digest``). Every rank then sees the
+same rows and raises the same error (or none), so nothing hangs: different plans first (the root
+cause of most other errors), then a rank's own error, then the ranks that rejected their input, then
+different arguments.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,8 +23,11 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import fail
+from cpshard.distributed.header import digest
 
-__all__ = ["checks_enabled", "contribution", "describe", "judge", "resolve_check", "set_checks"]
+__all__ = ["ARG_SLOTS", "checks_enabled", "contribution", "describe", "judge", "resolve_check", "set_checks"]
+
+ARG_SLOTS = 16  # one digest per argument of the call (the last slot folds the rest)
 
 _CHECKS = [os.environ.get("CPSHARD_CHECK", "").strip().lower() in ("1", "true", "yes", "on")]
 
@@ -63,12 +67,28 @@ def describe(fp: Sequence[int]) -> str:
             f"digest={fp[6]:x})")
 
 
-def _digest(value: Any) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
+_digest = digest  # floats by their exact bits (their repr)
+
+
+def _slots(call: dict[str, Any]) -> list[int]:
+    """One digest per argument (name and value) in name order; the last slot folds the rest."""
+    items = sorted(call.items())
+    head, rest = items[:ARG_SLOTS - 1], items[ARG_SLOTS - 1:]
+    words = [_digest(item) for item in head] + [_digest(rest) if rest else 0]
+    return words + [0] * (ARG_SLOTS - len(words))
+
+
+def _differing(rows: Sequence[tuple[int, ...]], rank: int, call: dict[str, Any]) -> list[str]:
+    """The names of this rank's arguments (name and value) that some rank does not pass (empty: unknown);
+    by digest, not position, so that calls with other argument names (another operation) compare too."""
+    names = sorted(call)
+    names = names[:ARG_SLOTS - 1] + ([", ".join(names[ARG_SLOTS - 1:])] if names[ARG_SLOTS - 1:] else [])
+    mine = rows[rank][10:10 + ARG_SLOTS]
+    return [name for i, name in enumerate(names) if any(mine[i] not in row[10:10 + ARG_SLOTS] for row in rows)]
 
 
 def contribution(plan: Any, error: Exception | None, call: dict[str, Any]) -> tuple[torch.Tensor, Exception | None]:
-    """This rank's ten words, and its error (a TypeError when ``plan`` is no plan at all: the rank still
+    """This rank's twenty-six words, and its error (a TypeError when ``plan`` is no plan at all: the rank still
     takes part, with the zero fingerprint, so that the other ranks raise too)."""
     from cpshard.plan.values import Plan
     if isinstance(plan, Plan):
@@ -78,7 +98,9 @@ def contribution(plan: Any, error: Exception | None, call: dict[str, Any]) -> tu
         if error is None:
             error = TypeError(f"plan={type(plan).__name__}: must be a ShardPlan or BshdPlan. "
                               "Fix: build one with ShardPlan.build.")
-    extra = torch.tensor([_digest(sorted(call.items())) if error is None else 0, int(error is not None)])
+    ok = error is None
+    extra = torch.tensor([_digest(sorted(call.items())) if ok else 0, int(not ok),
+                          *(_slots(call) if ok else [0] * ARG_SLOTS)])
     return torch.cat([fingerprint, extra]), error
 
 
@@ -107,7 +129,10 @@ def judge(rows: Sequence[tuple[int, ...]], rank: int, error: Exception | None, c
     by_call = ranks_by(lambda row: row[8])
     if len(by_call) > 1:
         mine_desc = ", ".join(f"{k}={v}" for k, v in call.items())
+        differ = _differing(rows, rank, call)
+        named = f" in {', '.join(differ)}" if differ else ""
         raise ValueError(
-            f"the ranks of the context-parallel group called with different arguments: ranks "
+            f"the ranks of the context-parallel group called with different arguments{named}: ranks "
             f"{' vs '.join(str(r) for r in by_call.values())} (this is rank {rank}, which passed {mine_desc}). "
-            "Fix: pass every rank the same dtype, row shape, shift and fill values for one step.")
+            f"Fix: pass every rank the same {', '.join(differ) or 'arguments'} for one call (dtype, row shape, "
+            "shift and fill values, and the call's own arguments).")

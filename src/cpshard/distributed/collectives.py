@@ -44,8 +44,8 @@ from cpshard.plan.args import check_shift
 from cpshard.plan.twins import check_twins, relayout_route
 from cpshard.plan.values import Plan
 
-__all__ = ["all_gather_rows", "gather", "gather_states", "gather_tokens", "joined", "relayout", "shift_sharded",
-           "shift_sharded_multi"]
+__all__ = ["all_gather_rows", "all_gather_rows_for", "gather", "gather_states", "gather_states_for", "gather_tokens",
+           "joined", "relayout", "shift_sharded", "shift_sharded_multi", "shift_sharded_multi_for"]
 
 
 class _AllGatherOwnGrad(torch.autograd.Function):
@@ -215,6 +215,16 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
         ``shifts[s]``, whose pad rows hold its pad value. No gradient flows (labels and
         masks); the inputs are read detached.
     """
+    return shift_sharded_multi_for(tensors, plan, group, {}, shifts=shifts, pad_values=pad_values, fills=fills,
+                                   check=check)
+
+
+def shift_sharded_multi_for(tensors: Sequence[torch.Tensor], plan: Plan, group: Any, args: dict[str, Any], *,
+                            shifts: Sequence[int], pad_values: Sequence[Scalar | None] | None = None,
+                            fills: Sequence[Scalar] | None = None, check: bool | None = None) -> list[torch.Tensor]:
+    """:func:`shift_sharded_multi` for a call of layer 5 (``cpshard.mtp``) whose own arguments ``args``
+    (name -> value) every rank must pass alike: they join the agreement's digest (checks on) and the
+    exchange's header (checks off), as the shifts and fills do (docs/guarantees.md)."""
     def validate() -> tuple[tuple[list[torch.Tensor], tuple[int, ...], list[Any], list[Any]], dict[str, Any]]:
         checked = [check_local(t, plan) for t in tensors]
         pads = list(pad_values) if pad_values is not None else [None] * len(checked)
@@ -231,7 +241,7 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
                       check_fill("pad_values", 0, t.dtype) for k in ks) for v, f, t in zip(pads, fils, checked)]
         call = {"dtypes": [t.dtype for t in checked],
                 "row shapes": [tuple(t.shape[len(plan.local_shape):]) for t in checked],
-                "shifts": ks, "pad_values": pads, "fills": fils}
+                "shifts": ks, "pad_values": pads, "fills": fils, **args}
         return (checked, ks, pads, fils), call
 
     (checked, ks, pads, fils), rank, call, ran_check = checked_call(plan, group, check, validate)
@@ -280,10 +290,19 @@ def all_gather_rows(rows: torch.Tensor, plan: Plan, group: Group, *, check: bool
     That backward is a collective: every rank's loss must depend on the result (:func:`joined`
     attaches it where a rank's output reads none of it), or the ranks that skip it leave the others
     waiting."""
-    return _gather_rows(rows, plan, group, "all_gather_rows", check)
+    return _gather_rows(rows, plan, group, "all_gather_rows", check, {})
 
 
-def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: bool | None) -> torch.Tensor:
+def all_gather_rows_for(rows: torch.Tensor, plan: Plan, group: Group, args: dict[str, Any], *,
+                        check: bool | None = None) -> torch.Tensor:
+    """:func:`all_gather_rows` for a call of layer 5 (the reference attention) whose own arguments
+    ``args`` (name -> value: the score scale, the kernel's belief) every rank must pass alike: they join
+    the agreement's digest (checks on), the gather's header and its backward's trailer (checks off)."""
+    return _gather_rows(rows, plan, group, "all_gather_rows", check, args)
+
+
+def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: bool | None,
+                 args: dict[str, Any]) -> torch.Tensor:
     """``rows`` ``(R, ...)`` of every rank (``op="gather_states"``: ``rows`` is one rank's states,
     gathered as one row), checked inside the agreement (checks on): a rank that refuses its input
     makes every rank raise instead of leaving them waiting in the gather."""
@@ -295,7 +314,7 @@ def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: b
             fail(name, f"a {'nested' if checked.is_nested else '0-d'} tensor", "must be a dense tensor of rows "
                  "(one shape on every rank)", f"pass {name} as one strided tensor")
         checked = checked.unsqueeze(0) if op == "gather_states" else checked
-        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:])}
+        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]), **args}
 
     rows, rank, call, ran_check = checked_call(plan, group, check, validate)
     if solo(plan, group):
@@ -419,5 +438,12 @@ def gather_states(states: torch.Tensor, plan: Plan, group: Any, *, check: bool |
     it leave the others waiting. ``check``: as in :func:`gather` (the agreement covers the dtype and
     shape: a rank whose states differ raises with the others, before the gather).
     """
-    gathered = _gather_rows(states, plan, group, "gather_states", check)
+    return gather_states_for(states, plan, group, {}, check=check)
+
+
+def gather_states_for(states: torch.Tensor, plan: Plan, group: Any, args: dict[str, Any], *,
+                      check: bool | None = None) -> torch.Tensor:
+    """:func:`gather_states` for a call of layer 5 (the scan) whose own arguments ``args`` every rank
+    must pass alike: as :func:`all_gather_rows_for`. ``states`` is checked inside the agreement."""
+    gathered = _gather_rows(states, plan, group, "gather_states", check, args)
     return gathered.reshape(plan.cp_size, *gathered.shape[1:])

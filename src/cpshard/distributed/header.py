@@ -71,11 +71,13 @@ OPS = {"gather": 1, "all_gather_rows": 2, "gather_states": 3, "shift_sharded": 4
        "check": 9}
 _OP_NAMES = {v: k for k, v in OPS.items()}
 _FIELDS = ("kind", "operation", "rank", "check setting", "plan", "dtype", "row shape",
-           "shift, pad and fill values")
+           "shift, pad and fill values or the calling operation's arguments")
 
 
 def digest(value: Any) -> int:
-    """63 bits of a BLAKE2b digest of ``repr(value)`` (non-negative, fits an int64 word)."""
+    """63 bits of a BLAKE2b digest of ``repr(value)`` (non-negative, fits an int64 word). Floats by their
+    exact bits: a float's ``repr`` is the shortest text that reads back as the same double, so ``0.1`` and
+    the next double, or ``0.0`` and ``-0.0``, digest apart (the callers pass Python floats)."""
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 1
 
 
@@ -123,8 +125,9 @@ def _value(field: str, word: int) -> str:
 
 
 def describe_mismatch(op: str, rank: int, bad: dict[int, tuple[list[str], Sequence[int]]],
-                      mine: Sequence[int]) -> str:
-    """The error message for the senders in ``bad`` (``{sender: (fields, received header)}``)."""
+                      mine: Sequence[int], call: dict[str, Any] | None = None) -> str:
+    """The error message for the senders in ``bad`` (``{sender: (fields, received header)}``); ``call``:
+    this rank's arguments, listed where the digest of the arguments differs."""
     parts = []
     for sender, (fields, got) in sorted(bad.items()):
         if fields == ["no header"]:
@@ -135,6 +138,9 @@ def describe_mismatch(op: str, rank: int, bad: dict[int, tuple[list[str], Sequen
                  if f in ("kind", "operation", "check setting") or (f == "dtype" and got[5] in _DTYPE_NAMES)
                  else f for f in fields]
         parts.append(f"rank {sender} differs in {', '.join(shown)}")
+    rest = {k: v for k, v in (call or {}).items() if k not in _SHAPE_KEYS}
+    if rest and any(_FIELDS[7] in fields for fields, _ in bad.values()):
+        parts[-1] += f" (this rank passed {', '.join(f'{k}={v}' for k, v in rest.items())})"
     return (f"{op}: the ranks of the context-parallel group disagree about this call (this is rank {rank}): "
             f"{'; '.join(parts)}. Its result would be wrong, so no rank returns it. Fix: call it on every rank "
             "with the same plan (built from the same lengths), dtype, row shape, shifts and fill values, and "

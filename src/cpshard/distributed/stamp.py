@@ -79,14 +79,14 @@ def _reduction_word(op: str, checked: bool, plans: tuple[Plan, ...], call: tuple
 
 
 def raise_on_mismatch(op: str, rank: int, got: Sequence[Sequence[int]], mine: Sequence[int],
-                       senders: Sequence[int]) -> None:
+                       senders: Sequence[int], call: dict[str, Any] | None = None) -> None:
     bad = {}
     for sender, words in zip(senders, got):
         fields = _header.mismatch(words, mine, sender)
         if fields:
             bad[sender] = (fields, words)
     if bad:
-        raise ValueError(_header.describe_mismatch(op, rank, bad, mine))
+        raise ValueError(_header.describe_mismatch(op, rank, bad, mine, call))
 
 
 def verify_headers(stamp: Stamp, headers: torch.Tensor, senders: Sequence[int]) -> None:
@@ -97,7 +97,7 @@ def verify_headers(stamp: Stamp, headers: torch.Tensor, senders: Sequence[int]) 
     device-side assertion, fatal to the process, as NCCL mismatches are)."""
     words = headers.reshape(-1).view(torch.int64).view(-1, _header.HEADER_WORDS)  # a copy unless one row
     if words.device.type == "cpu":
-        raise_on_mismatch(stamp.op, stamp.rank, words.tolist(), stamp.words, senders)
+        raise_on_mismatch(stamp.op, stamp.rank, words.tolist(), stamp.words, senders, stamp.call)
         return
     expected = torch.tensor([[w if i != 2 else s for i, w in enumerate(stamp.words)] for s in senders],
                             dtype=torch.int64).to(words.device, non_blocking=True)

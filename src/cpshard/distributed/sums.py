@@ -77,11 +77,13 @@ def _reduction_error(stamp: Stamp, verdict: str) -> str:
         return (f"{stamp.op}: a rank of the group rejected its input (its own error says why; this is rank "
                 f"{stamp.rank}). Fix: correct the input on that rank; it joined this sum with a failure word so "
                 "that no rank of the group waits for it.")
+    passed = ", ".join(f"{k}={v}" for k, v in stamp.call.items())
+    passed = f" This rank passed {passed}." if passed else ""
     return (f"{stamp.op}: the ranks of the group disagree about this reduction (this is rank {stamp.rank}): "
             "another rank folded another call's digest into the sum (its plan, the number or dtype of the "
             "values, the operation or its arguments, or the check setting differ, or it runs another collective "
-            "here). Its result would be wrong, so no rank returns it. Fix: call it on every rank with the same "
-            "plan and arguments; check=True (or set_checks(True)) on every rank names the ranks and their plans.")
+            f"here).{passed} Its result would be wrong, so no rank returns it. Fix: call it on every rank with the "
+            "same plan and arguments; check=True (or set_checks(True)) on every rank names the ranks and their plans.")
 
 
 def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool | None = None) -> torch.Tensor:

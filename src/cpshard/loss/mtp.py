@@ -38,6 +38,17 @@ zero there, so a depth or a rank without a valid token adds exactly zero, never 
 Communication per call, whatever ``N`` and the batch size: at most one ``all_to_all_single`` (the
 labels and mask of every depth, when they exist only sharded; Note [Halo exchange for several
 shifts] in ``index/halo.py``) and one ``all_reduce`` (the counts). None at ``cp = 1``.
+
+Note [MTP arguments]
+--------------------
+Every argument that changes the result, or which collectives follow, is agreed on: ``scaling_factor``
+(its exact bits), ``normalization``, ``counts``, the resolved ``grad_reduction``, ``num_depths``,
+``label_fill`` and the form of the labels and the mask (sharded rows, the whole batch, derived from
+``input_ids``, none). With checks on, one agreement over the CP group covers them all before any
+data moves (the exchange's own, or one of its own where nothing is exchanged), so that
+``counts="global"`` on one rank and ``"local"`` on another raise on both instead of one waiting in the
+count sum. With checks off they travel in the exchange's header and the count sum's trailer, where
+those run (docs/guarantees.md says what is left).
 """
 
 from __future__ import annotations
@@ -54,13 +65,14 @@ import torch
 from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_int, check_real, fail, parse_choice
 from cpshard.base.types import TokenRows
-from cpshard.distributed.checks import validated
-from cpshard.distributed.collectives import shift_sharded_multi
-from cpshard.distributed.groups import group_rank
-from cpshard.distributed.sums import sum_over_group
+from cpshard.distributed.agree import resolve_check
+from cpshard.distributed.checks import agree
+from cpshard.distributed.collectives import shift_sharded_multi_for
+from cpshard.distributed.groups import group_rank, solo
+from cpshard.distributed.sums import reduce_over
 from cpshard.loss.reductions import masked_rows
 from cpshard.ops.sharding import shard
-from cpshard.plan.values import Plan
+from cpshard.plan.values import Plan, check_plan_type
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
 
@@ -185,15 +197,19 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         ``masks`` ``(1 + N, *local_shape)``, row 0 the mask aligned with the labels (pad rows 0;
         its sum is ``orig``), row ``d`` depth ``d``'s. ``local_shape`` is ``plan.local_shape``.
     """
-    def validate() -> tuple[int, dict[str, Any]]:
-        return _target_args(labels, loss_mask, plan, num_depths, input_ids), {}
+    labels_d, masks, *_ = _targets(labels, loss_mask, plan, group, input_ids, label_fill, check,
+                                   lambda: (None, {}, num_depths))
+    return labels_d, masks
 
-    n, _, _ = validated(plan, group, check, validate)  # a refusal on any rank raises on every rank
-    return _targets(labels, loss_mask, plan, group, n, input_ids, label_fill, check)
+
+def _form(x: Any) -> str | None:
+    """How a rank passed labels or a mask (which collectives follow depend on it: agreed on)."""
+    return None if x is None else "whole batch" if _is_global(x) else "sharded"
 
 
 def _target_args(labels: Any, loss_mask: Any, plan: Plan, num_depths: Any, input_ids: Any) -> int:
     """:func:`mtp_targets`' checks of its arguments (no communication); returns ``N``."""
+    check_plan_type(plan)
     n = check_int("num_depths", num_depths, minimum=1)
     if labels is None and input_ids is None:
         fail("labels", None, "needs input_ids when labels is None (labels are derived from them)",
@@ -204,14 +220,36 @@ def _target_args(labels: Any, loss_mask: Any, plan: Plan, num_depths: Any, input
     return n
 
 
-def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, n: int, input_ids: Rows | None,
-             label_fill: int, check: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`mtp_targets` once its arguments are checked (:func:`_target_args`)."""
+def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, input_ids: Rows | None,
+             label_fill: int, check: bool | None,
+             own: Callable[[], tuple[Any, dict[str, Any], Any]]) -> tuple[torch.Tensor, torch.Tensor, Any,
+                                                                      dict[str, Any], bool]:
+    """:func:`mtp_targets` for a calling loss whose own checks ``own()`` give ``(its result, its
+    arguments every rank passes alike, num_depths)``; returns the labels and masks, that result, the
+    arguments agreed on and whether the agreement ran (checks on, ``cp > 1`` or a group).
+
+    Every check, the caller's and the targets', runs first: with checks on a refusal joins the
+    agreement (every rank raises, this one its own error) instead of raising here while the peers
+    wait. The agreement then always runs, with or without an exchange, so that ranks that pass their
+    labels in another form (and so make another collective) or other arguments raise on every rank."""
+    agreed = resolve_check(check) and not (isinstance(plan, Plan) and solo(plan, group))
+    try:
+        result, args, num_depths = own()
+        n = _target_args(labels, loss_mask, plan, num_depths, input_ids)
+    except (ValueError, TypeError) as exc:
+        if agreed:
+            agree(plan, group, exc, {})
+        raise  # agree re-raised it (kept for the type checker), or checks are off
     source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
     base = 0 if labels is not None else 1
     shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
     rank = group_rank(plan, group)
+    args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": label_fill,
+            "num_depths": n}
+    exchanges = any(x is not None and not _is_global(x) for x in (source, loss_mask))
+    if agreed and not exchanges:  # the exchange agrees on its own call (which then holds args) below
+        agree(plan, group, None, args)
 
     sharded: list[tuple[str, torch.Tensor]] = []
     out: dict[str, torch.Tensor] = {}
@@ -227,14 +265,14 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
     if sharded:
         fills = [label_fill if name != "loss_mask" else 0 for name, _ in sharded]
         tensors = [t for _, t in sharded]
-        shifted = shift_sharded_multi(tensors, plan, group, shifts=shifts, pad_values=fills, fills=fills,
-                                      check=check)
+        shifted = shift_sharded_multi_for(tensors, plan, group, args, shifts=shifts, pad_values=fills, fills=fills,
+                                          check=agreed)
         out.update({name: s for (name, _), s in zip(sharded, shifted)})
     labels_all = out[source_name]
     if loss_mask is None:  # ones on every token row, shifted: True where the source exists
         valid = torch.stack([plan.label_mask(rank, k) for k in shifts]).to(labels_all.device)
         out["loss_mask"] = valid.to(labels_all.dtype)
-    return labels_all[1:], out["loss_mask"]
+    return labels_all[1:], out["loss_mask"], result, args, agreed
 
 
 def mtp_loss(
@@ -297,25 +335,28 @@ def mtp_loss(
     Communication: at most two collectives per call (one exchange of labels and masks for every
     depth, when they exist only sharded; one ``all_reduce`` of all counts); none at ``cp = 1``.
     """
-    def validate() -> tuple[tuple[Normalization, Counts, GradReduction, list[torch.Tensor]], dict[str, Any]]:
+    def own() -> tuple[tuple[Normalization, Counts, GradReduction, list[torch.Tensor]], dict[str, Any], int]:
         norm, kind = Normalization.parse(normalization), Counts.parse(counts)
         reduced = _grad_reduction(grad_reduction, norm, kind)
         if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real):
             fail("scaling_factor", repr(scaling_factor), "must be a real number", "pass e.g. scaling_factor=0.1",
                  kind=TypeError)
         parts = _chunks(hidden_states, num_depths)
-        _target_args(labels, loss_mask, plan, len(parts) - 1, input_ids)
-        return (norm, kind, reduced, parts), {}
+        # every argument that changes the result or the collectives (Note [MTP arguments])
+        args = {"scaling_factor": float(scaling_factor), "normalization": norm.value, "counts": kind.value,
+                "grad_reduction": reduced.value}
+        return (norm, kind, reduced, parts), args, len(parts) - 1
 
     # every argument checked first, inside the agreement with checks on: a rank that refuses its
     # own makes every rank raise, instead of its peers waiting in the labels' exchange
-    (normalization, counts, reduction, chunks), _, _ = validated(plan, group, check, validate)
+    labels_d, masks, (normalization, counts, reduction, chunks), args, agreed = _targets(
+        labels, loss_mask, plan, group, input_ids, label_fill, check, own)
     n = len(chunks) - 1
-    labels_d, masks = _targets(labels, loss_mask, plan, group, n, input_ids, label_fill, check)
     local_counts = torch.stack([m.sum(dtype=_count_dtype(m)) for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
-    if global_counts:
-        totals = sum_over_group(local_counts, plan, group, check=check)
+    if global_counts:  # stamped with the arguments; agreed on above, with checks on
+        totals = reduce_over(local_counts, group, op="mtp_loss", plans=(plan,), checked=agreed,
+                             call={**args, "dtype": local_counts.dtype, "row shape": tuple(local_counts.shape)})
     else:
         totals = local_counts
     factor = plan.cp_size if global_counts else 1  # the logged losses' (their mean over CP is the depth's)

@@ -34,7 +34,8 @@ Communication: one ``all_reduce`` over the CP group per call (the count, or ever
 in one tensor), none at ``cp = 1`` and none for the sums (:func:`token_sum`,
 :func:`token_sum_and_count`); with ``dp_group``, one more small ``all_reduce`` over it. With checks on
 (``check=True``, :func:`cpshard.distributed.set_checks`, ``CPSHARD_CHECK=1``), first the agreement's
-small all-gather over the CP group, for every loss (those without a collective of their own too).
+small all-gather over the CP group, for every loss (those without a collective of their own too),
+and with ``dp_group`` one stamped DP collective per call (Note [DP-level calls]).
 
 Note [Failure in a loss]
 ------------------------
@@ -46,6 +47,24 @@ With checks on the agreement over the CP group raises on every CP rank; each of 
 joins the call's DP count (``dp_group``) with the failure word set, so that the DP peers raise in
 it instead of waiting. A rank that reads a disagreement or a failure in the CP count joins the DP
 count the same way. docs/guarantees.md has the table.
+
+Note [DP-level calls]
+---------------------
+The agreement of ``check=True`` runs over the CP group only, so CP groups that disagree about the DP
+step (one passes ``num_tokens`` and skips the DP sum another makes; ``token_sum`` against
+``token_mean``; another ``grad_reduction`` or count over ``dp_group``) would hang in the DP sum or
+return other shares. Rather than a second agreement over ``dp_group`` (an all-gather, whose first rule,
+one plan for every rank, does not hold there: DP ranks hold other batches), the DP collective itself
+carries the disagreement: every DP sum is stamped with the loss, its arguments, whether it counts and,
+with checks on, the given count's exact value (Note [Stamped reductions]); and with checks on a call
+with ``dp_group`` that makes no DP sum (``token_sum``, a count given) joins a one-word stamped sum
+over ``dp_group`` in its place. So with checks on every DP rank makes exactly one DP collective per
+loss call, and any difference makes every DP rank raise. That costs one ``all_reduce`` of one word
+and its trailer, only with checks on and only for calls without a DP sum of their own; with checks
+off nothing is added: the DP sums of the calls that count carry the same trailer (two of them that
+differ raise), but a call that makes no DP collective cannot be heard by its DP peers, which wait
+in their DP sum, and ``token_sum``'s shares follow each rank's own arguments. A CP group that passes
+``dp_group=None`` holds no handle on the DP group: its DP peers that pass one wait, checks on or off.
 """
 
 from __future__ import annotations
@@ -182,9 +201,27 @@ class _Call:
                  dp_sum: bool) -> None:
         self.name, self.plan, self.group, self.dp_group = name, plan, group, dp_group
         self.call = call  # the arguments every CP rank passes alike
-        self.dp_call = {"loss": name, **call}
-        self.dp_sum = dp_sum  # whether this call sums over dp_group (what a failing rank joins)
+        self.dp_sum = dp_sum  # whether this call sums over dp_group (else, checks on, it joins a one-word check)
         self.checked = resolve_check(check)
+
+    @property
+    def dp_call(self) -> dict[str, Any]:
+        return {"loss": self.name, **self.call}
+
+    def note(self, name: str, count: torch.Tensor | None) -> None:
+        """With checks on, a given count's exact value joins the call (the agreement's digest, the stamps):
+        ranks that pass different counts raise instead of returning wrong shares. One host read, as the
+        agreement's own (checks off: only whether a count was given, no host sync)."""
+        if self.checked and count is not None:
+            self.call[name] = float(count)
+
+    def finish(self) -> None:
+        """With checks on and ``dp_group``, a call that makes no DP sum joins a one-word stamped sum over
+        ``dp_group`` instead (Note [DP-level calls]): every DP rank then makes exactly one DP collective
+        per loss call, whose trailer carries the loss, its arguments and whether it counts, so that CP
+        groups that disagree about the DP step raise instead of hanging or returning other shares."""
+        if self.checked and self.dp_group is not None and not self.dp_sum:
+            self._sum_dp(torch.zeros((), dtype=_F64))
 
     def start(self, build: Any) -> Any:
         """``build()`` (this rank's checks, before any collective); with checks on, the agreement
@@ -213,7 +250,7 @@ class _Call:
     def _leave(self, error: Exception) -> Any:
         """Join the DP sum this call runs with the failure word set (where this rank can), then raise
         ``error``: the DP peers raise in that sum instead of waiting in it."""
-        if self.dp_sum and self.dp_group is not None:
+        if self.dp_group is not None and (self.dp_sum or self.checked):  # the DP sum, or the DP check
             try:
                 self._sum_dp(torch.zeros((), dtype=_F64), failed=True)
             except (ValueError, TypeError):
@@ -224,20 +261,50 @@ class _Call:
         return reduce_over(counts, self.dp_group, op=f"{self.name} over dp_group", call=self.dp_call,
                            checked=self.checked, failed=failed)
 
-    def over_cp(self, counts: torch.Tensor) -> torch.Tensor:
+    def over_cp(self, counts: torch.Tensor, given: tuple[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``counts`` summed over the CP group (stamped: the loss, its plan and arguments), or as they
-        are at ``cp = 1``; a disagreement or failure read there reaches the DP group too."""
+        are at ``cp = 1``; a disagreement or failure read there reaches the DP group too. ``given``: a
+        count the caller passed (name, value), whose exact bits ride in the same sum (:func:`_value_words`),
+        so that ranks that pass different values raise, checks on or off, with no host read."""
         if self.plan.cp_size == 1:
             return counts
+        words = _value_words(given[1]) if given is not None else counts.new_zeros(0)
         try:
-            return reduce_over(counts, self.group, op=self.name, plans=(self.plan,), call=self.call,
-                               checked=self.checked)
+            summed = reduce_over(torch.cat([counts.reshape(-1), words]), self.group, op=self.name,
+                                 plans=(self.plan,), call=self.call, checked=self.checked)
+            if given is not None:
+                _same_everywhere(summed[counts.numel():], words, self.plan.cp_size, self.name, *given)
         except ValueError as exc:
             return self._leave(exc)
+        return summed[:counts.numel()].view(counts.shape)
 
     def over_dp(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` summed over ``dp_group`` (stamped: the loss and its arguments), or as they are."""
         return self._sum_dp(counts) if self.dp_group is not None else counts
+
+
+def _value_words(value: torch.Tensor) -> torch.Tensor:
+    """A float64 scalar's 64 bits as four 16-bit chunks ``c`` (1 .. 2**16), then their squares, in float64
+    on its device: summed over ``n`` ranks (exact below ``2**21`` ranks), ``sum c = n c`` and ``sum c**2 =
+    n c**2`` hold for every chunk only when every rank's value has the same bits (Note [Stamped
+    reductions] reads a digest the same way)."""
+    bits = value.detach().reshape(1).to(_F64).view(torch.int64)
+    c = ((bits >> torch.arange(0, 64, 16, device=value.device)) & 0xFFFF).to(_F64) + 1
+    return torch.cat([c, c * c])
+
+
+def _same_everywhere(summed: torch.Tensor, words: torch.Tensor, ranks: int, op: str, name: str,
+                     value: torch.Tensor) -> None:
+    """Raise unless every rank folded the same value's words into ``summed`` (on a device: a device-side
+    assertion, no host sync)."""
+    same = summed == ranks * words
+    if same.device.type != "cpu":
+        torch._assert_async(same.all())
+    elif not bool(same.all()):
+        raise ValueError(f"{op}: the ranks of the CP group passed different {name} (this rank passed "
+                         f"{float(value)}), so the shares would not add up to one loss; no rank returns one. Fix: "
+                         f"pass every rank of the group the same {name}, the total over every rank and micro-batch "
+                         "it covers.")
 
 
 def _call_args(grad_reduction: Any, dp_group: Any, **extra: Any) -> dict[str, Any]:
@@ -283,22 +350,24 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
     the same way is ``cp = 1``'s loss.
 
     One ``all_reduce`` of one count over ``group`` (none at ``cp = 1``); one more over ``dp_group``;
-    none with ``num_tokens``.
+    none with ``num_tokens`` (with checks on and ``dp_group``, one word over it: Note [DP-level calls]).
     """
-    counted = num_tokens is None
-    call = _Call("token_mean", plan, group, dp_group, check, _call_args(grad_reduction, dp_group, counted=counted),
-                 counted)
+    given = None if num_tokens is None else "given"  # its value joins the call with checks on (_Call.note)
+    call = _Call("token_mean", plan, group, dp_group, check, _call_args(grad_reduction, dp_group, num_tokens=given),
+                 num_tokens is None)
 
     def build() -> tuple[_Local, torch.Tensor | None]:
         local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
         count = local.given("num_tokens", num_tokens)
         if count is not None:
             local.covers("num_tokens", count, call.checked)
+        call.note("num_tokens", count)
         return local, count
 
     local, count = call.start(build)
     if count is None:
         count = call.over_dp(call.over_cp(local.mask.sum(dtype=_F64)))
+    call.finish()
     return local.divide(local.values.sum(), count)
 
 
@@ -310,10 +379,11 @@ def token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, grou
     Arguments as :func:`token_mean`. Returns ``f * s_r`` with ``f = cp`` (``cp * dp`` with
     ``dp_group``: the sum over the DP group's micro-batches) under ``"mean"`` and 1 under ``"sum"``;
     after ``backward()``, reduce gradients and the loss as :func:`token_mean` says. With checks on,
-    the agreement over ``group`` (its only collective).
+    the agreement over ``group`` and, with ``dp_group``, one stamped word over it (Note [DP-level calls]).
     """
     call = _Call("token_sum", plan, group, dp_group, check, _call_args(grad_reduction, dp_group), False)
     local = call.start(lambda: _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction))
+    call.finish()
     return local.factor * local.values.sum()
 
 
@@ -372,7 +442,8 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
         :func:`token_mean`. After ``backward()`` reduce gradients and the loss as it says.
     """
     call = _Call("sequence_mean", plan, group, dp_group, check,
-                 _call_args(grad_reduction, dp_group, token_reduction=token_reduction, counted=num_seqs is None),
+                 _call_args(grad_reduction, dp_group, token_reduction=token_reduction,
+                            num_seqs=None if num_seqs is None else "given"),
                  num_seqs is None)
 
     def build() -> tuple[_Local, torch.Tensor | None]:
@@ -383,6 +454,7 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
         count = local.given("num_seqs", num_seqs)
         if count is not None:
             local.covers("num_seqs", count, call.checked, sequences=True)
+        call.note("num_seqs", count)
         return local, count
 
     local, given = call.start(build)
@@ -391,10 +463,13 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
     b = plan.num_seqs
     sums = local.values.new_zeros(b).index_add(0, seq, local.values.reshape(-1))
     if given is not None and token_reduction == "sum":
+        call.finish()
         return local.divide(sums.sum(), given)
-    counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)))
+    counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)),
+                          None if given is None else ("num_seqs", given))
     labelled = counts > 0
     if token_reduction == "mean":
         sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
     total = given if given is not None else call.over_dp(labelled.sum(dtype=_F64))
+    call.finish()
     return local.divide(sums.sum(), total)

@@ -15,7 +15,7 @@ import torch
 
 from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed.checks import validated
-from cpshard.distributed.collectives import all_gather_rows, joined
+from cpshard.distributed.collectives import all_gather_rows_for, joined
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.causal import (
     attend_blocks,
@@ -56,17 +56,18 @@ def _check_qkv(q: Any, k: Any, v: Any, plan: Plan) -> tuple[torch.Tensor, torch.
 
 def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None, naive: bool,
             check: bool | None) -> torch.Tensor:
-    def validate() -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict[str, Any]]:
+    def validate() -> tuple[tuple[tuple[torch.Tensor, ...], dict[str, Any]], dict[str, Any]]:
         check_plan_type(plan)
         qkv = _check_qkv(q, k, v, plan)
-        return qkv, {"dtype": qkv[0].dtype, "row shape": tuple(qkv[0].shape[len(plan.local_shape):]),
-                     "scale": scale, "naive": naive}
+        # every rank alike: agreed on, and carried by the gather's header (the scale as used: None is 1/sqrt(D))
+        args = {"scale": float(1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale), "naive": naive}
+        return (qkv, args), {"dtype": qkv[0].dtype, "row shape": tuple(qkv[0].shape[len(plan.local_shape):]), **args}
 
-    (q, k, v), rank, _ = validated(plan, group, check, validate)
+    ((q, k, v), args), rank, _ = validated(plan, group, check, validate)
     rows = math.prod(plan.local_shape)
     heads, dim = q.shape[-2:]
     kv = torch.cat([k, v], -1).reshape(rows, heads, 2 * dim)
-    kv = all_gather_rows(kv, plan, group, check=False)  # agreed above, with checks on
+    kv = all_gather_rows_for(kv, plan, group, args, check=False)  # agreed above, with checks on
     k_all, v_all = kv.split(dim, -1)  # (cp * R, H, D) each
     out = attend_blocks(q.reshape(rows, heads, dim), k_all, v_all, contiguous_twin(plan) if naive else plan, rank,
                         scale=scale)

@@ -197,20 +197,21 @@ def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, naive: bool, check: bool 
     zigzag). Every check runs inside the agreement (checks on), so that a rank that refuses its
     input or its plan makes every rank raise instead of leaving its peers waiting in the state gather."""
     from cpshard.distributed.checks import validated
-    from cpshard.distributed.collectives import gather_states, joined
+    from cpshard.distributed.collectives import gather_states_for, joined
 
     def validate() -> tuple[tuple[torch.Tensor, torch.Tensor, ShardPlan], dict[str, Any]]:
         belief = _check_kind(twin(_check_kind(plan), Layout.CONTIGUOUS)) if naive else _refuse_zigzag(plan)
         a_, x_ = _check(a, x, plan)
-        return (a_, x_, belief), {"dtype": a_.dtype, "row shape": tuple(a_.shape[1:]), "scan": belief != plan}
+        return (a_, x_, belief), {"dtype": a_.dtype, "row shape": tuple(a_.shape[1:]), "naive": belief != plan}
 
     (a, x, rows_plan), rank, _ = validated(plan, group, check, validate)
+    args = {"naive": rows_plan != plan}  # every rank alike: agreed on, and carried by the gather's header
     layout = scan_layout(rows_plan)
     dev = a.device
     H, A = segmented_scan(a, x, layout.starts[rank].to(dev), rows_plan.token_mask(rank).to(dev))
     if plan.cp_size == 1:
         return H
-    states = gather_states(last_states(H, A), plan, group, check=False)  # agreed above, with checks on
+    states = gather_states_for(last_states(H, A), plan, group, args, check=False)  # agreed above, with checks on
     # every rank's output depends on the gathered states, also where it reads no carry (rank 0,
     # unchained ranks): the gather's backward all_reduce then runs on every rank
     return joined(apply_carry(H, A, states, layout, rank), states)
