@@ -438,3 +438,38 @@ def counts_refused(rank: int, world: int) -> list[tuple[Any, ...]]:
     return [_seen(lambda: token_mean(v, m, plan, group, num_tokens=0 if rank == 1 else 8, check=True)),
             _seen(lambda: token_mean(v, m, plan, group, num_tokens=0, check=False)),
             _seen(lambda: float(token_mean(v, m, plan, group, num_tokens=8, check=True)))]
+
+
+def megatron_refusal(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks on, Megatron's process_mtp_loss drop-in where rank 1's labels describe no plan (an odd
+    local length under cp = 2): it raised before any agreement and rank 0 waited in mtp_loss's."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from cpshard.distributed import set_checks
+    from cpshard.megatron import process_mtp_loss
+
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=0.1, calculate_per_token_loss=False)
+
+    def call(s: int) -> Any:
+        hidden = torch.randn(3 * s, 1, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        labels = (torch.arange(s) + rank).remainder(5)[None]
+        out = process_mtp_loss(hidden, labels, torch.ones(1, s), lambda x, **_: (x @ w.T, None), None, None, False,
+                               lambda y, z: F.cross_entropy(z.transpose(0, 1).reshape(-1, 5), y.reshape(-1),
+                                                            reduction="none").view(1, s), config, cp_group=_world())
+        return tuple(out.shape)
+
+    def caused() -> Any:  # the refusing rank's own error, chained under the verdict
+        try:
+            return call(7 if rank == 1 else 8)
+        except ValueError as exc:
+            cause = exc.__cause__
+            raise ValueError(f"{exc} | cause: {cause}") from None
+
+    previous = set_checks(True)
+    try:
+        return [_seen(caused), _seen(lambda: call(8))]
+    finally:
+        set_checks(previous)

@@ -246,7 +246,7 @@ def test_every_argument_the_collective_carries_raises_checks_off(others):
 
 # -- refusals inside the agreement (check=True): every rank raises, the refusing one its own error ----
 
-_REFUSALS = ("refusals_checked", "meta_checked", "counts_refused")
+_REFUSALS = ("refusals_checked", "meta_checked", "counts_refused", "megatron_refusal")
 
 
 @pytest.fixture(scope="module")
@@ -313,3 +313,13 @@ def test_the_agreement_holds_the_device_type():
     plan = ShardPlan.build([5, 3], cp_size=2)
     words = [contribution(plan, None, {"dtype": torch.float32, "device": kind})[0] for kind in (("cpu",), ("cuda",))]
     assert torch.equal(words[0][:8], words[1][:8]) and words[0][8] != words[1][8]  # same plan, another call
+
+
+def test_the_megatron_drop_in_refuses_on_every_rank_without_a_plan(refusals):
+    """Checks on, rank 1's labels describe no plan: it raised alone and rank 0 waited in the agreement."""
+    (bad0, fine0), (bad1, fine1) = _per_rank(refusals, "megatron_refusal")
+    for what in (bad0, bad1):  # the root cause first, on every rank; rank 1's own error is its cause
+        msg = _raised_at_once(what)
+        assert "built different plans" in msg and "ranks [1] built no plan (see that rank's own error)" in msg, msg
+    assert "| cause: labels=tensor of shape (1, 7): under cp = 2 the local sequence length" in bad1[2]
+    assert fine0 == fine1 == ("ok", (8, 1, 3))
