@@ -345,3 +345,131 @@ def every_argument_unchecked(rank: int, world: int) -> list[tuple[Any, ...]]:
         ("normalization", lambda: _drop_in(plan, rank, per_token=_flip(rank, False, True))),
     ]
     return [(argument, _seen(call)) for argument, call in calls]
+
+
+# -- refusals inside the agreement: a rank that refuses its own input, checks on ---------------------
+
+
+def _mtp_case(plan: Any, rank: int, **bad: Any) -> Callable[[], Any]:
+    """mtp_loss on this rank's rows (two depths, labels sharded), with rank 1's ``bad`` arguments."""
+    import torch.nn.functional as F
+
+    from cpshard.mtp import mtp_loss
+
+    g = torch.Generator().manual_seed(rank)
+    kw: dict[str, Any] = {"hidden_states": torch.randn(3 * plan.local_len, 4, generator=g, dtype=torch.float64),
+                          "labels": shard(torch.arange(8) % 5, plan, rank), "num_depths": 2, "check": True}
+    if rank == 1:
+        kw.update(bad)
+    weight = torch.randn(5, 4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    return lambda: float(mtp_loss(kw.pop("hidden_states"), kw.pop("labels"), None, plan, _world(),
+                                  output_layer=lambda h: h @ weight.T,
+                                  loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), **kw).losses.sum())
+
+
+def refusals_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """check=True, rank 1 refuses its own input where it used to raise before the agreement (its peers
+    then waited): the scan of a zigzag plan (rank 0's is contiguous), gather_states of None and of a
+    nested tensor, mtp_loss with chunks that do not split, label rows of another length, a
+    scaling_factor that is no number; mtp_targets with label rows of another length."""
+    from cpshard.distributed import gather_states
+    from cpshard.mtp import mtp_targets
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    scan_plan = ShardPlan.build([9, 5], cp_size=world, layout="zigzag" if rank == 1 else "contiguous")
+    a = torch.full((scan_plan.local_len, 2), 0.5, dtype=torch.float64)
+    states = torch.ones(2, 3)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    labels = shard(torch.arange(8) % 5, plan, rank)
+    hidden = torch.zeros(3 * plan.local_len, 4, dtype=torch.float64)
+    return [_seen(lambda: linear_scan(a, a, scan_plan, group, check=True)),
+            _seen(lambda: gather_states(None if rank == 1 else states, plan, group, check=True).shape),
+            _seen(lambda: gather_states(nested if rank == 1 else states, plan, group, check=True).shape),
+            _seen(_mtp_case(plan, rank, hidden_states=hidden[1:])),
+            _seen(_mtp_case(plan, rank, labels=labels[1:])),
+            _seen(_mtp_case(plan, rank, scaling_factor="0.1")),
+            _seen(lambda: mtp_targets(labels[1:] if rank == 1 else labels, None, plan, group, num_depths=2,
+                                      check=True)[0].shape),
+            _seen(_mtp_case(plan, rank))]
+
+
+def meta_checked(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """check=True, rank 1's tensors on the meta device (torch's collectives return on them without
+    communicating: rank 1 returned a meta "result" and rank 0 waited): every collective, the losses,
+    the scan and the attention refuse them inside the agreement."""
+    from cpshard.attention import attention
+    from cpshard.distributed import all_gather_rows, sum_over_group
+    from cpshard.loss import token_mean
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    cont = ShardPlan.build([5, 3], cp_size=world, layout="contiguous")
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t.to("meta") if rank == 1 else t
+
+    local = shard(torch.arange(8.0), plan, rank)
+    qkv = torch.ones(plan.local_len, 2, 4, dtype=torch.float64)
+    rows = torch.ones(plan.local_len, 2)
+    scan_rows = torch.ones(cont.local_len, 2, dtype=torch.float64)
+    return [_seen(lambda: gather(on(local), plan, group, check=True).values()),
+            _seen(lambda: shift_sharded(on(local), plan, group, shift=1, check=True)),
+            _seen(lambda: shift_sharded_multi([on(local)], plan, group, shifts=[1, 2], check=True)),
+            _seen(lambda: all_gather_rows(on(rows), plan, group, check=True)),
+            _seen(lambda: sum_over_group(on(torch.ones(2)), plan, group, check=True)),
+            _seen(lambda: token_mean(on(rows[:, 0].double()), plan.token_mask(rank), plan, group, check=True)),
+            _seen(lambda: linear_scan(on(scan_rows), on(scan_rows), cont, group, check=True)),
+            _seen(lambda: attention(on(qkv), on(qkv), on(qkv), plan, group, check=True)),
+            _seen(lambda: float(token_mean(rows[:, 0].double(), plan.token_mask(rank), plan, group, check=True)))]
+
+
+def counts_refused(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """num_tokens below the tokens a rank holds (it returned the plain sum before): with checks on,
+    rank 1's refusal reaches rank 0 through the agreement; checks off, every rank given 0 raises its
+    own (no collective follows a given count)."""
+    from cpshard.loss import token_mean
+
+    group = _world()
+    plan = ShardPlan.build([5, 3], cp_size=world)
+    v, m = _loss_inputs(plan, rank)
+    return [_seen(lambda: token_mean(v, m, plan, group, num_tokens=0 if rank == 1 else 8, check=True)),
+            _seen(lambda: token_mean(v, m, plan, group, num_tokens=0, check=False)),
+            _seen(lambda: float(token_mean(v, m, plan, group, num_tokens=8, check=True)))]
+
+
+def megatron_refusal(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks on, Megatron's process_mtp_loss drop-in where rank 1's labels describe no plan (an odd
+    local length under cp = 2): it raised before any agreement and rank 0 waited in mtp_loss's."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from cpshard.distributed import set_checks
+    from cpshard.megatron import process_mtp_loss
+
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    config = SimpleNamespace(mtp_num_layers=2, mtp_loss_scaling_factor=0.1, calculate_per_token_loss=False)
+
+    def call(s: int) -> Any:
+        hidden = torch.randn(3 * s, 1, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        labels = (torch.arange(s) + rank).remainder(5)[None]
+        out = process_mtp_loss(hidden, labels, torch.ones(1, s), lambda x, **_: (x @ w.T, None), None, None, False,
+                               lambda y, z: F.cross_entropy(z.transpose(0, 1).reshape(-1, 5), y.reshape(-1),
+                                                            reduction="none").view(1, s), config, cp_group=_world())
+        return tuple(out.shape)
+
+    def caused() -> Any:  # the refusing rank's own error, chained under the verdict
+        try:
+            return call(7 if rank == 1 else 8)
+        except ValueError as exc:
+            cause = exc.__cause__
+            raise ValueError(f"{exc} | cause: {cause}") from None
+
+    previous = set_checks(True)
+    try:
+        return [_seen(caused), _seen(lambda: call(8))]
+    finally:
+        set_checks(previous)

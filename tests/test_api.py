@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -292,6 +293,30 @@ def test_odd_length_inputs():
     assert ShardPlan.build(np.array([5, 3]), cp_size=2) == ShardPlan.build([5, 3], cp_size=2)
     with pytest.raises(ValueError, match="meta device"):
         ShardPlan.build(torch.tensor([5, 3], device="meta"), cp_size=2)
+
+
+def test_meta_lengths_and_sizes_are_refused_by_name():
+    """Lengths as meta scalars, sizes, ranks and shifts on the meta device crashed with
+    ``Tensor.item() cannot be called on meta tensors``; each is refused, named, with its fix."""
+    from cpshard import pack
+
+    def meta(v):
+        return torch.tensor(v, device="meta")
+
+    nested = torch.nested.nested_tensor([torch.zeros(5), torch.zeros(3)], layout=torch.jagged).to("meta")
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    cases = [(lambda: ShardPlan.build([meta(5), meta(3)], cp_size=2), "seqlens[0]"),
+             (lambda: BshdPlan.build([meta(5)], cp_size=2), "seqlens[0]"),
+             (lambda: pack([5, meta(3)], max_tokens=16, cp_size=2), "seqlens[1]"),
+             (lambda: ShardPlan.build([5, 3], cp_size=meta(2)), "cp_size"),
+             (lambda: ShardPlan.build([5, 3], cp_size=2, tp_size=meta(1)), "tp_size"),
+             (lambda: ShardPlan.from_nested(nested, cp_size=2), "nt"),
+             (lambda: shard(torch.arange(8.0), plan, meta(0)), "cp_rank"),
+             (lambda: shard(torch.arange(8.0), plan, 0, shift=meta(1)), "shift")]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=rf"^{re.escape(name)}=a tensor of shape .* on the meta device: must "
+                                             rf"hold real values .*Fix: pass {re.escape(name)} on a real device"):
+            call()
     with pytest.raises(ValueError, match="below 2\\*\\*31"):
         ShardPlan.build([2**30, 2**30], cp_size=1)
 

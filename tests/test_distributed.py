@@ -84,6 +84,11 @@ def _gather_and_shift(rank, world):
                 crossing = shift_exchange(plan, rank, k).total_remote
                 assert counter.calls == ([ALL_TO_ALL] if crossing else []), counter.calls
             checked.append(f"{name}/shift{k}")
+        # every shift at once, k = 0 too: SPEC's default pad value is fill when shifted and 0 for k = 0,
+        # as shard and shift_sharded give (the k = 0 entry padded with fill before)
+        multi = shift_sharded_multi([parts[rank]], plan, dist.group.WORLD, shifts=(0, *SHIFTS), fills=[fill])[0]
+        for s, k in enumerate((0, *SHIFTS)):
+            assert torch.equal(multi[s], shard(x, plan, rank, shift=k, fill=fill)), (name, k)
     return checked
 
 
@@ -408,7 +413,7 @@ def test_mismatched_plans_raise_everywhere(suites):
         for msg, argument in zip(errors[5:7], ("dtype", "shift")):  # each names the argument that differs
             assert f"called with different arguments in {argument}: ranks [0, 2, 3] vs [1]" in msg, msg
         assert "dtype=torch.float" in errors[5] and "shift=" in errors[6]
-        assert "ranks [3] built no plan (see that rank's TypeError)" in errors[7], errors[7]
+        assert "ranks [3] built no plan (see that rank's own error)" in errors[7], errors[7]
         for msg in errors[8:10]:
             assert "group=a group of 4 ranks" in msg and "cp_size = 2" in msg, msg
         assert calls == []

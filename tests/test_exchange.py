@@ -8,11 +8,11 @@ reference's shifted shard.
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cpshard import BshdPlan, Layout, ShardPlan, halo_exchange, shard, shift_exchange
-from cpshard.index.shift import all_to_all_in_process, build_shift_exchange
+from cpshard.index.shift import all_to_all_in_process, build_shift_exchange, reach
 from reference import ref_bshd_shard, ref_crossing_rows, ref_shard
 
 
@@ -137,3 +137,46 @@ def test_the_first_exchange_of_a_large_plan_builds_a_few_ranks_segments():
     assert ex.total_remote == sum(max(n - 1, 0) for n in lens)  # one-row chunks: every pair of neighbours crosses
     halo_exchange(plan, 5, (1, 2, 3))
     assert plan.indices().kept()["segments"] == 7 and "every" not in plan.indices().kept()
+
+
+def _reach_by_chunks(plan, rank, span):
+    """``reach`` as the zigzag layout defines it, checked chunk by chunk (at most ``2 cp``): the ranks
+    of the chunks within ``ceil(span / c)`` chunks of one of ``rank``'s two (``c`` the shortest chunk
+    of a sequence holding a token)."""
+    cp = plan.cp_size
+    chunks = [p // (2 * cp) for p, n in zip(plan.padded_seqlens_py, plan.seqlens_py) if n > 0]
+    w = -(-span // max(min(chunks, default=1), 1))
+    near = [j for j in range(2 * cp) if min(abs(j - rank), abs(j - (2 * cp - 1 - rank))) <= w]
+    return sorted({min(j, 2 * cp - 1 - j) for j in near})
+
+
+_LARGE = st.integers(2**20, 2**31 - 1)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    cp=st.integers(1, 6),
+    layout=st.sampled_from(list(Layout)),
+    k=st.integers(-12, 12) | _LARGE | _LARGE.map(lambda k: -k),
+)
+@example(lens=[9, 30, 4], cp=4, layout=Layout.ZIGZAG, k=2**31 - 1)
+@example(lens=[9, 30, 4], cp=4, layout=Layout.ZIGZAG, k=-(2**31 - 1))
+def test_a_shift_by_any_k_takes_closed_forms(lens, cp, layout, k):
+    """Shifts by up to 2**31 - 1 (accepted since 0.2): the exchange and the halo equal the naive
+    shifted shard, and a rank's reach equals its definition over the 2 cp chunks. Before, the zigzag
+    reach looped over 2 |k| / c chunk offsets in Python: minutes at |k| near 2**31, for nothing."""
+    plan = ShardPlan.build(lens, cp_size=cp, layout=layout)
+    if layout is Layout.ZIGZAG:
+        padded, seqlens = plan.indices().split()[0], plan.indices().lengths()
+        for r in range(cp):
+            assert reach(padded, seqlens, cp, layout, False, r, abs(k)) == _reach_by_chunks(plan, r, abs(k))
+    seqs = [torch.arange(n) * 10 + i for i, n in enumerate(lens)]
+    shards = [shard(seqs, plan, r) for r in range(cp)]
+    outs, _ = emulate_shift_sharded(shards, plan, k, fill=-7, pad_value=-1)
+    hxs = [halo_exchange(plan, r, (k, 1, -1)) for r in range(cp)]
+    received = all_to_all_in_process(shards, [h.send_rows for h in hxs], [h.send_splits for h in hxs])
+    halos = [h.apply(shards[r], received[r], -1, -7) for r, h in enumerate(hxs)]
+    for r in range(cp):
+        expected = ref_shard(seqs, lens, cp, 1, layout.value, r, shift=k, pad_value=-1, fill=-7)
+        assert torch.equal(outs[r], expected) and torch.equal(halos[r][0], expected), (r, k)

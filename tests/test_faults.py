@@ -242,3 +242,84 @@ def test_every_argument_the_collective_carries_raises_checks_off(others):
     plan = ShardPlan.build([9, 7], cp_size=2)
     sums = [float((torch.arange(plan.local_len, dtype=torch.float64) + 1)[plan.token_mask(r)].sum()) for r in (0, 1)]
     assert [calls[7][1][1] for calls in per_rank] == [2 * sums[0] / 10, 2 * sums[1] / 12]  # each its own count
+
+
+# -- refusals inside the agreement (check=True): every rank raises, the refusing one its own error ----
+
+_REFUSALS = ("refusals_checked", "meta_checked", "counts_refused", "megatron_refusal")
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    return _timed_suite(_REFUSALS)
+
+
+def _own_and_peer(what0, what1, own):
+    """Rank 1 raised its own error (``own``: how it starts); rank 0 heard that rank 1 refused."""
+    assert _raised_at_once(what1, own[1]).startswith(own[0]), what1
+    assert "ranks [1] of the context-parallel group rejected their input" in _raised_at_once(what0), what0
+
+
+def test_a_rank_that_refuses_its_input_makes_every_rank_raise(refusals):
+    """Before: rank 1 raised alone, before the agreement, and rank 0 waited in it (or in the labels'
+    exchange of mtp_loss)."""
+    calls0, calls1 = _per_rank(refusals, "refusals_checked")
+    # the scan of a zigzag plan against a contiguous one: the plans differ, which every rank names first
+    for what in (calls0[0], calls1[0]):
+        assert "built different plans" in _raised_at_once(what) and "layout='zigzag'" in what[2]
+    own = [("states=NoneType: must be a torch.Tensor", "TypeError"),
+           ("states=a nested tensor: must be a dense tensor of rows", "ValueError"),
+           ("hidden_states=tensor of shape (17, 4): dim 0 must split into 1 + num_depths = 3", "ValueError"),
+           ("labels=tensor of shape (5,): must hold one value per local row", "ValueError"),
+           ("scaling_factor='0.1': must be a real number", "TypeError"),
+           ("labels=tensor of shape (5,): must hold one value per local row", "ValueError")]
+    for what0, what1, expected in zip(calls0[1:7], calls1[1:7], own):
+        _own_and_peer(what0, what1, expected)
+    assert calls0[7][0] == calls1[7][0] == "ok"  # the group is usable after every refusal
+
+
+def test_tensors_on_the_meta_device_are_refused_on_every_rank(refusals):
+    """Before: rank 1 returned a meta "result" without communicating (torch's collectives do nothing on
+    meta tensors) and rank 0 waited in the collective."""
+    calls0, calls1 = _per_rank(refusals, "meta_checked")
+    names = ("local", "local", "local", "rows", "values", "per_token", "a", "q")
+    for what0, what1, name in zip(calls0[:-1], calls1[:-1], names):
+        _own_and_peer(what0, what1, (f"{name}=a tensor of shape", "ValueError"))
+        assert "on the meta device: must hold real values" in what1[2] and "Fix: pass" in what1[2]
+    assert calls0[-1][0] == calls1[-1][0] == "ok"
+
+
+def test_a_count_below_the_tokens_present_raises_on_every_rank(refusals):
+    """token_mean(num_tokens=0) while the mask holds tokens returned the plain sum before."""
+    (checked0, off0, fine0), (checked1, off1, fine1) = _per_rank(refusals, "counts_refused")
+    own = "num_tokens=0: must count at least this rank's labelled tokens (5, from"
+    _own_and_peer(checked0, checked1, (own, "ValueError"))
+    for what in (off0, off1):
+        assert _raised_at_once(what).startswith("num_tokens=0: must count at least this rank's labelled tokens")
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    rows = [(torch.arange(6, dtype=torch.float64) + 1)[plan.token_mask(r)] for r in range(2)]
+    assert fine0[0] == fine1[0] == "ok" and (fine0[1] + fine1[1]) / 2 == float(torch.cat(rows).mean())
+
+
+def test_the_agreement_holds_the_device_type():
+    """What checked_call adds to the agreement (no GPU here: the digest itself): the device types of
+    the checked tensors, in any nesting; a meta tensor anywhere is refused."""
+    from cpshard.distributed.agree import contribution
+    from cpshard.distributed.checks import device_types
+
+    assert device_types((torch.zeros(1), [torch.zeros(2), (torch.zeros(3),)], 3, None)) == ("cpu",)
+    with pytest.raises(ValueError, match=r"^input=a tensor of shape \(1,\) on the meta device"):
+        device_types((torch.zeros(1), [torch.zeros(1, device="meta")]))
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    words = [contribution(plan, None, {"dtype": torch.float32, "device": kind})[0] for kind in (("cpu",), ("cuda",))]
+    assert torch.equal(words[0][:8], words[1][:8]) and words[0][8] != words[1][8]  # same plan, another call
+
+
+def test_the_megatron_drop_in_refuses_on_every_rank_without_a_plan(refusals):
+    """Checks on, rank 1's labels describe no plan: it raised alone and rank 0 waited in the agreement."""
+    (bad0, fine0), (bad1, fine1) = _per_rank(refusals, "megatron_refusal")
+    for what in (bad0, bad1):  # the root cause first, on every rank; rank 1's own error is its cause
+        msg = _raised_at_once(what)
+        assert "built different plans" in msg and "ranks [1] built no plan (see that rank's own error)" in msg, msg
+    assert "| cause: labels=tensor of shape (1, 7): under cp = 2 the local sequence length" in bad1[2]
+    assert fine0 == fine1 == ("ok", (8, 1, 3))

@@ -229,6 +229,34 @@ def test_counts_known_before_the_step():
         token_mean(x, m, plan, None, num_tokens=True)
 
 
+def test_a_count_below_the_tokens_present_is_refused():
+    """``num_tokens=0`` while the mask holds tokens returned the plain sum (a zero count is taken as
+    one); any count below this rank's labelled tokens is refused, naming both (the rows on the CPU:
+    read there; on a device it is a device-side assertion, no host sync)."""
+    plan = ShardPlan.build([4, 3], cp_size=1)
+    x = torch.arange(7, dtype=F64)
+    for mask in (torch.tensor([1, 0, 1, 1, 1, 1, 0]).bool(), torch.tensor([1, 0, 1, 1, 1, 1, 0]),
+                 torch.tensor([1.0, 0, 1, 1, 1, 1, 0])):
+        for given in (0, 4, torch.tensor(4.0), 4.5):
+            with pytest.raises(ValueError, match=rf"^num_tokens={float(given):g}: must count at least this rank's "
+                                                 r"labelled tokens \(5, from the loss mask over its token rows\)"):
+                token_mean(x, mask, plan, None, num_tokens=given)
+        assert float(token_mean(x, mask, plan, None, num_tokens=5)) == float(x[mask.bool()].sum()) / 5
+    # weights summed in another order may round a little below the mask's own float64 sum
+    weights = torch.full((7,), 0.1, dtype=F64)
+    summed = float(weights.float().sum())  # float32, 0.70000005 against float64's 0.7000000000000001
+    assert float(token_mean(x, weights, plan, None, num_tokens=summed * (1 - 1e-7))) > 0
+    with pytest.raises(ValueError, match=r"^num_tokens=0.6: must count at least"):
+        token_mean(x, weights, plan, None, num_tokens=0.6)
+    # num_seqs: at least the sequences holding a labelled token here (both of them; then only one)
+    for token_reduction in ("mean", "sum"):
+        with pytest.raises(ValueError, match=r"^num_seqs=1: must count at least this rank's labelled sequences "
+                                             r"\(2, from the loss mask"):
+            sequence_mean(x, torch.ones(7), plan, None, num_seqs=1, token_reduction=token_reduction)
+        one = torch.tensor([1.0, 1, 1, 1, 0, 0, 0])
+        assert float(sequence_mean(x, one, plan, None, num_seqs=1, token_reduction=token_reduction)) > 0
+
+
 @pytest.mark.parametrize("value", [torch.tensor(-5.0), torch.tensor(float("nan")), -5, float("nan")])
 def test_a_count_given_as_a_tensor_is_checked_like_a_number(value):
     """``num_tokens=torch.tensor(-5.)`` (and NaN) returned the raw sum before; the plain int was refused."""

@@ -212,8 +212,28 @@ def _collectives(rank, world):
     return seen
 
 
+def _mask_dtypes(rank, world):
+    """Counts of a loss mask of every dtype, summed over the group: exact (a bfloat16 sum of 555 ones
+    was 556 before, float16 stopped at 2048), and the same losses as a float64 mask's."""
+    from cpshard.mtp import mtp_loss
+
+    lens = [1500, 555, 700]  # 2755 tokens: past float16's 2048 on every rank
+    plan = ShardPlan.build(lens, cp_size=world)
+    data = _batch(lens, 2, seed=5)
+    chunks = [shard(h, plan, rank, pad_value=0) for h in data[3]]
+    labels = shard(data[1], plan, rank, pad_value=0)
+    seen = {}
+    for dtype in (F64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+        for which, lengths in (("all", lens), ("555", [0, 555, 0])):
+            mask = shard([torch.arange(n) < k for n, k in zip(lens, lengths)], plan, rank, pad_value=0).to(dtype)
+            out = mtp_loss(chunks, labels, mask, plan, dist.group.WORLD, output_layer=lambda x: x @ data[4].T,
+                           loss_fn=lambda y, z: F.cross_entropy(z, y, reduction="none"), num_depths=2)
+            seen[(str(dtype), which)] = (out.counts.tolist(), out.losses)
+    return seen
+
+
 _PLAN = {
-    2: ("_exactness", "_megatron_and_local_counts"),
+    2: ("_exactness", "_megatron_and_local_counts", "_mask_dtypes"),
     4: ("_exactness", "_megatron_and_local_counts", "_collectives"),
 }
 
@@ -267,3 +287,16 @@ def test_two_collectives_per_call_whatever_depths_and_batch():
     for (b, layout, n, form, counts), calls in seen.items():
         want = (["alltoall_base"] if form == "sharded" else []) + (["allreduce"] if counts == "global" else [])
         assert calls == want, (b, layout, n, form, counts, calls)
+
+
+def test_counts_are_exact_for_every_mask_dtype():
+    """Every rank: [orig, n_1, n_2] as many as the mask holds, whatever its dtype, and the losses of a
+    float64 mask (the counts divide in the loss's dtype, here float64)."""
+    for seen in (r["_mask_dtypes"] for r in suites(2)):
+        for which, lens in (("all", [1500, 555, 700]), ("555", [555])):
+            truth = [sum(max(n - d, 0) for n in lens) for d in range(3)]
+            _, want = seen[(str(F64), which)]
+            for dtype in (F64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool):
+                counts, losses = seen[(str(dtype), which)]
+                assert counts == truth, (dtype, which, counts)
+                assert torch.equal(losses, want), (dtype, which)

@@ -260,6 +260,19 @@ def test_postprocess_packed_seqs_single_rank_matches_verl():
     assert torch.equal(cv.postprocess_packed_seqs(out, psp, mask, 3, 11, cp_size=1), want)
 
 
+def test_postprocess_packed_seqs_checks_the_mask_against_the_plan():
+    """A mask with the same token total in other rows moved tokens into the wrong sample; another total
+    failed inside torch's indexing. Both are refused, naming the lengths (as postprocess_thd_engine)."""
+    nt = vf.nested([5, 1, 9], trailing=(2,), seed=4)
+    padded, mask = to_padded(nt, padding_side="left", length=11)
+    rows, psp = cv.preprocess_packed_seqs(padded, mask, tp_size=2, cp_size=1, cp_rank=0)
+    for other, lens in zip(_other_masks(mask), ([9, 1, 5], [6, 1, 9])):
+        shown = ", ".join(map(str, lens))
+        with pytest.raises(ValueError, match=rf"^attention_mask=mask with lengths \[{shown}\]: must match the "
+                                             r"plan's seqlens \[5, 1, 9\]\. Fix: pass the attention_mask"):
+            cv.postprocess_packed_seqs(rows.float(), psp, other, 3, 11, cp_size=1)
+
+
 # -- BSHD ----------------------------------------------------------------------------------------
 
 @props(40)
@@ -417,6 +430,10 @@ def _gather_suite(rank, world):
         want = vutil.postprocess_packed_seqs(out, psp, mask, 3, 12)
         got = cv.postprocess_packed_seqs(out, psp, mask, 3, 12)
         results["packed"] = (want, got)
+        # the mask postprocess gets is not the one preprocess packed: the same total in other rows,
+        # and another total (before: tokens moved into the wrong sample, or torch's indexing failed)
+        results["packed, other mask"] = [_refused(lambda: cv.postprocess_packed_seqs(out, psp, other, 3, 12))
+                                         for other in _other_masks(mask)]
         # BSHD: with the plan the mask carries, and re-derived from every rank's mask (one all-gather)
         x = vf.nested([5, 2, 11], trailing=(3,), dtype=torch.float32, seed=10)
         cols, bmask, _ = cv.preprocess_bshd_engine(x)
@@ -434,6 +451,25 @@ def _gather_suite(rank, world):
     results["dynamic"] = (want.values(), got.values(), x.values() * 1.0)
     results["forward"] = _forward_both(rank, world)
     return _as_bytes(results)
+
+
+def _other_masks(mask):
+    """Masks of ``mask``'s shape whose rows hold other lengths: the same total, then one token more."""
+    import torch
+
+    lens = mask.sum(-1).tolist()
+    moved = [lens[-1], *lens[1:-1], lens[0]] if lens[0] != lens[-1] else [lens[0] - 1, *lens[1:-1], lens[-1] + 1]
+    more = [lens[0] + 1, *lens[1:]]
+    columns = torch.arange(mask.shape[1])
+    return [columns < torch.tensor(n)[:, None] for n in (moved, more)]
+
+
+def _refused(call):
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return "returned"
 
 
 def _as_bytes(obj):
@@ -533,6 +569,9 @@ def test_gathering_functions_match_verl_across_ranks(gloo, world):
             assert torch.equal(g_got, g_want), (rank, layout)  # gradient reaches the own rows only
         want, got = res["packed"]
         assert torch.equal(got, want)
+        for msg in res["packed, other mask"]:  # every rank, before the gather
+            assert msg.startswith("attention_mask=mask with lengths [")
+            assert "must match the plan's seqlens [5, 1, 9]" in msg
         want, got, rederived, truth = res["bshd"]
         assert torch.equal(got, want) and torch.equal(rederived, want) and torch.equal(got, truth)
         want, got, truth = res["dynamic"]

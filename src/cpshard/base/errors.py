@@ -29,6 +29,8 @@ def _short(value: Any) -> str:
 
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """Return ``value`` as a Python int; reject bools, floats and anything without ``__index__``."""
+    if isinstance(value, torch.Tensor):
+        check_real(name, value)
     if isinstance(value, bool) or not hasattr(type(value), "__index__") or (
             isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_floating_point())):
         shown = f"{value.dtype} tensor {value.tolist() if value.numel() == 1 else tuple(value.shape)}" \
@@ -43,6 +45,15 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
         fail(name, value, f"must be >= {minimum}", f"pass {name} >= {minimum}")
     if maximum is not None and value > maximum:
         fail(name, value, f"must be <= {maximum}", f"pass {name} <= {maximum}")
+    return value
+
+
+def check_real(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` unless it lives on the ``meta`` device (shapes without values: nothing to read, and
+    torch's collectives return on it without communicating, so that a rank's peers would wait)."""
+    if value.is_meta:
+        fail(name, f"a tensor of shape {tuple(value.shape)} on the meta device", "must hold real values (a meta "
+             "tensor has none to read or send)", f"pass {name} on a real device (cpu or cuda)")
     return value
 
 

@@ -60,7 +60,7 @@ def resolve_check(check: Any) -> bool:
 
 def describe(fp: Sequence[int]) -> str:
     if fp[1] == 0:  # the zero fingerprint of a rank that passed no plan at all
-        return "no plan (see that rank's TypeError)"
+        return "no plan (see that rank's own error)"
     kind = "BshdPlan" if fp[0] else "ShardPlan"
     layout = "zigzag" if fp[3] == 0 else "contiguous"
     return (f"{kind}(cp_size={fp[1]}, tp_size={fp[2]}, layout={layout!r}, num_seqs={fp[4]}, total_len={fp[5]}, "

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed import agree as _protocol
 from cpshard.distributed import header as _header
 from cpshard.distributed.groups import collective_device, group_rank, require_group, solo
@@ -24,14 +24,14 @@ from cpshard.distributed.stamp import all_gather_flat, raise_on_mismatch
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.values import Plan
 
-__all__ = ["agree", "check_local", "check_plan", "checked_call", "plan_fingerprint", "validated"]
+__all__ = ["agree", "check_local", "check_plan", "checked_call", "device_types", "plan_fingerprint", "validated"]
 
 _T = TypeVar("_T")
 
 
 def check_local(local: Any, plan: Plan) -> torch.Tensor:
     check_plan_type(plan)
-    local = check_tensor("local", local)
+    local = check_real("local", check_tensor("local", local))
     lead = plan.local_shape
     if local.dim() < len(lead) or tuple(local.shape[:len(lead)]) != lead:
         fail("local", f"tensor of shape {tuple(local.shape)}", f"must lead with the plan's local_shape = {lead}",
@@ -79,14 +79,34 @@ def checked_call(plan: Any, group: Any, check: bool | None,
     """
     if not _protocol.resolve_check(check) or (isinstance(plan, Plan) and solo(plan, group)):
         result, call = validate()
+        device_types(result)
         return result, group_rank(plan, group), call, False
     try:
         result, call = validate()
+        devices = device_types(result)
     except (ValueError, TypeError) as exc:
         agree(plan, group, exc, {})
         raise  # agree re-raises it; kept for the type checker
-    agree(plan, group, None, call)
+    agree(plan, group, None, {**call, "device": devices})  # the agreement only: headers stay as they were
     return result, group_rank(plan, group), call, True
+
+
+def device_types(value: Any) -> tuple[str, ...]:
+    """The device types of the tensors in ``value`` (a tensor, or tuples and lists of them), in order
+    of first appearance: what :func:`checked_call` adds to the agreement (every rank passes its
+    tensors on one kind of device: SPEC.md, "Errors"). ``ValueError`` for a tensor on the ``meta``
+    device (no values: torch's collectives return on it without communicating, and its peers wait)."""
+    found: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            check_real("input", item)
+            if item.device.type not in found:
+                found.append(item.device.type)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return tuple(found)
 
 
 def agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) -> None:

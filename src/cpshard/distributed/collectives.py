@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from cpshard.base.dtypes import carrier, check_fill, movable
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.base.types import Group, Scalar
 from cpshard.distributed.checks import check_local, checked_call, plan_fingerprint
 from cpshard.distributed.groups import solo
@@ -206,13 +206,13 @@ def shift_sharded_multi(tensors: Sequence[torch.Tensor], plan: Plan, group: Any,
         shifts: the shifts ``k`` (negative ones look back: the halo before each segment travels in
             the same collective).
         pad_values: per tensor, the value of pad rows (``None``: as :func:`cpshard.shard`, ``fill``
-            for a shifted tensor); default all ``None``.
+            for a shifted entry and 0 for an unshifted one, ``k = 0``); default all ``None``.
         fills: per tensor, the value of token rows shifted past the sequence's end; default 0.
         check: as in :func:`gather`.
 
     Returns:
         Per tensor, ``(len(shifts), *local_shape, *trailing)``: entry ``s`` is the tensor shifted by
-        ``shifts[s]``; pad rows take their pad value for every shift. No gradient flows (labels and
+        ``shifts[s]``, whose pad rows hold its pad value. No gradient flows (labels and
         masks); the inputs are read detached.
     """
     return shift_sharded_multi_for(tensors, plan, group, {}, shifts=shifts, pad_values=pad_values, fills=fills,
@@ -236,7 +236,9 @@ def shift_sharded_multi_for(tensors: Sequence[torch.Tensor], plan: Plan, group: 
         if not ks:
             fail("shifts", list(shifts), "must hold at least one shift", "pass e.g. shifts=[1, 2]")
         fils = [check_fill("fills", v, t.dtype) for v, t in zip(fils, checked)]
-        pads = [f if v is None else check_fill("pad_values", v, t.dtype) for v, f, t in zip(pads, fils, checked)]
+        # per tensor, one pad value per shift: SPEC's default is fill for a shifted entry, 0 for k = 0
+        pads = [tuple(check_fill("pad_values", v, t.dtype) if v is not None else f if k else
+                      check_fill("pad_values", 0, t.dtype) for k in ks) for v, f, t in zip(pads, fils, checked)]
         call = {"dtypes": [t.dtype for t in checked],
                 "row shapes": [tuple(t.shape[len(plan.local_shape):]) for t in checked],
                 "shifts": ks, "pad_values": pads, "fills": fils, **args}
@@ -301,8 +303,17 @@ def all_gather_rows_for(rows: torch.Tensor, plan: Plan, group: Group, args: dict
 
 def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: bool | None,
                  args: dict[str, Any]) -> torch.Tensor:
+    """``rows`` ``(R, ...)`` of every rank (``op="gather_states"``: ``rows`` is one rank's states,
+    gathered as one row), checked inside the agreement (checks on): a rank that refuses its input
+    makes every rank raise instead of leaving them waiting in the gather."""
+    name = "rows" if op == "all_gather_rows" else "states"
+
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
-        checked = check_tensor("rows" if op == "all_gather_rows" else "states", rows)
+        checked = check_real(name, check_tensor(name, rows))
+        if checked.is_nested or (op == "all_gather_rows" and checked.dim() == 0):
+            fail(name, f"a {'nested' if checked.is_nested else '0-d'} tensor", "must be a dense tensor of rows "
+                 "(one shape on every rank)", f"pass {name} as one strided tensor")
+        checked = checked.unsqueeze(0) if op == "gather_states" else checked
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]), **args}
 
     rows, rank, call, ran_check = checked_call(plan, group, check, validate)
@@ -433,7 +444,6 @@ def gather_states(states: torch.Tensor, plan: Plan, group: Any, *, check: bool |
 def gather_states_for(states: torch.Tensor, plan: Plan, group: Any, args: dict[str, Any], *,
                       check: bool | None = None) -> torch.Tensor:
     """:func:`gather_states` for a call of layer 5 (the scan) whose own arguments ``args`` every rank
-    must pass alike: as :func:`all_gather_rows_for`."""
-    states = check_tensor("states", states)
-    return _gather_rows(states.unsqueeze(0), plan, group, "gather_states", check, args).reshape(plan.cp_size,
-                                                                                                *states.shape)
+    must pass alike: as :func:`all_gather_rows_for`. ``states`` is checked inside the agreement."""
+    gathered = _gather_rows(states, plan, group, "gather_states", check, args)
+    return gathered.reshape(plan.cp_size, *gathered.shape[1:])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpshard.base.errors import check_tensor
+from cpshard.base.errors import check_real, check_tensor
 from cpshard.distributed import header as _header
 from cpshard.distributed.checks import checked_call
 from cpshard.distributed.groups import collective_device, require_group, solo
@@ -95,7 +95,7 @@ def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool 
     :func:`gather` (the agreement first, which names the ranks and plans).
     """
     def validate() -> tuple[torch.Tensor, dict[str, Any]]:
-        checked = check_tensor("values", values)
+        checked = check_real("values", check_tensor("values", values))
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape)}
 
     values, rank, call, ran_check = checked_call(plan, group, check, validate)
@@ -110,7 +110,7 @@ def sum_over(values: torch.Tensor, group: Any) -> torch.Tensor:
     For totals over the data-parallel group (``cpshard.loss``'s ``dp_group``). No gradient flows.
     Stamped with the dtype and shape (Note [Stamped reductions]; no plan: DP ranks hold other batches).
     """
-    values = check_tensor("values", values)
+    values = check_real("values", check_tensor("values", values))
     require_group(group)
     call = {"dtype": values.dtype, "row shape": tuple(values.shape)}
     stamp = Stamp("sum_over", dist.get_rank(group), False, (), call)
@@ -121,7 +121,7 @@ def max_over(values: torch.Tensor, group: Any) -> torch.Tensor:
     """``values``' elementwise maximum over the ranks of ``group`` (one ``all_reduce``, on the group's
     device: CUDA under NCCL), as a new tensor on ``values``' device: the slowest rank's time, or the
     largest micro-batch count of a DP group. No gradient flows. Stamped as :func:`sum_over`."""
-    values = check_tensor("values", values)
+    values = check_real("values", check_tensor("values", values))
     require_group(group)
     device = collective_device(group)
     call = {"dtype": values.dtype, "row shape": tuple(values.shape)}

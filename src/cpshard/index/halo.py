@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard.base.dtypes import movable
+from cpshard.base.dtypes import bit_pattern, movable
 from cpshard.base.layout import Layout
 from cpshard.index import segments as _index
 from cpshard.index.balance import tri
@@ -88,11 +88,15 @@ class HaloExchange:
         """``(S, R, *trailing)``: ``local`` ``(R, *trailing)`` shifted by every shift.
 
         ``received`` holds the rows other ranks sent (``None`` or empty when nothing crossed).
-        Values are checked by the caller; no gradient flows (labels and masks).
+        ``pad_value``: the pad rows' value for every shift, or a sequence of one per shift (SPEC's
+        default differs between a shifted entry and an unshifted one). Values are checked by the
+        caller; no gradient flows (labels and masks).
         """
-        moved = movable(local, pad_value, fill)
+        pads = list(pad_value) if isinstance(pad_value, (list, tuple)) else [pad_value] * len(self.shifts)
+        moved = movable(local, pads[0], fill)
         if moved is not None:  # fp8, uintN: no index_fill; move the bits, fill with the values' bit patterns
-            carried, pad_bits, fill_bits = moved
+            carried, _, fill_bits = moved
+            pad_bits = [bit_pattern(p, local.dtype) for p in pads]
             got = None if received is None else received.view(carried.dtype)
             return self.apply(carried, got, pad_bits, fill_bits).view(local.dtype)
         base = local if received is None or received.shape[0] == 0 else torch.cat([local, received])
@@ -101,8 +105,11 @@ class HaloExchange:
             out = local.new_zeros((s, rows, *local.shape[1:]))
         else:
             out = base.index_select(0, self.source.reshape(-1)).view(s, rows, *local.shape[1:])
-        if self.pad_rows.numel():
-            out.index_fill_(1, self.pad_rows, pad_value)
+        if self.pad_rows.numel() and len(set(pads)) == 1:
+            out.index_fill_(1, self.pad_rows, pads[0])
+        elif self.pad_rows.numel():
+            for shifted, pad in zip(out, pads):
+                shifted.index_fill_(0, self.pad_rows, pad)
         for shifted, fill_rows in zip(out, self.fill_rows):
             if fill_rows.numel():
                 shifted.index_fill_(0, fill_rows, fill)

@@ -211,7 +211,9 @@ def reach(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout, alon
         filled = padded[seqlens > 0] // (2 * cp)
         c = max(int(filled.min()), 1) if filled.size else 1
         w = -(-span // c)
-        chunks = {j for mid in (rank, 2 * cp - 1 - rank) for j in range(mid - w, mid + w + 1) if 0 <= j < 2 * cp}
+        # the chunks within w of either of the rank's two, clipped to the 2 cp chunks: at most 2 cp
+        # of them whatever the span (a loop over all 2 w + 1 took minutes for |k| near 2**31)
+        chunks = {j for mid in (rank, 2 * cp - 1 - rank) for j in range(max(mid - w, 0), min(mid + w, 2 * cp - 1) + 1)}
         return sorted({min(j, 2 * cp - 1 - j) for j in chunks})
     local = max((int(padded.max()) if alone else int(padded.sum())) // cp, 1)
     return list(range(max(rank * local - span, 0) // local, min(((rank + 1) * local + span - 1) // local, cp - 1) + 1))

@@ -63,7 +63,7 @@ from typing import Any, ClassVar
 import torch
 
 from cpshard.base.convention import GradReduction
-from cpshard.base.errors import check_int, fail, parse_choice
+from cpshard.base.errors import check_int, check_real, fail, parse_choice
 from cpshard.base.types import TokenRows
 from cpshard.distributed.agree import resolve_check
 from cpshard.distributed.checks import agree
@@ -72,7 +72,7 @@ from cpshard.distributed.groups import group_rank, solo
 from cpshard.distributed.sums import reduce_over
 from cpshard.loss.reductions import masked_rows
 from cpshard.ops.sharding import shard
-from cpshard.plan.values import Plan
+from cpshard.plan.values import Plan, check_plan_type
 
 __all__ = ["Counts", "MtpLoss", "MtpLossAutoScaler", "Normalization", "mtp_loss", "mtp_targets"]
 
@@ -142,7 +142,8 @@ class MtpLoss:
             group, which Megatron's MTP logger takes over DP x CP, is the depth's loss over the whole
             batch) and ``f = 1`` for local counts (Megatron's per-rank value).
         counts: ``(1 + N,)`` detached, ``[orig, n_1, ..., n_N]``: summed over the CP group for
-            global counts, the rank's own for local counts, in the loss mask's sum dtype.
+            global counts, the rank's own for local counts; exact: int64 for a bool or integer loss
+            mask, float64 for a floating one (whatever its precision).
     """
 
     hidden: torch.Tensor
@@ -157,10 +158,14 @@ def _is_global(x: Any) -> bool:
 
 def _check_rows(name: str, x: Any, plan: Plan) -> None:
     if _is_global(x):
+        for i, t in enumerate([x] if isinstance(x, torch.Tensor) else x):
+            if isinstance(t, torch.Tensor):
+                check_real(name if isinstance(x, torch.Tensor) else f"{name}[{i}]", t)
         return
     if not isinstance(x, torch.Tensor):
         fail(name, type(x).__name__, "must be this rank's rows (a tensor), or the whole batch (a list of "
              "per-sequence tensors or a jagged nested tensor)", f"pass {name} as one of those", kind=TypeError)
+    check_real(name, x)
     if x.numel() != math.prod(plan.local_shape):
         fail(name, f"tensor of shape {tuple(x.shape)}",
              f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
@@ -192,7 +197,8 @@ def mtp_targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: 
         ``masks`` ``(1 + N, *local_shape)``, row 0 the mask aligned with the labels (pad rows 0;
         its sum is ``orig``), row ``d`` depth ``d``'s. ``local_shape`` is ``plan.local_shape``.
     """
-    labels_d, masks, _ = _targets(labels, loss_mask, plan, group, num_depths, input_ids, label_fill, check, {})
+    labels_d, masks, *_ = _targets(labels, loss_mask, plan, group, input_ids, label_fill, check,
+                                   lambda: (None, {}, num_depths))
     return labels_d, masks
 
 
@@ -201,28 +207,46 @@ def _form(x: Any) -> str | None:
     return None if x is None else "whole batch" if _is_global(x) else "sharded"
 
 
-def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, num_depths: int,
-             input_ids: Rows | None, label_fill: int, check: bool | None,
-             args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """:func:`mtp_targets`, with the calling loss's arguments ``args`` (every rank alike) in the
-    agreement and the exchange's header; also whether the agreement ran (checks on, ``cp > 1`` or a
-    group): it always runs there, with or without an exchange, so that ranks that pass their labels in
-    another form (and so make another collective) or other arguments raise on every rank."""
+def _target_args(labels: Any, loss_mask: Any, plan: Plan, num_depths: Any, input_ids: Any) -> int:
+    """:func:`mtp_targets`' checks of its arguments (no communication); returns ``N``."""
+    check_plan_type(plan)
     n = check_int("num_depths", num_depths, minimum=1)
     if labels is None and input_ids is None:
         fail("labels", None, "needs input_ids when labels is None (labels are derived from them)",
              "pass labels, or input_ids to derive them")
-    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
-    _check_rows(source_name, source, plan)
+    _check_rows("labels" if labels is not None else "input_ids", labels if labels is not None else input_ids, plan)
     if loss_mask is not None:
         _check_rows("loss_mask", loss_mask, plan)
+    return n
+
+
+def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any, input_ids: Rows | None,
+             label_fill: int, check: bool | None,
+             own: Callable[[], tuple[Any, dict[str, Any], Any]]) -> tuple[torch.Tensor, torch.Tensor, Any,
+                                                                      dict[str, Any], bool]:
+    """:func:`mtp_targets` for a calling loss whose own checks ``own()`` give ``(its result, its
+    arguments every rank passes alike, num_depths)``; returns the labels and masks, that result, the
+    arguments agreed on and whether the agreement ran (checks on, ``cp > 1`` or a group).
+
+    Every check, the caller's and the targets', runs first: with checks on a refusal joins the
+    agreement (every rank raises, this one its own error) instead of raising here while the peers
+    wait. The agreement then always runs, with or without an exchange, so that ranks that pass their
+    labels in another form (and so make another collective) or other arguments raise on every rank."""
+    agreed = resolve_check(check) and not (isinstance(plan, Plan) and solo(plan, group))
+    try:
+        result, args, num_depths = own()
+        n = _target_args(labels, loss_mask, plan, num_depths, input_ids)
+    except (ValueError, TypeError) as exc:
+        if agreed:
+            agree(plan, group, exc, {})
+        raise  # agree re-raised it (kept for the type checker), or checks are off
+    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
     base = 0 if labels is not None else 1
     shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
     rank = group_rank(plan, group)
     args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": label_fill,
             "num_depths": n}
-    agreed = resolve_check(check) and not solo(plan, group)
     exchanges = any(x is not None and not _is_global(x) for x in (source, loss_mask))
     if agreed and not exchanges:  # the exchange agrees on its own call (which then holds args) below
         agree(plan, group, None, args)
@@ -248,7 +272,7 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
     if loss_mask is None:  # ones on every token row, shifted: True where the source exists
         valid = torch.stack([plan.label_mask(rank, k) for k in shifts]).to(labels_all.device)
         out["loss_mask"] = valid.to(labels_all.dtype)
-    return labels_all[1:], out["loss_mask"], agreed
+    return labels_all[1:], out["loss_mask"], result, args, agreed
 
 
 def mtp_loss(
@@ -311,19 +335,24 @@ def mtp_loss(
     Communication: at most two collectives per call (one exchange of labels and masks for every
     depth, when they exist only sharded; one ``all_reduce`` of all counts); none at ``cp = 1``.
     """
-    normalization = Normalization.parse(normalization)
-    counts = Counts.parse(counts)
-    reduction = _grad_reduction(grad_reduction, normalization, counts)
-    if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real):
-        fail("scaling_factor", repr(scaling_factor), "must be a real number", "pass e.g. scaling_factor=0.1",
-             kind=TypeError)
-    chunks = _chunks(hidden_states, num_depths)
+    def own() -> tuple[tuple[Normalization, Counts, GradReduction, list[torch.Tensor]], dict[str, Any], int]:
+        norm, kind = Normalization.parse(normalization), Counts.parse(counts)
+        reduced = _grad_reduction(grad_reduction, norm, kind)
+        if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real):
+            fail("scaling_factor", repr(scaling_factor), "must be a real number", "pass e.g. scaling_factor=0.1",
+                 kind=TypeError)
+        parts = _chunks(hidden_states, num_depths)
+        # every argument that changes the result or the collectives (Note [MTP arguments])
+        args = {"scaling_factor": float(scaling_factor), "normalization": norm.value, "counts": kind.value,
+                "grad_reduction": reduced.value}
+        return (norm, kind, reduced, parts), args, len(parts) - 1
+
+    # every argument checked first, inside the agreement with checks on: a rank that refuses its
+    # own makes every rank raise, instead of its peers waiting in the labels' exchange
+    labels_d, masks, (normalization, counts, reduction, chunks), args, agreed = _targets(
+        labels, loss_mask, plan, group, input_ids, label_fill, check, own)
     n = len(chunks) - 1
-    # every argument that changes the result or the collectives (Note [MTP arguments])
-    args = {"scaling_factor": float(scaling_factor), "normalization": normalization.value, "counts": counts.value,
-            "grad_reduction": reduction.value}
-    labels_d, masks, agreed = _targets(labels, loss_mask, plan, group, n, input_ids, label_fill, check, args)
-    local_counts = torch.stack([m.sum() for m in masks])
+    local_counts = torch.stack([m.sum(dtype=_count_dtype(m)) for m in masks])
     global_counts = counts is Counts.GLOBAL and plan.cp_size > 1
     if global_counts:  # stamped with the arguments; agreed on above, with checks on
         totals = reduce_over(local_counts, group, op="mtp_loss", plans=(plan,), checked=agreed,
@@ -348,8 +377,11 @@ def mtp_loss(
         masked = masked_rows(loss, mask)
         num = totals[d].clamp(min=1)
         summed = masked.sum()
+        weight = orig
+        if totals.is_floating_point():  # counted exactly in float64; divided in the loss's dtype, as cpshard.loss does
+            num, weight = num.to(summed.dtype), orig.to(summed.dtype)
         if normalization is Normalization.PER_TOKEN:
-            part = scale * grad_factor * summed * (orig / num)
+            part = scale * grad_factor * summed * (weight / num)
         else:
             part = scale * grad_factor * summed / num
         total = part if total is None else total + part
@@ -361,6 +393,12 @@ def mtp_loss(
     attach = autoscaler if autoscaler is not None else MtpLossAutoScaler.apply
     hidden = attach(chunks[0], total)
     return MtpLoss(hidden=hidden, losses=torch.stack(losses), counts=totals.detach())
+
+
+def _count_dtype(mask: torch.Tensor) -> torch.dtype:
+    """Where a mask's counts are summed exactly: int64 for a bool or integer mask, float64 for a
+    floating one (a bfloat16 sum of 555 ones is 556; float16 stops counting at 2048)."""
+    return torch.float64 if mask.is_floating_point() or mask.is_complex() else torch.int64
 
 
 def _grad_reduction(value: Any, normalization: Normalization, counts: Counts) -> GradReduction:
@@ -381,6 +419,7 @@ def _chunks(hidden: Any, num_depths: int | None) -> list[torch.Tensor]:
             fail("num_depths", None, "is required when hidden_states is one tensor of 1 + N chunks",
                  "pass num_depths=N (Megatron's config.mtp_num_layers)")
         n = check_int("num_depths", num_depths, minimum=1)
+        check_real("hidden_states", hidden)
         if hidden.dim() == 0 or hidden.shape[0] % (1 + n):
             fail("hidden_states", f"tensor of shape {tuple(hidden.shape)}",
                  f"dim 0 must split into 1 + num_depths = {1 + n} equal chunks",
@@ -395,4 +434,6 @@ def _chunks(hidden: Any, num_depths: int | None) -> list[torch.Tensor]:
     if num_depths is not None and check_int("num_depths", num_depths, minimum=1) != len(hidden) - 1:
         fail("num_depths", num_depths, f"must equal len(hidden_states) - 1 = {len(hidden) - 1}",
              "drop num_depths or pass matching chunks")
+    for i, h in enumerate(hidden):
+        check_real(f"hidden_states[{i}]", h)
     return list(hidden)

@@ -76,7 +76,7 @@ from typing import Any
 import torch
 
 from cpshard.base.convention import GradReduction
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed.agree import resolve_check
 from cpshard.distributed.checks import agree
 from cpshard.distributed.groups import group_rank, group_size
@@ -102,7 +102,7 @@ def masked_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(name: str, x: Any, plan: Plan) -> torch.Tensor:
-    x = check_tensor(name, x)
+    x = check_real(name, check_tensor(name, x))
     if x.is_nested or x.numel() != math.prod(plan.local_shape):
         fail(name, f"tensor of shape {tuple(x.shape)}",
              f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
@@ -135,6 +135,7 @@ class _Local:
                      "that hold other micro-batches), not the CP group", "pass your DP group, or None")
             self.dp = group_size(dp_group, "dp_group")
         tokens = to_device(plan.token_mask(self.rank), values.device)  # pad rows never count
+        self.exact = not mask.is_floating_point()  # a bool or integer mask: its counts are exact
         self.mask = mask.detach() if mask.dtype == torch.bool else mask.detach().to(_F64)
         self.mask = torch.where(tokens, self.mask, torch.zeros((), dtype=self.mask.dtype, device=values.device))
         self.values = masked_rows(values, self.mask)
@@ -163,6 +164,28 @@ class _Local:
         if not float(value) >= 0:
             fail(name, repr(value), "must be a count >= 0", fix)
         return torch.tensor(float(value), dtype=_F64, device=self.values.device)
+
+    def covers(self, name: str, count: torch.Tensor, read: bool, sequences: bool = False) -> None:
+        """Refuse a given count below what this rank holds, which the count must include: its labelled
+        tokens (weights: the mask's sum over token rows), or with ``sequences`` its sequences with a
+        labelled token. Read on the host where that costs no sync: the rows on the CPU, or ``read``
+        (checks on: the agreement reads the host anyway); on a device otherwise, a device-side
+        assertion (no host sync), as for a negative count."""
+        if sequences:
+            seq = to_device(self.plan.sequence_ids(self.rank), self.mask.device).reshape(-1)
+            held = torch.zeros(self.plan.num_seqs, dtype=_F64, device=self.mask.device)
+            present, what = (held.index_add(0, seq, self.mask.reshape(-1).to(_F64)) > 0).sum(dtype=_F64), "sequences"
+        else:
+            present, what = self.mask.sum(dtype=_F64), "tokens"
+        slack = 0.0 if self.exact or sequences else 1e-6 * present  # weights summed in another order may round
+        if count.device.type == "cpu" or read:
+            have, need = float(count), float(present)
+            if have < need - float(slack):
+                fail(name, f"{have:g}", f"must count at least this rank's labelled {what} ({need:g}, from the loss "
+                     "mask over its token rows)", f"pass {name} as the total over every rank and micro-batch it "
+                     "covers, or None to count here")
+        else:
+            torch._assert_async(count >= present - slack)
 
     def divide(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """``factor * summed / count``, with a zero count taken as one (the sum is then zero too)."""
@@ -214,12 +237,13 @@ class _Call:
             self._agreed(exc)
             raise  # _agreed re-raised it; kept for the type checker
         if not solo:
-            self._agreed(None)
+            rows = local[0] if isinstance(local, tuple) else local  # the _Local (and a given count)
+            self._agreed(None, {"device": rows.values.device.type})
         return local
 
-    def _agreed(self, error: Exception | None) -> None:
+    def _agreed(self, error: Exception | None, extra: dict[str, Any] | None = None) -> None:
         try:
-            agree(self.plan, self.group, error, self.call)
+            agree(self.plan, self.group, error, {**self.call, **(extra or {})})
         except (ValueError, TypeError) as exc:  # the verdict, or this rank's own error re-raised
             self._leave(exc)
 
@@ -307,7 +331,9 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
         num_tokens: ``N`` when it is known before the step, e.g. verl's ``batch_num_tokens`` (every
             labelled token of the mini-batch's micro-batches, over the DP group: gradient
             accumulation then adds up to their mean): no collective at all. Pass ``dp_group`` too
-            when ``N`` spans DP ranks (only its size is read, for ``f``).
+            when ``N`` spans DP ranks (only its size is read, for ``f``). An ``N`` below this rank's
+            own labelled tokens is refused (read on the host where the rows are on the CPU or checks
+            are on; else a device-side assertion, no host sync).
         check: ``True`` runs the agreement over ``group`` first (one small all-gather), so that bad
             input or another plan on any rank raises on every rank, naming them; ``None`` follows
             :func:`cpshard.distributed.set_checks`. Checks on or off, the sums are stamped: ranks that
@@ -333,6 +359,8 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, gro
     def build() -> tuple[_Local, torch.Tensor | None]:
         local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
         count = local.given("num_tokens", num_tokens)
+        if count is not None:
+            local.covers("num_tokens", count, call.checked)
         call.note("num_tokens", count)
         return local, count
 
@@ -403,7 +431,8 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
             rank's micro-batch (one more ``all_reduce`` over it, of one number).
         num_seqs: ``S`` when it is known before the step (verl's ``global_batch_size``): no
             ``all_reduce`` over ``dp_group`` (give it for ``f``), and none at all with
-            ``token_reduction="sum"``.
+            ``token_reduction="sum"``. An ``S`` below this rank's sequences with a labelled token is
+            refused, as ``num_tokens`` is in :func:`token_mean`.
         check: as in :func:`token_mean`.
 
     Returns:
@@ -423,6 +452,8 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
                  "pass token_reduction='mean' or 'sum'")
         local = _Local(per_token, loss_mask, plan, group, dp_group, grad_reduction)
         count = local.given("num_seqs", num_seqs)
+        if count is not None:
+            local.covers("num_seqs", count, call.checked, sequences=True)
         call.note("num_seqs", count)
         return local, count
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import fail
+from cpshard.distributed.agree import checks_enabled
+from cpshard.distributed.checks import agree
 from cpshard.loss.mtp import Counts, MtpLossAutoScaler, Normalization, mtp_loss
 from cpshard.loss.reductions import masked_rows
 from cpshard.megatron._import import import_megatron, megatron_version
@@ -156,7 +158,12 @@ def process_mtp_loss(
     like = labels if labels is not None else input_ids
     assert like is not None
     cp_size = _group_size(cp_group)
-    plan = plan_for_mtp(tuple(like.shape), cp_size, packed_seq_params)
+    try:
+        plan = plan_for_mtp(tuple(like.shape), cp_size, packed_seq_params)
+    except (ValueError, TypeError) as exc:
+        if cp_size > 1 and checks_enabled():  # no plan here: every CP rank raises, not this one alone
+            agree(None, cp_group, exc, {})
+        raise
     if getattr(config, "mtp_detach_heads", False):
         weight = output_weight if output_weight is not None else getattr(output_layer, "weight")  # noqa: B009
         output_weight = weight.detach()

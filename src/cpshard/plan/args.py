@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cpshard.base.errors import check_int, fail
+from cpshard.base.errors import check_int, check_real, fail
 from cpshard.base.layout import Layout
 
 __all__ = ["check_shift", "int_tuple", "jagged", "jagged_lengths", "parse_plan_args", "parse_seqlens", "plain_ints"]
@@ -47,6 +47,8 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
         fail(name, seqlens, "must hold at least one sequence (B >= 1)", "pass the lengths of a non-empty batch")
     out = []
     for i, n in enumerate(values):
+        if isinstance(n, torch.Tensor):
+            check_real(f"{name}[{i}]", n)
         if isinstance(n, torch.Tensor) and (n.dim() != 0 or n.dtype.is_floating_point or n.dtype.is_complex
                                             or n.dtype == torch.bool):
             fail(f"{name}[{i}]", f"tensor of shape {tuple(n.shape)} and dtype {n.dtype}",
@@ -78,6 +80,7 @@ def _jagged_offsets(nt: torch.Tensor, name: str) -> torch.Tensor:
 
 def jagged_lengths(nt: torch.Tensor, name: str) -> tuple[int, ...]:
     """The sequence lengths of a compact jagged nested tensor: one device-to-host copy."""
+    check_real(name, nt)
     offsets = _jagged_offsets(nt, name).tolist()
     if offsets[0] != 0:
         fail(name, f"nested tensor with offsets starting at {offsets[0]}", "offsets must start at 0",

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed.checks import validated
 from cpshard.distributed.collectives import all_gather_rows_for, joined
 from cpshard.ops.sharding import check_plan_type
@@ -38,7 +38,7 @@ def _check_qkv(q: Any, k: Any, v: Any, plan: Plan) -> tuple[torch.Tensor, torch.
     lead = plan.local_shape
     out = []
     for name, t in (("q", q), ("k", k), ("v", v)):
-        t = check_tensor(name, t)
+        t = check_real(name, check_tensor(name, t))
         if t.dim() != len(lead) + 2 or tuple(t.shape[:len(lead)]) != lead:
             fail(name, f"tensor of shape {tuple(t.shape)}", f"must be plan.local_shape + (heads, head_dim) = "
                  f"{lead} + (H, D)", "pass this rank's rows with the heads split out, e.g. x.view(L, H, D)")

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.base.layout import Layout
 from cpshard.plan.twins import twin
 from cpshard.plan.values import ShardPlan
@@ -178,7 +178,7 @@ def _check_kind(plan: Any) -> ShardPlan:
 
 def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
     _check_kind(plan)
-    a, x = check_tensor("a", a), check_tensor("x", x)
+    a, x = check_real("a", check_tensor("a", a)), check_real("x", check_tensor("x", x))
     lead = plan.local_shape
     if a.dim() < 1 or tuple(a.shape[:1]) != lead:
         fail("a", f"tensor of shape {tuple(a.shape)}", f"must lead with the plan's local_shape = {lead}",
@@ -192,17 +192,20 @@ def _check(a: Any, x: Any, plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return a, x
 
 
-def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, rows_plan: ShardPlan, check: bool | None) -> torch.Tensor:
+def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, naive: bool, check: bool | None) -> torch.Tensor:
+    """The scan of ``plan``'s rows (``naive``: read as its contiguous twin's; else ``plan`` must not be
+    zigzag). Every check runs inside the agreement (checks on), so that a rank that refuses its
+    input or its plan makes every rank raise instead of leaving its peers waiting in the state gather."""
     from cpshard.distributed.checks import validated
     from cpshard.distributed.collectives import gather_states_for, joined
 
+    def validate() -> tuple[tuple[torch.Tensor, torch.Tensor, ShardPlan], dict[str, Any]]:
+        belief = _check_kind(twin(_check_kind(plan), Layout.CONTIGUOUS)) if naive else _refuse_zigzag(plan)
+        a_, x_ = _check(a, x, plan)
+        return (a_, x_, belief), {"dtype": a_.dtype, "row shape": tuple(a_.shape[1:]), "naive": belief != plan}
+
+    (a, x, rows_plan), rank, _ = validated(plan, group, check, validate)
     args = {"naive": rows_plan != plan}  # every rank alike: agreed on, and carried by the gather's header
-
-    def validate() -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
-        pair = _check(a, x, plan)
-        return pair, {"dtype": pair[0].dtype, "row shape": tuple(pair[0].shape[1:]), **args}
-
-    (a, x), rank, _ = validated(plan, group, check, validate)
     layout = scan_layout(rows_plan)
     dev = a.device
     H, A = segmented_scan(a, x, layout.starts[rank].to(dev), rows_plan.token_mask(rank).to(dev))
@@ -231,14 +234,16 @@ def linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any, *
         ``(L, ...)``, 0 on pad rows. Communication: one ``all_gather_single`` of ``(2, ...)`` per rank
         in forward, one ``all_reduce`` of ``(cp, 2, ...)`` in backward; none at ``cp = 1``.
     """
-    # validation: a zigzag THD plan is refused with its fix here; another plan kind is refused by
-    # _check_kind under the agreement (check=True), as every other bad argument
+    return _scan(a, x, plan, group, False, check)  # a zigzag plan is refused there, under the agreement
+
+
+def _refuse_zigzag(plan: Any) -> ShardPlan:
     if isinstance(plan, ShardPlan) and plan.layout is Layout.ZIGZAG and plan.cp_size > 1:
         fail("plan", f"a zigzag plan (cp_size={plan.cp_size})", "the scan needs each document's rows in order on "
              "consecutive ranks, and zigzag's second chunk on rank r continues rank r + 1's rows",
              "run it on the contiguous twin: y = relayout(x, plan, twin_plan(plan, 'contiguous'), group), scan, "
              "then relayout back")
-    return _scan(a, x, plan, group, plan, check)
+    return plan
 
 
 def naive_linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: Any, *,
@@ -246,5 +251,4 @@ def naive_linear_scan(a: torch.Tensor, x: torch.Tensor, plan: ShardPlan, group: 
     """:func:`linear_scan` under one wrong belief: that the rows are ``plan``'s contiguous twin's.
     Right under the contiguous layout; wrong on zigzag rows. Kept to show that
     ``cpshard verify --model hybrid`` catches it. Same arguments."""
-    belief = _check_kind(twin(_check_kind(plan), Layout.CONTIGUOUS))  # a ShardPlan's twin is one
-    return _scan(a, x, plan, group, belief, check)
+    return _scan(a, x, plan, group, True, check)

@@ -115,6 +115,15 @@ def _thd_restore_plan(psp: Any, seqlens: Any, layout: Layout | None, cp_size: in
     return plan_from_packed_seq_params(psp, cp_size=cp, tp_size=tp_size or 1, layout=layout, seqlens=seqlens)
 
 
+def _match_plan(name: str, shown: str, lens: tuple[int, ...], plan: ShardPlan, fix: str) -> None:
+    """The batch's lengths, in the caller's order (a plan may have reordered its buffer), against the
+    plan that restores it: another batch would put tokens into the wrong sample, or fail in torch's
+    indexing."""
+    if plan.input_seqlens_py != lens:
+        fail(name, f"{shown} with lengths {list(lens)}", f"must match the plan's seqlens {list(plan.input_seqlens_py)}",
+             fix)
+
+
 def postprocess_thd_engine(
     output: torch.Tensor,
     packed_seq_params: Any,
@@ -158,9 +167,7 @@ def postprocess_thd_engine(
             cp_group = getattr(packed_seq_params, "cp_group", None)
     lens = _seqlens(input_ids)  # one host copy, as verl makes
     plan = _thd_restore_plan(packed_seq_params, lens, layout, cp_size, tp_size, plan)
-    if plan.input_seqlens_py != lens:  # the caller's order (a plan may have reordered its buffer)
-        fail("input_ids", f"nested tensor with lengths {list(lens)}", f"must match the plan's seqlens "
-             f"{list(plan.input_seqlens_py)}", "pass the input_ids that preprocess_thd_engine packed")
+    _match_plan("input_ids", "nested tensor", lens, plan, "pass the input_ids that preprocess_thd_engine packed")
     _check_batch(batch_size, plan.num_seqs)
     return _restore(local, plan, cp_group, flat=False)
 
@@ -240,8 +247,10 @@ def postprocess_packed_seqs(
     if tuple(mask.shape) != (batch_size, seq_len):
         fail("attention_mask", f"tensor of shape {tuple(mask.shape)}", f"must be (batch_size, seq_len) = "
              f"({batch_size}, {seq_len})", "pass the padded batch's mask")
-    seqlens = None if plan is not None or _attached(packed_seq_params, ShardPlan) else mask.sum(-1)
+    lens = tuple(mask.sum(-1).tolist())  # one host copy (the scatter below syncs anyway)
+    seqlens = None if plan is not None or _attached(packed_seq_params, ShardPlan) else lens
     plan = _thd_restore_plan(packed_seq_params, seqlens, None, cp_size, tp_size, plan)
+    _match_plan("attention_mask", "mask", lens, plan, "pass the attention_mask that preprocess_packed_seqs packed")
     tokens = _restore(local, plan, cp_group, flat=True)
     out = tokens.new_zeros((batch_size, seq_len, *tokens.shape[1:]))
     out[mask] = tokens
