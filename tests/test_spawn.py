@@ -308,9 +308,8 @@ def test_the_refusing_rank_s_own_error_is_raised_whichever_report_comes_first():
     text = str(raised.value)
     assert text.startswith("rank 1 of 2 failed:\n"), text
     assert "ValueError: loss_mask=tensor of shape (3,)" in text, text
-    assert text.endswith(f"(ranks [0] failed after it)\n  rank 0: ValueError: ranks [1] of the context-parallel "
-                         "group rejected their input (their errors say why; this is rank 0). Fix: correct the input "
-                         "on those ranks; every rank stopped before communicating data."), text
+    tail = text.split("\n(ranks [0] failed after it)\n", 1)[1]
+    assert tail.startswith("  rank 0: ValueError: ranks [1] of the context-parallel group rejected their input"), text
 
 
 def _leaves_by_os_exit(rank, world):

@@ -381,7 +381,9 @@ def _check_main_guard(ctx: Any) -> None:
 
 
 def _main_guard(node: Any) -> bool:
+    """Whether the statement ``node`` is an ``if __name__ == "__main__":`` block (any spelling of the test)."""
     import ast
+
     if not isinstance(node, ast.If):
         return False
     test = ast.unparse(node.test)
@@ -443,13 +445,18 @@ def _check_importable(fn: Any, ctx: Any) -> None:
         f"{name} at the script's top level, above the `if __name__ == \"__main__\":` block, and keep only the "
         "run_ranks call under it")
 
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
               collective_timeout: float = 60.0, start_method: str | None = None) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each in its own process.
 
     Tensors in the results come back detached and on the CPU. When ranks fail, the error raised
     here is the root cause: the failing rank's own exception, not the "connection closed" its peers
-    report once it is gone (those ranks are listed after it).
+    report once it is gone, nor their summary of its refusal ("ranks [1] ... rejected their input"),
+    whichever arrives first (those ranks are listed after it, each with its last line). A rank whose
+    process ends without a report is named with its exit code as soon as it is gone. A ``fn`` defined
+    under the main script's ``if __name__ == "__main__":`` block is a ``ValueError`` before any process
+    starts (the ranks could not find it).
 
     ``start_method`` is how the ranks start: one of ``torch.multiprocessing.get_all_start_methods()``
     (a ``ValueError`` before any process starts otherwise). ``None`` takes the default,
