@@ -1,6 +1,8 @@
 """The README's facts: exactly two Quick-start commands, a front door of at most 250 lines, the picture of
-the two layouts as the CLI prints it, how to call the CLI after set-up; and examples/train_step.py, the
-training step docs/sharding.md shows, runs (the Python blocks themselves: tests/test_docs.py)."""
+the two layouts as the CLI prints it, how to call the CLI after set-up, next steps that run on files the
+repository ships, a test script that says why tests were skipped and how the docs built; and
+examples/train_step.py, the training step docs/sharding.md shows, runs (the Python blocks themselves:
+tests/test_docs.py)."""
 
 from __future__ import annotations
 
