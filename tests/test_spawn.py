@@ -6,6 +6,7 @@ them from a server, tests/forked.py); CollectiveCounter names and sizes every ki
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 import time
 
@@ -327,3 +328,21 @@ def test_a_rank_that_exits_without_reporting_is_named_at_once():
                                            r"process ended before the function returned \(os\._exit\(\)"):
         run_ranks(_leaves_by_os_exit, 2, timeout=300)
     assert time.monotonic() - start < 150  # far below the timeout it used to wait out
+
+
+def test_a_lambda_or_a_nested_function_is_named_before_any_rank_starts(monkeypatch):
+    """A rank finds its function by name in its module: a lambda or a function defined inside another has
+    none (before: pickle's "Can't pickle <function <lambda>>", from inside multiprocessing)."""
+    def no_port():
+        raise AssertionError("run_ranks went on to start ranks")
+
+    def nested(rank, world):
+        return rank
+
+    monkeypatch.setattr(spawn, "free_port", no_port)
+    here = "test_a_lambda_or_a_nested_function_is_named_before_any_rank_starts.<locals>"
+    for fn, name in ((lambda rank, world: rank, f"{here}.<lambda>"), (nested, f"{here}.nested")):
+        with pytest.raises(ValueError, match=rf"^fn={re.escape(name)}: a lambda or a function defined inside another "
+                                             r"cannot be found by name in a rank.*Fix: define the rank function with "
+                                             r"def at the top level of a module"):
+            run_ranks(fn, 2, start_method="spawn")

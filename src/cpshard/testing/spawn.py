@@ -51,6 +51,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -416,20 +417,30 @@ def _bindings(nodes: list[Any], guarded: bool = False) -> Iterator[tuple[str, in
 
 
 def _check_importable(fn: Any, ctx: Any) -> None:
-    """Under ``spawn`` and ``forkserver`` every rank imports the main script again as ``__mp_main__`` and looks
-    ``fn`` up there by name; a function defined only under the script's ``if __name__ == "__main__":``
-    block does not exist there, and each rank would die unpickling it ("exited with code 1 without
-    reporting"). Named here, before any process starts."""
+    """Under ``spawn`` and ``forkserver`` a rank finds ``fn`` by importing its module (the main script again,
+    as ``__mp_main__``) and looking its name up there. A lambda or a nested function has no such name
+    (pickle's "Can't pickle <function <lambda>>"), and a function defined only under the script's ``if
+    __name__ == "__main__":`` block does not exist there (each rank would die unpickling it: "exited with
+    code 1 without reporting"). Named here, before any process starts."""
     import ast
 
     method = getattr(ctx, "get_start_method", lambda: None)()
-    main = sys.modules.get("__main__")
-    if method not in ("spawn", "forkserver") or getattr(fn, "__module__", None) != "__main__" or main is None:
+    if method not in ("spawn", "forkserver"):
         return
-    name = getattr(fn, "__qualname__", "").split(".")[0]
+    qualname = getattr(fn, "__qualname__", "")
+    if isinstance(fn, types.FunctionType) and "<" in qualname:  # pickled by name, and it has none to import
+        raise ValueError(
+            f"fn={qualname}: a lambda or a function defined inside another cannot be found by name in a rank, "
+            f"which imports {fn.__module__} to find it (the {method!r} start method). Fix: define the rank function "
+            "with def at the top level of a module (or of the script, above its `if __name__ == \"__main__\":` "
+            "block), and pass what it needs as run_ranks' *args")
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) != "__main__" or main is None:
+        return
+    name = qualname.split(".")[0]
     path = getattr(main, "__file__", None)
-    if not name or "<" in name or path is None:
-        return  # a lambda or a local function fails to pickle by itself, naming itself
+    if not name or path is None:
+        return  # no file to read back (python -c, a notebook)
     try:
         with open(path, encoding="utf-8") as source:
             tree = ast.parse(source.read(), path)
