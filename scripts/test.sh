@@ -6,14 +6,15 @@
 # (scripts/check_install.sh, about a minute, run alongside the MTP tests and the docs build;
 # CPSHARD_INSTALL_CHECK=0 skips it). With arguments, only pytest runs, with them. Without, the suite runs
 # on two pytest-xdist workers where there are two cores or more (the gloo tests together on one of them,
-# tests/conftest.py); CPSHARD_TEST_WORKERS=N sets the number, 0 runs it in one process.
+# tests/conftest.py); CPSHARD_TEST_WORKERS=N sets the number, 0 runs it in one process. pytest's -rs
+# lists each skipped test with its reason; the docs build ends with a line saying it passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-.venv/bin/python -m pytest -n "${CPSHARD_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"
+.venv/bin/python -m pytest -rs -n "${CPSHARD_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"  # -rs: why each skip
 install_log=
 if [ "${CPSHARD_INSTALL_CHECK:-1}" != 0 ]; then
   # alongside the MTP tests below (it mostly unpacks torch, on one core); its output follows theirs
@@ -24,15 +25,17 @@ if [ "${CPSHARD_INSTALL_CHECK:-1}" != 0 ]; then
 fi
 if [ -d .venv-mcore016/megatron ]; then
   echo "--- the MTP tests with megatron-core 0.16.0 ---"
-  PYTHONPATH=.venv-mcore016${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q tests/test_mtp.py \
+  PYTHONPATH=.venv-mcore016${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q -rs tests/test_mtp.py \
     tests/test_mtp_distributed.py
 fi
 echo "--- the docs site (mkdocs build --strict: a broken link or a missing API reference fails) ---"
 # not --quiet: mkdocs drops its warnings under --quiet, and --strict then passes them
 mkdocs_log=$(mktemp)
-if ! .venv/bin/mkdocs build --strict --site-dir "$(mktemp -d)/site" > "$mkdocs_log" 2>&1; then
+site_dir="$(mktemp -d)/site"
+if ! .venv/bin/mkdocs build --strict --site-dir "$site_dir" > "$mkdocs_log" 2>&1; then
   cat "$mkdocs_log"; exit 1
 fi
+echo "docs site: OK, $(find "$site_dir" -name index.html | wc -l | tr -d ' ') pages built with no warning"
 if [ -n "$install_log" ]; then
   echo "--- the install cases (a fresh environment with torch only) ---"
   status=0

@@ -259,10 +259,12 @@ def test_pack_prints_the_partition_works_and_ratios(capsys):
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     p = pack(lens, max_tokens=32768, cp_size=8, dp_size=2, layout="contiguous")
+    # the count and the indices under headers that say which is which (before: indices after "seqs", a count)
+    assert "    mb #seqs     rows   /max   slowest rank max/mean  sequence indices  work per CP rank\n" in out
     for d, rank in enumerate(p.micro_batches):
         assert f"DP rank {d}: {len(rank)} micro-batch" in out
         for mb, work in zip(rank, p.work[d]):
-            assert f"seqs {list(mb)}" in out and str(max(work)) in out
+            assert f"  {list(mb)}  [" in out and str(max(work)) in out
     assert f"cpshard.pack      {p.step_ratio:.3f}" in out and f"lower bound       {p.lower_bound:.3f}" in out
     assert "verl's partition" in out and "(plain order)" in out and "(reorder=balanced)" in out
     assert re.search(r"cpshard.pack: [+-]\d+\.\d% against verl's partition with reorder=balanced; \+\d+\.\d% above "

@@ -188,3 +188,16 @@ def test_errors_leave_outputs_untouched():
         shard(x, plan, 5)
     assert torch.equal(x, before)
     assert cpshard.alignment(2, 2, "zigzag") == 8
+
+
+def test_a_loss_without_a_process_group_is_told_how_to_run():
+    """A cp = 2 loss in one process, torch.distributed not initialized: the fix is to start the ranks and
+    pass the CP group, or to take the loss of the whole batch with a cp = 1 plan (before: only
+    "use cpshard.unshard in one process", which does not compute a loss)."""
+    from cpshard.loss import token_mean
+
+    two = ShardPlan.build([3, 2], cp_size=2)
+    with _raises(ValueError, "group=None: needs an initialized torch.distributed process group",
+                 "start the ranks with torchrun or cpshard.spawn.run_ranks", "pass the CP group",
+                 "a loss or a collective runs on the whole batch with a cp_size=1 plan and group=None"):
+        token_mean(torch.zeros(two.local_len, dtype=torch.float64), torch.ones(two.local_len), two, None)

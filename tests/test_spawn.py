@@ -6,7 +6,9 @@ them from a server, tests/forked.py); CollectiveCounter names and sizes every ki
 from __future__ import annotations
 
 import pickle
+import re
 import sys
+import time
 
 import pytest
 import torch
@@ -255,3 +257,92 @@ def test_a_script_without_the_main_guard_is_named_before_any_rank_starts(tmp_pat
 def test_a_call_from_a_function_of_the_main_script_is_not_refused(monkeypatch):
     """Only the main script's top level is looked at: a call from a test (or any function) is not refused."""
     assert spawn._unguarded_main_line() is None
+
+
+_SCRIPT_GUARDED_FUNCTION = '''
+from cpshard.spawn import run_ranks
+
+if __name__ == "__main__":
+    def body(rank, world_size):
+        return rank
+
+    print(run_ranks(body, 2))
+'''
+
+
+def test_a_function_defined_under_the_main_guard_is_named_before_any_rank_starts(tmp_path):
+    """The ranks import the script again as __mp_main__, where the guarded block does not run: each would
+    die unpickling the function ("exited with code 1 without reporting"). run_ranks names the function,
+    its line and the fix instead, and starts nothing."""
+    import subprocess
+
+    script = tmp_path / "ranks.py"
+    script.write_text(_SCRIPT_GUARDED_FUNCTION)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f'ValueError: fn=body: defined under the `if __name__ == "__main__":` block of {script} '
+                           "(line 5)"), last
+    assert "Fix: define body at the script's top level" in last and "without reporting" not in done.stderr
+
+
+def _own_error_reported_last(rank, world):
+    from cpshard import ShardPlan
+    from cpshard.loss import token_mean
+
+    plan = ShardPlan.build([5, 7], cp_size=world)
+    mask = torch.ones(3) if rank == 1 else torch.ones(plan.local_shape)  # rank 1: a mask of the wrong shape
+    try:
+        return float(token_mean(torch.ones(plan.local_shape), mask, plan, dist.group.WORLD, check=True))
+    except ValueError:
+        if rank == 1:
+            time.sleep(1.0)  # its own report arrives after rank 0's summary of it
+        raise
+
+
+def test_the_refusing_rank_s_own_error_is_raised_whichever_report_comes_first():
+    """With checks on, rank 1 refuses its mask and rank 0 raises "ranks [1] ... rejected their input"
+    at the same moment; the error run_ranks raises is rank 1's own (the mask's shape), with rank 0's
+    summary after it, even when rank 0's report arrives first (before: the first report won)."""
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(_own_error_reported_last, 2, timeout=100)
+    text = str(raised.value)
+    assert text.startswith("rank 1 of 2 failed:\n"), text
+    assert "ValueError: loss_mask=tensor of shape (3,)" in text, text
+    tail = text.split("\n(ranks [0] failed after it)\n", 1)[1]
+    assert tail.startswith("  rank 0: ValueError: ranks [1] of the context-parallel group rejected their input"), text
+
+
+def _leaves_by_os_exit(rank, world):
+    import os
+    if rank == 1:
+        os._exit(0)  # no exception, no report, exit status 0
+    return rank
+
+
+def test_a_rank_that_exits_without_reporting_is_named_at_once():
+    """A rank whose process ends with status 0 and no report: named with its exit code as soon as it is
+    gone, not a TimeoutError ("did not finish") after the whole timeout."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^rank 1 of 2 failed:\nrank 1 exited with code 0 without reporting: its "
+                                           r"process ended before the function returned \(os\._exit\(\)"):
+        run_ranks(_leaves_by_os_exit, 2, timeout=300)
+    assert time.monotonic() - start < 150  # far below the timeout it used to wait out
+
+
+def test_a_lambda_or_a_nested_function_is_named_before_any_rank_starts(monkeypatch):
+    """A rank finds its function by name in its module: a lambda or a function defined inside another has
+    none (before: pickle's "Can't pickle <function <lambda>>", from inside multiprocessing)."""
+    def no_port():
+        raise AssertionError("run_ranks went on to start ranks")
+
+    def nested(rank, world):
+        return rank
+
+    monkeypatch.setattr(spawn, "free_port", no_port)
+    here = "test_a_lambda_or_a_nested_function_is_named_before_any_rank_starts.<locals>"
+    for fn, name in ((lambda rank, world: rank, f"{here}.<lambda>"), (nested, f"{here}.nested")):
+        with pytest.raises(ValueError, match=rf"^fn={re.escape(name)}: a lambda or a function defined inside another "
+                                             r"cannot be found by name in a rank.*Fix: define the rank function with "
+                                             r"def at the top level of a module"):
+            run_ranks(fn, 2, start_method="spawn")

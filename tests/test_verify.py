@@ -279,3 +279,32 @@ def test_naive_attention_check_runs_at_the_tp_asked_for(capfd):
     report = _one_json_object(capfd.readouterr().out)
     assert [(r["tp"], r["layout"], r["ok"]) for r in report["results"]] == [(2, "zigzag", True)]
     assert (report["naive"]["tp"], report["naive"]["attention"], report["naive"]["ok"]) == (2, "naive", False)
+
+
+def test_a_long_batch_is_summarised_in_the_table():
+    """`verify --scale-to` of 2,000 lengths printed every one on the table's first line (about 6 KB); past
+    16 lengths the line gives their count, min, median, max and total instead."""
+    from cpshard.verify import Report, format_table
+
+    short = format_table(Report([], None, (97, 23, 1), "float64", 1e-9, 1.0, naive_skipped="skipped"))
+    assert short.startswith("lengths [97, 23, 1], float64, max |difference| from cp=1")
+    lens = tuple([1, 2, 3, 4, 210] * 400)
+    table = format_table(Report([], None, lens, "float64", 1e-9, 1.0, naive_skipped="skipped"))
+    first = table.splitlines()[0]
+    assert first.startswith(f"2000 lengths (min 1, median 3, max 210; {sum(lens)} tokens), float64, max |difference|")
+    assert len(first) < 200
+
+
+def test_a_run_at_cp_1_alone_starts_no_ranks(monkeypatch):
+    """`verify --cp 1` ran a cp=2 layout-naive row as well; now the naive check is skipped, saying why,
+    and no rank is started."""
+    from cpshard.verify import verify
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("verify started ranks at --cp 1")
+
+    monkeypatch.setattr("cpshard.tools.verify.run_ranks", no_ranks)
+    report = verify([9, 1, 4], cps=[1], tps=[1], layouts=["zigzag"], progress=False)
+    assert report.ok and [r.config.cp for r in report.results] == [1] and report.naive is None
+    assert report.naive_skipped == ("the layout-naive attention under zigzag is not run: it can only be wrong across "
+                                    "ranks, and no cp above 1 was asked for; add one, e.g. --cp 1,2, to see it caught")

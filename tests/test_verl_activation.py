@@ -10,6 +10,7 @@ attributes, without a layout). ``tests/test_verl_ray.py`` runs the activation in
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import itertools
 import logging
 import os
@@ -339,3 +340,81 @@ def test_the_packing_stays_packs_for_the_layout_in_use(monkeypatch, megatron_cp4
     for m, i in zip(mbs, idx):
         assert ShardPlan.build([LENS[j] for j in i], cp_size=CP, layout="contiguous").total_len <= BUDGET
         assert torch.equal(m["attention_mask"], _batch(LENS)["attention_mask"][i])
+
+
+_LOGS_OF_A_FRESH_PROCESS = '''
+import logging
+import torch
+import tensordict
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s|%(message)s")  # as verl leaves the root logger
+from cpshard.compat import verl as cv
+
+lens = [18, 73, 109, 103, 98, 9, 33, 16]
+mask = torch.zeros(len(lens), max(lens), dtype=torch.long)
+for i, n in enumerate(lens):
+    mask[i, :n] = 1
+data = tensordict.TensorDict({"input_ids": torch.zeros_like(mask), "attention_mask": mask}, batch_size=[len(lens)])
+with cv.patch(layout="contiguous"):
+    cv.rearrange_micro_batches(data, 256, cp_size=4, tp_size=1)  # no engine, the override
+    process = cv.activate()
+process.undo()
+with cv.patch():
+    cv.local_padding_mask([5, 11, 3], cp_size=4, cp_rank=1, tp_size=1)  # no engine, zigzag
+'''
+
+
+def test_what_a_fresh_process_logs_under_patch_and_activate():
+    """In a process whose root logger is at WARNING (as verl leaves it): ``with patch():`` shows its line of
+    what it bound beside the WARNINGs of the sites it skipped (before: only the WARNINGs); the note of a
+    site outside a verl engine has one level at cp = 4, whether it uses the override or zigzag (before:
+    INFO for the override); ``activate()`` inside ``with patch(layout="contiguous")`` says at WARNING
+    that the block's override is dropped, and how to keep it (before: an INFO line only)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("CPSHARD_VERL", "CPSHARD_LAYOUT",
+                                                            "VERL_USE_EXTERNAL_MODULES")}
+    done = subprocess.run([sys.executable, "-c", _LOGS_OF_A_FRESH_PROCESS], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [line.split("|", 1) for line in done.stderr.splitlines() if line.startswith(("INFO|", "WARNING|"))]
+    summary = [level for level, text in records if "calls cpshard at 29 sites (pid" in text]
+    assert summary == ["INFO"], done.stderr
+    assert any(level == "WARNING" and text.startswith("cpshard.compat.verl: skipped ") for level, text in records)
+    outside = {text.split(": ", 1)[1].split(" ", 1)[0]: level for level, text in records
+               if "runs outside a verl Megatron engine" in text}
+    assert outside == {"rearrange_micro_batches": "WARNING", "local_padding_mask": "WARNING"}, done.stderr
+    dropped = [(level, text) for level, text in records if "activate() inside a `with patch(" in text]
+    assert dropped == [("WARNING", "cpshard.compat.verl: activate() inside a `with patch(layout='contiguous')` block: "
+                        "the process's patch reads its layout from CPSHARD_LAYOUT (CPSHARD_LAYOUT unset), so the "
+                        "block's 'contiguous' override is dropped for the rest of the process (layout now: auto "
+                        "(CPSHARD_LAYOUT unset): where verl passes no cp_layout, the model's layout inside verl's "
+                        "Megatron engine, else zigzag). Fix: set CPSHARD_LAYOUT=contiguous in the job's environment, "
+                        "where every process reads it")], done.stderr
+
+
+def test_the_status_command_says_what_refused(monkeypatch):
+    """``python -m cpshard.compat.verl`` where ``import verl`` runs cpshard's activation and it refuses an
+    invalid CPSHARD_LAYOUT: verl imported fine, so its version is reported and the refusal is named as
+    the activation's (before: "cpshard in verl (not importable)")."""
+    import subprocess
+
+    env = {**{k: v for k, v in os.environ.items() if k != "CPSHARD_VERL"}, "CPSHARD_LAYOUT": "zigzga",
+           "VERL_USE_EXTERNAL_MODULES": "cpshard.compat.verl.enable"}
+    done = subprocess.run([sys.executable, "-m", "cpshard.compat.verl"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"cpshard in verl {importlib.metadata.version('verl')}, pid "), lines
+    assert lines[-1].startswith("refused: cpshard's activation (run by `import verl`: VERL_USE_EXTERNAL_MODULES="
+                                "cpshard.compat.verl.enable): ValueError: CPSHARD_LAYOUT='zigzga': must be"), lines
+
+
+def test_the_status_command_words_both_states_alike(monkeypatch, capsys):
+    """On and off, the count of sites reads the same way: "<on|off> in this process; <verb>: N sites"."""
+    monkeypatch.delenv("CPSHARD_LAYOUT", raising=False)
+    process = cv.activate()
+    try:
+        assert status_main([]) == 0
+    finally:
+        process.undo()
+    assert f"\non in this process; bound: {len(process.bound)} sites\n" in capsys.readouterr().out

@@ -23,8 +23,11 @@ __all__ = ["collective_device", "group_rank", "group_size", "initialized", "read
 def require_group(group: Any) -> None:
     """The group is initialized and holds this process. No communication."""
     if not (dist.is_available() and dist.is_initialized()):
-        fail("group", repr(group), "needs an initialized torch.distributed process group",
-             "call torch.distributed.init_process_group first, or use cpshard.unshard in one process")
+        fail("group", repr(group), "needs an initialized torch.distributed process group (one process per CP "
+             "rank, each holding its shard)", "start the ranks with torchrun or cpshard.spawn.run_ranks, call "
+             "torch.distributed.init_process_group in each and pass the CP group; in one process, a loss or a "
+             "collective runs on the whole batch with a cp_size=1 plan and group=None (cpshard.unshard puts "
+             "the shards of a larger plan back together)")
     if group is None:
         fail("group", "None", "must be the context-parallel process group (there is no default: in a "
              "DP x CP x TP job the world group would mix replicas' rows)",

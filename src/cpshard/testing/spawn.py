@@ -14,7 +14,14 @@ that forks its ranks from a server, as cpshard's does).
 
 ``fn`` and its arguments must be picklable: define ``fn`` at module level in an importable module. A
 script calls ``run_ranks`` under ``if __name__ == "__main__":``: ``spawn`` imports the script again in
-every rank, and an unguarded call is refused before any process starts, naming the line.
+every rank, and an unguarded call is refused before any process starts, naming the line; so is a
+function defined under that block, which the ranks' import of the script never defines.
+
+When ranks fail, every rank's report is awaited a short while, and the error names the rank whose
+own error is the cause: a rank's own exception before a peer's summary of it (the agreement of
+``check=True`` raises "ranks [1] ... rejected their input" on the others) and before a peer's
+"connection closed". A rank whose process ends without a report (killed, or ``os._exit()``) is
+named, with its exit code, as soon as it is gone.
 
 ``CollectiveCounter`` records, inside a rank, the c10d collectives a block issues (names in call
 order, bytes sent) with a plain dispatch mode: it costs one Python call per tensor operation in the
@@ -44,6 +51,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +66,12 @@ _default_context: Any = mp.get_context("spawn")  # what run_ranks starts ranks w
 # What a rank reports when a peer died first: not the root cause, so reported only if nothing else is.
 _PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|"
                         r"gloo/transport|Socket Timeout|DistNetworkError", re.IGNORECASE)
+# What a rank reports when a peer refused its input in an agreement: that peer's own error is the cause.
+_PEER_SUMMARY = re.compile(r"rejected (their|its) input \((their errors say|its own error says) why")
+# How long, after the first failure, the other ranks' reports are awaited (each usually comes within
+# milliseconds: ranks that meet in one agreement raise together); longer while only summaries are in.
+_SETTLE_S = 3.0
+_SETTLE_FOR_OWN_S = 10.0
 
 
 def free_port() -> int:
@@ -271,10 +285,26 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         results.put((rank, False, time.time(), traceback.format_exc()))
 
 
+def _tier(text: str) -> int:
+    """How near a rank's report is to the root cause: 0 its own error (or its death without a report), 1 a
+    summary of a peer's refusal (the agreement's "ranks [1] ... rejected their input"), 2 a peer's
+    disappearance ("connection closed")."""
+    if _PEER_SUMMARY.search(text):
+        return 1
+    return 2 if _PEER_GONE.search(text) else 0
+
+
 def _root_cause(failures: dict[int, tuple[float, str]]) -> int:
-    """The failing rank to report: the first whose error is its own, not a peer's disappearance."""
-    own = [r for r, (_, text) in failures.items() if not _PEER_GONE.search(text)]
-    return min(own or failures, key=lambda r: failures[r][0])
+    """The failing rank to report: the first whose error is its own, then the first that only reports a
+    peer's refusal, then the first that only saw a peer go. Reports arrive in any order (the ranks that
+    meet in one agreement raise at once), so the kind decides, and the time only within a kind."""
+    return min(failures, key=lambda r: (_tier(failures[r][1]), failures[r][0], r))
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = lines[-1] if lines else "(no message)"
+    return line if len(line) <= 300 else line[:280] + " ..."
 
 
 def _start_context(start_method: str) -> Any:
@@ -329,8 +359,7 @@ def _unguarded_main_line() -> tuple[str, int] | None:
     except (OSError, SyntaxError, ValueError):
         return None  # no file to read back (python -c, a notebook): nothing to re-import either
     for node in tree.body:
-        if (isinstance(node, ast.If) and node.lineno <= line <= (node.end_lineno or node.lineno)
-                and "__name__" in ast.unparse(node.test) and "__main__" in ast.unparse(node.test)):
+        if _main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno):
             return None
     return path, line
 
@@ -352,13 +381,93 @@ def _check_main_guard(ctx: Any) -> None:
             "function at module level, so that the ranks can import it)")
 
 
+def _main_guard(node: Any) -> bool:
+    """Whether the statement ``node`` is an ``if __name__ == "__main__":`` block (any spelling of the test)."""
+    import ast
+
+    if not isinstance(node, ast.If):
+        return False
+    test = ast.unparse(node.test)
+    return "__name__" in test and "__main__" in test
+
+
+def _bindings(nodes: list[Any], guarded: bool = False) -> Iterator[tuple[str, int, bool]]:
+    """``(name, line, under the main guard)`` for each name the module-level statements ``nodes`` bind
+    (def, class, assignment, import), into ``if`` / ``try`` / ``with`` / loop blocks, not into functions."""
+    import ast
+
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, node.lineno, guarded
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                yield (alias.asname or alias.name).split(".")[0], node.lineno, guarded
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        yield leaf.id, node.lineno, guarded
+        inner = guarded or _main_guard(node)
+        yield from _bindings(getattr(node, "body", []), inner)
+        yield from _bindings(getattr(node, "orelse", []), guarded)
+        yield from _bindings(getattr(node, "finalbody", []), guarded)
+        for handler in getattr(node, "handlers", []):
+            yield from _bindings(handler.body, guarded)
+
+
+def _check_importable(fn: Any, ctx: Any) -> None:
+    """Under ``spawn`` and ``forkserver`` a rank finds ``fn`` by importing its module (the main script again,
+    as ``__mp_main__``) and looking its name up there. A lambda or a nested function has no such name
+    (pickle's "Can't pickle <function <lambda>>"), and a function defined only under the script's ``if
+    __name__ == "__main__":`` block does not exist there (each rank would die unpickling it: "exited with
+    code 1 without reporting"). Named here, before any process starts."""
+    import ast
+
+    method = getattr(ctx, "get_start_method", lambda: None)()
+    if method not in ("spawn", "forkserver"):
+        return
+    qualname = getattr(fn, "__qualname__", "")
+    if isinstance(fn, types.FunctionType) and "<" in qualname:  # pickled by name, and it has none to import
+        raise ValueError(
+            f"fn={qualname}: a lambda or a function defined inside another cannot be found by name in a rank, "
+            f"which imports {fn.__module__} to find it (the {method!r} start method). Fix: define the rank function "
+            "with def at the top level of a module (or of the script, above its `if __name__ == \"__main__\":` "
+            "block), and pass what it needs as run_ranks' *args")
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) != "__main__" or main is None:
+        return
+    name = qualname.split(".")[0]
+    path = getattr(main, "__file__", None)
+    if not name or path is None:
+        return  # no file to read back (python -c, a notebook)
+    try:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    lines = {guarded: line for bound, line, guarded in reversed(list(_bindings(tree.body))) if bound == name}
+    if False in lines or True not in lines:
+        return  # bound at the top level (importable), or some other way (exec, globals()): not ours to guess
+    raise ValueError(
+        f"fn={fn.__qualname__}: defined under the `if __name__ == \"__main__\":` block of {path} (line "
+        f"{lines[True]}). Under the {method!r} start method every rank imports that script again as "
+        f"__mp_main__, where the block does not run, so no rank could find {fn.__qualname__}. Fix: define "
+        f"{name} at the script's top level, above the `if __name__ == \"__main__\":` block, and keep only the "
+        "run_ranks call under it")
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
               collective_timeout: float = 60.0, start_method: str | None = None) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, each in its own process.
 
     Tensors in the results come back detached and on the CPU. When ranks fail, the error raised
     here is the root cause: the failing rank's own exception, not the "connection closed" its peers
-    report once it is gone (those ranks are listed after it).
+    report once it is gone, nor their summary of its refusal ("ranks [1] ... rejected their input"),
+    whichever arrives first (those ranks are listed after it, each with its last line). A rank whose
+    process ends without a report is named with its exit code as soon as it is gone. A ``fn`` defined
+    under the main script's ``if __name__ == "__main__":`` block is a ``ValueError`` before any process
+    starts (the ranks could not find it).
 
     ``start_method`` is how the ranks start: one of ``torch.multiprocessing.get_all_start_methods()``
     (a ``ValueError`` before any process starts otherwise). ``None`` takes the default,
@@ -368,6 +477,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     ctx = _default_context if start_method is None else _start_context(start_method)
     _check_main_guard(ctx)
+    _check_importable(fn, ctx)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, collective_timeout),
@@ -377,11 +487,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     out: dict[int, Any] = {}
     failures: dict[int, tuple[float, str]] = {}
     deadline = time.monotonic() + timeout
-    settle: float | None = None  # after a failure, a short wait for the other ranks' reports
+    first_failure: float | None = None  # then the other ranks' reports are awaited a short while (_SETTLE_S)
     try:
         while len(out) + len(failures) < world_size:
             now = time.monotonic()
-            if settle is not None and now >= settle:
+            if first_failure is not None and now >= first_failure + _settle(failures):
                 break
             if now >= deadline:
                 if failures:
@@ -395,28 +505,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     "calls, plans or check settings per rank) hangs until the backend's collective_timeout "
                     f"({collective_timeout:.0f}s here). Fix: make every rank issue the same collectives, or "
                     "raise timeout= if the work is only slow")
+            # the ranks gone before this wait: whatever they reported was in the queue before they exited
+            # (a process flushes its queue at exit), so one not heard of by the end of an empty wait never reported
+            gone = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode is not None}
             try:
-                rank, ok, when, value = results.get(timeout=min(deadline - now, 0.5))
+                rank, ok, when, value = results.get(timeout=max(min(deadline - now, 0.5), 0.01))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in out and r not in failures]
-                for r in dead:
-                    failures[r] = (time.time(), f"rank {r} exited with code {procs[r].exitcode} without reporting"
-                                   " (its own error, if any, is on stderr above; under 'spawn' a rank that "
-                                   "cannot import the calling script, or the module of its function, dies so)")
-                if dead and settle is None:
-                    settle = time.monotonic() + 3.0
+                for r, code in gone.items():
+                    if r not in out and r not in failures:
+                        failures[r] = (time.time(), _no_report(r, world_size, code))
+                        first_failure = first_failure or time.monotonic()
                 continue
             if ok:
                 out[rank] = pickle.loads(value)
             else:
                 failures[rank] = (when, value)
-                if settle is None:
-                    settle = time.monotonic() + 3.0
+                first_failure = first_failure or time.monotonic()
         if failures:
             first = _root_cause(failures)
             others = sorted(set(failures) - {first})
-            also = f"\n(ranks {others} failed after it)" if others else ""
+            also = (f"\n(ranks {others} failed after it)" + "".join(f"\n  rank {r}: {_last_line(failures[r][1])}"
+                                                                    for r in others)) if others else ""
             raise RuntimeError(f"rank {first} of {world_size} failed:\n{failures[first][1]}{also}")
     finally:
         grace = time.monotonic() + 5.0  # in all: ranks blocked on a failed peer are killed, not awaited
@@ -427,3 +536,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.join()
         results.close()
     return [out[r] for r in range(world_size)]
+
+
+def _settle(failures: dict[int, tuple[float, str]]) -> float:
+    """How long after the first failure the other ranks' reports are awaited: longer while no rank's own
+    error is in (a peer's summary came first, and the refusing rank's report is on its way)."""
+    own = any(_tier(text) == 0 for _, text in failures.values())
+    return _SETTLE_S if own else _SETTLE_FOR_OWN_S
+
+
+def _no_report(rank: int, world_size: int, code: int) -> str:
+    """What is known of a rank whose process ended without a report."""
+    if code == 0:
+        return (f"rank {rank} exited with code 0 without reporting: its process ended before the function "
+                "returned (os._exit(), or a library that ends the interpreter), so it returned nothing. Fix: "
+                "return from the function (or raise) instead of ending the process")
+    return (f"rank {rank} exited with code {code} without reporting (its own error, if any, is on stderr above; "
+            "under 'spawn' a rank that cannot import the calling script, or the module of its function, dies so)")

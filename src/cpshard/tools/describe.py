@@ -188,7 +188,7 @@ def _mb_line(m: int, ids: Sequence[int], plan: ShardPlan, work: Sequence[int], m
     mean = sum(work) / len(work)
     balance = max(work) / mean if mean else 1.0
     return (f"  {m:>4} {len(ids):>5} {plan.total_len:>8} {plan.total_len / max_tokens:>6.3f} {max(work):>14} "
-            f"{balance:>8.3f}  seqs {_cap(list(ids), 6, 2)}  work {_cap(list(work), 8, 2)}")
+            f"{balance:>8.3f}  {_cap(list(ids), 6, 2)}  {_cap(list(work), 8, 2)}")
 
 
 def describe_packing(packing: Any, verl: dict[str, Any] | None = None) -> str:
@@ -218,7 +218,8 @@ def describe_packing(packing: Any, verl: dict[str, Any] | None = None) -> str:
         rank = packing.work[d]
         out.append(f"DP rank {d}: {_count(len(rank))}, time {times[d]} ({times[d] / ideal if ideal else 1:.3f} "
                    "x the ideal)")
-        out.append(f"  {'mb':>4} {'seqs':>5} {'rows':>8} {'/max':>6} {'slowest rank':>14} {'max/mean':>8}")
+        out.append(f"  {'mb':>4} {'#seqs':>5} {'rows':>8} {'/max':>6} {'slowest rank':>14} {'max/mean':>8}  "
+                   "sequence indices  work per CP rank")
         slow = max(range(len(rank)), key=lambda m: max(rank[m]))
         prev = -1
         for m in _picked(len(rank), 8, 2, slow) if len(rank) > _MAX_MB_LINES else range(len(rank)):

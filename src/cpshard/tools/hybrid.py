@@ -165,8 +165,10 @@ def verify_hybrid(lengths: Sequence[int], *, cps: Sequence[int] = (2, 4), tps: S
     lens, cps, tps, _, paddings = _check_args(lengths, cps, tps, ["zigzag"], paddings, dtype, reorders)
     configs = [HybridConfig(cp, tp, "zigzag", padding=p, reorder=r)
                for cp in cps if cp > 1 for tp in tps for p in paddings for r in dict.fromkeys(reorders)]
-    naive = HybridConfig(min([c for c in cps if c > 1], default=2), tps[0], "zigzag", "naive")
-    skipped = naive_skip_reason(naive_scan_shown(_plans(lens, naive)[0]), "scan on zigzag rows", naive.cp)
+    naive_cp = min([c for c in cps if c > 1], default=None)  # None: no ranks to be wrong across
+    naive = HybridConfig(naive_cp or 2, tps[0], "zigzag", "naive")
+    skipped = naive_skip_reason(naive_cp is not None and naive_scan_shown(_plans(lens, naive)[0]),
+                                "scan on zigzag rows", naive_cp)
     checks = [] if skipped else [naive]
     torch_dtype = DTYPES[dtype]
     by_cp: dict[int, list[Config]] = {}

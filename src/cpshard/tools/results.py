@@ -132,7 +132,7 @@ class Report:
     tolerance: float
     seconds: float
     model: str = "decoder"  # or "hybrid" (cpshard.tools.hybrid: attention on zigzag, a scan on its contiguous twin)
-    naive_skipped: str = ""  # why the naive check was not run: the batch cannot show it (naive_skip_reason)
+    naive_skipped: str = ""  # why the naive check was not run: no cp > 1, or the batch cannot show it (naive_skip_reason)
 
     @property
     def naive_kernel_caught(self) -> bool:
@@ -151,8 +151,13 @@ class Report:
                 "seconds": self.seconds, "model": self.model}
 
 
-def naive_skip_reason(shown: bool, kernel: str, cp: int) -> str:
-    """Why the naive check is not run (empty when it is): the batch is too small to show it."""
+def naive_skip_reason(shown: bool, kernel: str, cp: int | None) -> str:
+    """Why the naive check is not run (empty when it is): no ``cp > 1`` was asked for (``cp`` None: a
+    layout-naive kernel is wrong only across ranks, and a run at ``cp = 1`` alone starts no ranks), or the
+    batch is too small to show it."""
+    if cp is None:
+        return (f"the layout-naive {kernel} is not run: it can only be wrong across ranks, and no cp above 1 was "
+                "asked for; add one, e.g. --cp 1,2, to see it caught")
     if shown:
         return ""
     return (f"the layout-naive {kernel} is not run: on this batch at cp={cp} it computes every labelled token "

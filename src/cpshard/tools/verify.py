@@ -169,8 +169,9 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
 
     ``attention="naive"`` runs every configuration with the layout-naive attention (its zigzag
     configurations must then fail). The naive attention under zigzag is run once more, at the
-    smallest ``cp > 1`` (2 if none) and the smallest ``tp`` requested: ``Report.naive_kernel_caught``;
-    on a batch where it cannot differ it is skipped up front, saying why (``Report.naive_skipped``).
+    smallest ``cp > 1`` and the smallest ``tp`` requested: ``Report.naive_kernel_caught``; where no
+    ``cp > 1`` is requested, or on a batch where it cannot differ, it is skipped up front, saying why
+    (``Report.naive_skipped``).
     ``model="hybrid"``: the hybrid decoder of ``cpshard.tools.hybrid`` instead (zigzag attention, a scan on
     the contiguous twin, the same MTP depths; ``layouts`` and ``attention`` do not apply and must stay
     at their defaults), whose naive scan must be caught.
@@ -190,8 +191,10 @@ def verify(lengths: Sequence[int] = DEFAULT_LENGTHS, *, cps: Sequence[int] = (2,
     lens, cps, tps, layouts, paddings = _check_args(lengths, cps, tps, layouts, paddings, dtype, reorders)
     configs = [dataclasses.replace(c, attention=attention)
                for c in configurations(cps, tps, layouts, paddings, reorders)]
-    naive = Config(min([c for c in cps if c > 1], default=2), tps[0], "zigzag", "naive")
-    skipped = naive_skip_reason(naive_shown(config_plan(lens, naive)), "attention under zigzag", naive.cp)
+    naive_cp = min([c for c in cps if c > 1], default=None)  # None: a run at cp = 1 alone starts no ranks
+    naive = Config(naive_cp or 2, tps[0], "zigzag", "naive")
+    skipped = naive_skip_reason(naive_cp is not None and naive_shown(config_plan(lens, naive)),
+                                "attention under zigzag", naive_cp)
     checks = [] if skipped else [naive]
     bar = Progress(total=len(configs) + 1 + len(checks), enabled=progress)
     if skipped:
@@ -287,6 +290,20 @@ def verify_launched(lengths: Sequence[int] = DEFAULT_LENGTHS, *, backend: str | 
 # -- the table ------------------------------------------------------------------------------
 
 
+_LISTED = 16  # up to this many lengths the table's first line lists them; past it, a summary
+
+
+def _lengths_text(lengths: Sequence[int]) -> str:
+    """The batch in the table's first line: ``lengths [97, 23, 1]``, or past 16 of them
+    ``2000 lengths (min 1, median 3, max 210; 8192 tokens)`` (a scaled batch of thousands would fill
+    kilobytes on one line)."""
+    if len(lengths) <= _LISTED:
+        return f"lengths {list(lengths)}"
+    ranked = sorted(lengths)
+    return (f"{len(ranked)} lengths (min {ranked[0]}, median {ranked[len(ranked) // 2]}, max {ranked[-1]}; "
+            f"{sum(ranked)} tokens)")
+
+
 def format_table(report: Report) -> str:
     """The table ``cpshard verify`` prints: one row per configuration, then the naive check."""
     head = ["configuration", "loss", "logprobs", "mtp_loss", "grads", "padding", "attn max/mean", "seconds", ""]
@@ -301,11 +318,11 @@ def format_table(report: Report) -> str:
     lines = ["  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) if i < len(head) - 1 else str(x)
                        for i, (x, w) in enumerate(zip(line, widths))).rstrip() for line in [head] + rows]
     lines.insert(1, "-" * len(lines[0]))
-    summary = (f"lengths {list(report.lengths)}, {report.dtype}, max |difference| from cp=1 "
+    summary = (f"{_lengths_text(report.lengths)}, {report.dtype}, max |difference| from cp=1 "
                f"(tolerance {report.tolerance:.0e} x max(1, |cp=1 value|)); {report.seconds:.1f} s")
     naive = "scan on zigzag rows" if report.model == "hybrid" else "attention under zigzag"
     caught = (f"the layout-naive {naive} was caught" if not report.naive_skipped else
-              f"the layout-naive {naive} cannot be shown wrong on this batch (see above)")
+              f"the layout-naive {naive} was not run (see above)")
     verdict = (f"OK: every configuration equals cp=1, and {caught}"
                if report.ok else "FAILED: " + "; ".join(
                    [f"{r.config.name} differs from cp=1" for r in report.results if not r.ok]

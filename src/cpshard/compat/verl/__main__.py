@@ -3,8 +3,9 @@
 Run it in a worker image, with the job's environment variables, before a run: it imports verl (so
 ``VERL_USE_EXTERNAL_MODULES`` / ``CPSHARD_VERL`` switch cpshard on as in a worker), then prints the
 patch in force, or, where nothing switched cpshard on, what :func:`cpshard.compat.verl.patch` would
-bind (it patches and undoes). Exit status 0 when every check passed, 1 when verl or cpshard's patch
-refused (the reason is printed), 2 on a usage error.
+bind (it patches and undoes). Exit status 0 when every check passed, 1 when verl, cpshard's
+activation (an invalid ``CPSHARD_LAYOUT`` stops ``import verl`` there) or its patch refused (the
+reason is printed, naming which), 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cpshard.compat.verl import _activation, _patch
+from cpshard.compat.verl._plans import verl_version
 
 __all__ = ["main", "status"]
 
@@ -64,10 +66,24 @@ def status() -> dict[str, Any]:
             out["on"] = True
     except Exception as exc:  # noqa: BLE001  (verl's import, or the patch's refusal: reported)
         out["error"] = f"{type(exc).__name__}: {exc}"
+        if _raised_by_activation(exc):  # verl imported cpshard's activation (enable), which refused
+            out["verl"] = verl_version()
+            out["error"] = f"cpshard's activation (run by `import verl`: {out['by']}): {out['error']}"
         return out
     out.update(layout=held.layout, bound=list(held.bound), skipped=dict(held.skipped), refused=dict(held.refused))
     out["process"] = _activation.process_patch() is held
     return out
+
+
+def _raised_by_activation(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of :func:`cpshard.compat.verl.activate` (run by ``import verl``, through
+    ``VERL_USE_EXTERNAL_MODULES``), rather than from verl's own import or the patch."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is _activation.activate.__code__:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _text(report: dict[str, Any]) -> str:
@@ -76,7 +92,7 @@ def _text(report: dict[str, Any]) -> str:
              f"verl.plugins entry point: {report['entry_point'] or 'not registered'} (patches where CPSHARD_VERL=1)"]
     if report["error"]:
         return "\n".join([*lines, f"refused: {report['error']}"])
-    lines.append(("on in this process" if report["on"] else "off in this process; patch() would bind:")
+    lines.append(("on in this process; bound:" if report["on"] else "off in this process; patch() would bind:")
                  + f" {len(report['bound'])} sites")
     lines.append(f"layout: {report['layout']}")
     modules: dict[str, list[str]] = {}

@@ -29,15 +29,17 @@ def activate() -> VerlPatch:
     ``CPSHARD_LAYOUT`` is read (and checked: ``ValueError``) first; then verl is imported, outside the
     lock (which may itself run this through ``VERL_USE_EXTERNAL_MODULES``: that inner call does the
     work), then the patch binds under the lock. A ``with patch():`` block in force is taken over: its
-    bindings stay for the process. The ``cpshard.compat.verl`` logger gets level INFO where it has
-    none (verl configures the root logger at WARNING, which would hide the line of what was bound).
+    bindings stay for the process, and its layout gives way to ``CPSHARD_LAYOUT``, the process's
+    setting, which every process of a job reads alike (a block's ``patch(layout=...)`` override that
+    differs is dropped, with a WARNING naming it and the variable to set). The ``cpshard.compat.verl``
+    logger gets level INFO where it has none (verl configures the root logger at WARNING, which would
+    hide the line of what was bound).
     """
     current = _PROCESS[0]
     if current is not None and current.active:
         return current
     _layout.setting()  # a clear error before anything is imported or bound
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
+    _patch.show_info()
     # verl first, outside the lock: its import may run this activation (its external modules), which
     # takes the lock; holding it here while another thread imports verl would deadlock
     _patch._import_verl()
@@ -46,11 +48,19 @@ def activate() -> VerlPatch:
         if current is not None and current.active:
             return current
         held = _patch.active()
+        block = _layout.current()
         if held is not None:  # a with patch() block: its bindings become the process's
             logger.info("cpshard.compat.verl: switched on for this process; the patch in force is undone and "
                         "bound again for the process")
             held.undo()
         current = _PROCESS[0] = _patch._patch(None, " for this process")
+        if held is not None and block.override is not None and block.override is not _layout.current().override:
+            logger.warning(
+                "cpshard.compat.verl: activate() inside a `with patch(%s)` block: the process's patch reads its layout "
+                "from %s (%s), so the block's %r override is dropped for the rest of the process (layout now: %s). "
+                "Fix: set %s=%s in the job's environment, where every process reads it",
+                block.source, _layout.ENV, _layout.current().source, block.override.value, _layout.describe(),
+                _layout.ENV, block.override.value)
         return current
 
 

@@ -16,8 +16,9 @@ rows (``preprocess_thd_engine`` called without ``cp_layout``). While cpshard is 
    note its model's layout for the length of the call);
 3. zigzag.
 
-A site that falls back to 1 or 3 outside an engine says so once in the log (WARNING where zigzag is
-a guess at ``cp > 1``, INFO otherwise); an override that contradicts the engine's model is a WARNING.
+A site that falls back to 1 or 3 outside an engine says so once in the log, at one level whichever
+it falls back to: WARNING at ``cp > 1`` (or a ``cp`` not known), where no model confirms the layout, INFO
+at ``cp = 1`` (the layouts pad alike); an override that contradicts the engine's model is a WARNING.
 With cpshard off, a site given no layout uses zigzag, as verl does.
 """
 
@@ -144,23 +145,24 @@ def engine_layout(engine: Any) -> tuple[Layout, str] | None:
 
 def in_use(site: str, cp_size: int | None = None, *, log: bool = True) -> Layout:
     """The layout ``site`` uses when verl passes it none (the module docstring's rule). ``cp_size``: the
-    call's, where known (at ``cp = 1`` the layouts pad alike: the fallback is logged at INFO)."""
+    call's, where known (at ``cp = 1`` the layouts pad alike: the note is logged at INFO, else WARNING)."""
     state, model = current(), _MODEL.get()
     if not state.on:
         return Layout.ZIGZAG
+    # outside an engine no model confirms the layout: one level for the note, whatever the layout's source
+    outside = logging.WARNING if cp_size is None or cp_size > 1 else logging.INFO
     if state.override is not None:
         if log and model is not None and model[0] is not state.override:
             once(logging.WARNING, f"{site} override", "cpshard.compat.verl: %s uses %s (%s), not the %s layout of "
                   "%s", site, state.override.value, state.source, model[0].value, model[1])
         elif log and model is None:
-            once(logging.INFO, f"{site} override", "cpshard.compat.verl: %s runs outside a verl Megatron engine "
+            once(outside, f"{site} override", "cpshard.compat.verl: %s runs outside a verl Megatron engine "
                   "(the model is unknown); it uses %s (%s)", site, state.override.value, state.source)
         return state.override
     if model is not None:
         return model[0]
     if log:
-        guess = cp_size is None or cp_size > 1
-        once(logging.WARNING if guess else logging.INFO, f"{site} zigzag",
+        once(outside, f"{site} zigzag",
               "cpshard.compat.verl: %s runs outside a verl Megatron engine (the model is unknown); it uses zigzag "
               "(set %s=contiguous for a DeepSeek-V4 dsv4_hybrid model)", site, ENV)
     return Layout.ZIGZAG

@@ -36,7 +36,7 @@ from cpshard.compat.verl.sites import (
     positional,
 )
 
-__all__ = ["LOCK", "VerlPatch", "active", "patch"]
+__all__ = ["LOCK", "VerlPatch", "active", "patch", "show_info"]
 
 logger = logging.getLogger("cpshard.compat.verl")
 
@@ -172,7 +172,8 @@ def patch(layout: Layout | str | None = None) -> VerlPatch:
     (a wrapper) in place of util's function. A site whose module does not import, or that this verl
     does not bind, is skipped; an optional site whose function takes other parameters is refused
     (left as it is). Logs one INFO line of what it bound (then DEBUG, in a process that patches
-    again) and a WARNING per site skipped or refused, with the reason.
+    again) and a WARNING per site skipped or refused, with the reason; the ``cpshard.compat.verl``
+    logger gets level INFO where it has none, as under :func:`activate`, so that both show.
 
     Args:
         layout: the override for the sites verl passes no ``cp_layout`` (``"zigzag"``,
@@ -189,8 +190,17 @@ def patch(layout: Layout | str | None = None) -> VerlPatch:
         with cpverl.patch() as p:          # in one process (a test, a single-process run)
             print(p.bound, p.skipped)
     """
+    show_info()
     _import_verl()
     return _patch(layout, "")
+
+
+def show_info() -> None:
+    """Give the ``cpshard.compat.verl`` logger level INFO where it has none, so that the line of what was
+    bound shows beside the WARNINGs of the sites left out (verl configures the root logger at WARNING,
+    which would hide it); a level set on the logger is kept."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _import_verl() -> None:
