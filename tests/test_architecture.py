@@ -34,7 +34,9 @@ LAYERS: dict[str, int] = {
     "": 9,  # the package's face: cpshard/__init__.py, __main__.py, _aliases.py
 }
 #: Where ``torch.distributed`` may be used: the collectives, and process-group creation in the launcher.
-COMMUNICATORS = ("cpshard.distributed.", "cpshard.testing.spawn")
+#: ``compat.torch_cp._torch`` names torch's private context-parallel interface (which lives under
+#: ``torch.distributed``) and runs no collective: torch's shard and unshard run them.
+COMMUNICATORS = ("cpshard.distributed.", "cpshard.testing.spawn", "cpshard.compat.torch_cp._torch")
 #: Lines a module may hold; past it, a module holds one idea and is listed here with it (or with what
 #: is under way).
 SIZE_LIMIT = 600

@@ -16,7 +16,7 @@ kind            what                                             key
 segments        a rank's :class:`~cpshard.index.segments.Segments`       rank
 every           every rank's segments side by side (the restore) (one)
 view            per-row ids, positions, global rows, label masks rank, what, shift
-host            the int32 offsets on the CPU                     name
+host            the int32 offsets on the CPU; the rank order     name
 device          :class:`~cpshard.plan.DeviceTensors`             device
 shard           :class:`~cpshard.index.segments.ShardIndex`              rank, shift, row stride, device
 first           per segment, the input row it reads first        rank, row stride
@@ -495,6 +495,22 @@ class PlanIndices:
                                          moved, plan.cp_size, rows, cp_rank)
             return _route.build_route(*self.permutation(dst), plan.cp_size, rows, cp_rank)
         return self._kept("route", (dst, cp_rank, device), make)
+
+    def rank_order(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(rearrange, restore)``, two ``(T,)`` int64 arrays of a THD plan, kept: ``rearrange[k]`` is the
+        row of the caller's padded buffer (each sequence padded to its padded length, in the caller's
+        order: :meth:`canonical`'s numbering) that rank-concatenated row ``k`` holds (rank 0's local
+        rows, then rank 1's, ...), and ``restore`` its inverse. What a load balancer that rearranges
+        the caller's buffer before cutting it into ``cp`` equal pieces hands its framework
+        (``cpshard.compat.torch_cp``). Over the rows at once, by the closed forms of
+        ``index/closed.py`` (no rank's segments)."""
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            total = self.plan.total_len
+            restore = _closed.thd_rows(self.plan, np.arange(total, dtype=np.int64), self.split()[0])
+            rearrange = np.empty(total, dtype=np.int64)
+            rearrange[restore] = np.arange(total, dtype=np.int64)
+            return rearrange, restore
+        return self._kept("host", "rank_order", make)
 
     def split(self) -> tuple[np.ndarray, bool]:
         """``(padded, alone)``: the padded lengths in buffer order (int64) and whether each sequence

@@ -1,0 +1,80 @@
+"""cpshard as PyTorch's context-parallel load balancer: document-aware rows for torch's own
+``_context_parallel_shard``, ``context_parallel_unshard`` and flex-attention block masks.
+
+torch shards a ``(B, S, ...)`` batch along ``S`` after rearranging it by a ``_LoadBalancer``
+(``_generate_indices(restore=False)``: ``(B, S)`` indices, rank 0's rows first). Its balancers do
+not know the documents packed in a row; cpshard's plans do. One :class:`~cpshard.ShardPlan` per
+batch row (all with ``total_len == S``) gives:
+
+- :func:`load_balancer`: a torch ``_LoadBalancer`` whose indices put, for each row, rank ``r``'s
+  ``cpshard.shard`` rows into its ``S / cp`` piece; torch's shard, unshard and block-mask rewrite
+  run unchanged on it (both layouts, every padding mode, balanced orders, empty documents);
+- :func:`rearrange_indices`: the same indices as a public tensor, for code that shards by hand;
+- :func:`to_buffer` / :func:`from_buffer`: the caller's padded buffer the indices refer to (each
+  document padded to its plan's padded length, in the caller's order), and back;
+- :func:`document_mask_mod`: flex attention's per-document causal ``mask_mod`` over that buffer;
+- :func:`plans_from_positions`: the plans of rows given as torchtitan's per-document position ids.
+
+torch's private names stay in one module (``_torch.py``), imported on first use and checked
+(tested on torch 2.13.0; elsewhere an ``ImportError`` says what to do). torch's ring-SDPA context
+parallelism assumes head-tail rows whenever a balancer is set: a cpshard balancer refuses it
+(``RuntimeError``) rather than give a silently wrong attention. The package, one idea a module:
+``_plans`` (plans from positions, the batch's checks), ``_buffer`` (the buffer, the indices, the
+mask), ``_torch`` (torch's names, the balancer class). docs/torch_cp.md shows a whole step.
+
+Sources read (not copied): torch 2.13.0's ``_context_parallel/_load_balancer.py``,
+``_attention.py``, ``_cp_custom_ops.py``; torchtitan 0.3.0's
+``torchtitan/distributed/context_parallel/api.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cpshard.compat.torch_cp._buffer import document_mask_mod, from_buffer, rearrange_indices, to_buffer
+from cpshard.compat.torch_cp._plans import document_lengths, plans_from_positions
+from cpshard.plan.values import ShardPlan
+
+__all__ = ["TESTED_TORCH", "document_lengths", "document_mask_mod", "from_buffer", "load_balancer",
+           "plans_from_positions", "rearrange_indices", "ring_sdpa_active", "to_buffer", "torch_names"]
+
+TESTED_TORCH = "2.13.0"
+"""The torch version whose private context-parallel interface this package was tested on."""
+
+
+def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None) -> Any:
+    """A torch ``_LoadBalancer`` (``torch.distributed.tensor.experimental._context_parallel``) over
+    one :class:`~cpshard.ShardPlan` per batch row, for ``_context_parallel_shard``,
+    ``context_parallel_unshard`` and the CP block mask (``_create_cp_block_mask``).
+
+    ``_generate_indices(restore=False)`` returns :func:`rearrange_indices` ``(B, S)`` int64 on
+    ``device`` (CPU by default: the device of the buffers torch shards), ``restore=True`` its
+    inverse; both built on first use and kept by the balancer. Every plan must have the same
+    ``total_len`` (``S``, the buffer's sequence length) and ``cp_size`` (the CP mesh's size).
+    Raises ``RuntimeError`` when asked for indices while torch's ring-SDPA path is on
+    (:func:`ring_sdpa_active`); ``ImportError`` where the torch in use lacks the interface.
+    """
+    from cpshard.compat.torch_cp._torch import balancer_class
+
+    return balancer_class()(plans, device)
+
+
+def ring_sdpa_active() -> bool:
+    """Whether torch's ring-SDPA context parallelism is on in this process (its dispatcher enabled by
+    ``_enable_context_parallel_dispatcher``, torchtitan's SDPA path, or the ``context_parallel()``
+    context): a cpshard balancer refuses to serve it."""
+    from cpshard.compat.torch_cp._torch import ring_sdpa_active as active
+
+    return active()
+
+
+def torch_names() -> Any:
+    """torch's private context-parallel names this package uses, by torch's own names
+    (``_LoadBalancer``, ``_context_parallel_shard``, ``context_parallel_unshard``,
+    ``_create_cp_block_mask``, ``flex_cp_allgather``, ...), checked once: for tests and adapters
+    (torchtitan's) that drive torch's own path, so that no other module names torch's privates."""
+    from cpshard.compat.torch_cp._torch import torch_cp
+
+    return torch_cp()
