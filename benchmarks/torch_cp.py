@@ -6,10 +6,11 @@ Run (CPU, one process, one torch thread)::
     .venv/bin/python benchmarks/torch_cp.py --quick    # S 8k, cp 2 and 8, 2 rows, fewer timing repeats
 
 Rows: packed rows of exactly ``S`` tokens, documents drawn (one fixed seed per row) until the row is
-full, the last one cut to fill it. Three length distributions, ``mean`` tokens a document on average:
+full, the last one cut to fill it. Three length distributions:
 
-* ``exp``: exponential, mean ``S / 16``;
-* ``lognormal``: long-tailed, median ``S / 64``, sigma 1.5;
+* ``exp``: exponential, mean 2048 tokens;
+* ``lognormal``: long-tailed, median 1024 tokens, sigma 1.5 (mean about 3100; one document in a
+  hundred is longer than 34k);
 * ``exp-2cp``: ``exp`` with every length rounded up to a multiple of ``2 * cp`` (the only rows torch
   2.13's per-document head-tail balancer accepts; the last document cut to a multiple too).
 
@@ -31,10 +32,11 @@ balancer's indices (its ``_generate_indices()``, ``(B, S')``: the buffer's rows 
   reported);
 * ``cp-contig``: cpshard's contiguous layout with its balanced order, no padding (``S' = S``).
 
-``fit``: the share of rows whose longest document fits a rank's share (``S / cp``); the contiguous
-layout's target (max/mean <= 1.05) is stated for those rows. The last table is the host time to build
-each balancer and its indices for one row (least of ``--repeats``; cpshard's includes the plans from
-the positions).
+``fit``: the share of rows whose longest document fits a rank's share (``S / cp`` tokens); ``bound``:
+the mean over the rows of ``cpshard.index.balance.work_lower_bound`` / mean, what no order of the
+contiguous layout can beat (a document that fits a share in tokens can still outweigh a share in
+work: its tail rows are dear). The last table is the host time to build each balancer and its
+indices for one row (least of ``--repeats``; cpshard's includes the plans from the positions).
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ from typing import Any
 
 import torch
 
+from cpshard import ShardPlan
+from cpshard.index.balance import work_lower_bound
+
 BLOCK = 128
+MEAN_EXP = 2048
+MEDIAN_LOGNORMAL = 1024
 SIZES = (8192, 32768, 131072)
 CPS = (2, 4, 8, 16)
 DISTS = ("exp", "lognormal", "exp-2cp")
@@ -77,9 +84,9 @@ def lengths(rng: random.Random, dist: str, total: int, cp: int) -> list[int]:
     left = total
     while left > 0:
         if dist == "lognormal":
-            n = rng.lognormvariate(math.log(total / 64), 1.5)
+            n = rng.lognormvariate(math.log(MEDIAN_LOGNORMAL), 1.5)
         else:
-            n = rng.expovariate(16 / total)
+            n = rng.expovariate(1 / MEAN_EXP)
         n = max(step, -(-round(n) // step) * step)
         out.append(min(n, left))
         left -= out[-1]
@@ -137,9 +144,10 @@ def balancers(rows: list[list[int]], cp: int) -> dict[str, Callable[[], tuple[to
         def run() -> tuple[torch.Tensor, torch.Tensor] | str:
             if tcp is None:
                 return "n/a"
-            if layout == "zigzag":
-                plans = tcp.plans_from_positions(pos, cp_size=cp, layout="zigzag", padded=True)
-                buffer_cost = tcp.to_buffer(plans, cost, fill=0)
+            if layout == "zigzag":  # each document padded to a multiple of 2 * cp: a longer buffer
+                total = max(ShardPlan.build(lens, cp_size=cp, layout="zigzag").total_len for lens in rows)
+                plans = [ShardPlan.build(lens, cp_size=cp, layout="zigzag", total_len=total) for lens in rows]
+                buffer_cost = tcp.to_buffer([[torch.arange(1, n + 1) for n in lens] for lens in rows], plans)
             else:
                 plans = tcp.plans_from_positions(pos, cp_size=cp)
                 buffer_cost = cost
@@ -189,7 +197,8 @@ def main() -> None:
         print("cpshard.compat.torch_cp is not importable here: the cpshard columns read n/a")
 
     print(f"document-causal work per rank, max/mean (mean over {n_rows} rows / worst row); 1.00 is perfect")
-    header = f"{'S':>7} {'cp':>3} {'dist':>10} {'fit':>5} " + " ".join(f"{n:>15}" for n in NAMES) + f" {'zz pad':>7}"
+    header = (f"{'S':>7} {'cp':>3} {'dist':>10} {'fit':>5} {'bound':>6} " + " ".join(f"{n:>15}" for n in NAMES)
+              + f" {'zz pad':>7}")
     print(header)
     print("-" * len(header))
     times: dict[tuple[int, int], dict[str, float | str]] = {}
@@ -198,6 +207,8 @@ def main() -> None:
             for dist in DISTS:
                 rows = [lengths(random.Random(1000 * seed + cp), dist, size, cp) for seed in range(n_rows)]
                 fit = sum(max(r) <= size // cp for r in rows) / n_rows
+                bound = statistics.mean(work_lower_bound(r, r, cp) * cp / sum(n * (n + 1) // 2 for n in r)
+                                        for r in rows)
                 cells, pad = [], ""
                 for name, fn in balancers(rows, cp).items():
                     got = fn()
@@ -208,7 +219,7 @@ def main() -> None:
                         pad = f"{got[0].shape[1] / size - 1:>6.1%}"
                     s = scores(*got, cp)
                     cells.append(f"{statistics.mean(s):>7.3f}/{max(s):<7.3f}")
-                print(f"{size:>7} {cp:>3} {dist:>10} {fit:>5.0%} " + " ".join(cells) + f" {pad:>7}")
+                print(f"{size:>7} {cp:>3} {dist:>10} {fit:>5.0%} {bound:>6.3f} " + " ".join(cells) + f" {pad:>7}")
                 if dist == "exp-2cp":
                     times[size, cp] = {name: _timed(fn, repeats) for name, fn in balancers(rows[:1], cp).items()}
         print()

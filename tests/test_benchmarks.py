@@ -28,6 +28,7 @@ CASES = [
     ("collective_counter.py", ["--quick"], ["import + first counted op", "baseline/new", "all_reduce"]),
     ("scale.py", ["--sizes", "64", "--repeats", "1", "--only", "index", "--only", "pack"], ["unshard cold", "/verl"]),
     ("verl_activation.py", ["--quick"], ["import verl + verl.models.mcore.model_forward", "on - off"]),
+    ("torch_cp.py", ["--quick"], ["perdoc-ht", "cp-contig", "refused", "host ms to build"]),
 ]
 
 
@@ -80,3 +81,5 @@ def test_benchmark_runs_and_reports(started, script, args, expected):
     if script == "verl.py":  # every drop-in agreed with verl on every real token
         rows = [line for line in stdout.splitlines() if line.startswith(("preprocess", "postprocess"))]
         assert rows and all(line.rstrip().endswith("True") for line in rows), rows
+    if script == "torch_cp.py":  # cpshard's columns were measured, not left out
+        assert " n/a" not in stdout and "not importable" not in stdout, stdout[-2000:]
