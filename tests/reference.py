@@ -509,3 +509,44 @@ def ref_crossing_halo_rows(seqlens, padded, cp: int, layout, shifts, bshd: bool 
             wanted = [q for q in range(end, end + ahead) if q < n] + [q for q in range(first - back, first) if q >= 0]
             count += sum(where[(i, q)][0] != r for q in wanted)
     return count
+
+
+# --------------------------------------------------------------------------------------------------
+# PyTorch's context parallelism (cpshard.compat.torch_cp): the caller's padded buffer in rank order
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_rank_order(padded_caller, order, cp: int, layout) -> list:
+    """The rows of the caller's padded buffer (sequences in the caller's order, sequence ``i`` padded to
+    ``padded_caller[i]``) that rank 0 holds, then rank 1, ...: SPEC "Which rows a rank holds" over the
+    buffer's order (``order[j]``: the caller's sequence at buffer position ``j``; None keeps the
+    caller's), each buffer row named by its row in the caller's buffer. One token at a time."""
+    n = len(padded_caller)
+    order = list(range(n)) if order is None else list(order)
+    caller_start = ref_cumsum(padded_caller)
+    padded_buffer = [padded_caller[i] for i in order]
+    out = []
+    for r in range(cp):
+        for g in ref_rank_rows(padded_buffer, cp, layout, r):
+            j, p = ref_locate(padded_buffer, g)
+            out.append(caller_start[order[j]] + p)
+    return out
+
+
+def ref_document_mask(seqlens_caller, padded_caller) -> list:
+    """``mask[q][kv]`` over the caller's padded buffer: a token attends to the tokens of its own
+    document at or before it; a pad row to itself alone. One pair at a time."""
+    rows = []
+    for i, (n, p_i) in enumerate(zip(seqlens_caller, padded_caller)):
+        for p in range(p_i):
+            rows.append((i, p, p < n))
+    mask = []
+    for q, (i, p, token) in enumerate(rows):
+        line = []
+        for kv, (i2, p2, token2) in enumerate(rows):
+            if token:
+                line.append(token2 and i2 == i and p2 <= p)
+            else:
+                line.append(kv == q)
+        mask.append(line)
+    return mask

@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 
+from cpshard import ShardPlan
 from reference import ref_alignment, ref_padded_lengths
 
 SETTINGS = dict(
@@ -262,3 +263,40 @@ def assert_jagged_equals(nt, seqs, seqlens, trailing, dtype):
     got_off = nt.offsets()
     assert got_off.dtype == torch.int64, got_off.dtype
     assert torch.equal(got_off, want_off), (got_off, want_off)
+
+
+@st.composite
+def torch_cp_batches(draw, *, cps=(1, 2, 3, 4), fp8: bool = False, extra: bool = True, total: int | None = None,
+                     longest: int = 12):
+    """``(plans, rows)`` for cpshard.compat.torch_cp: B >= 1 plans of one cp (from ``cps``), layout and
+    padding, one ``total_len`` S (``total`` where given, else the longest row's total, sometimes one
+    unit more); lengths with 0, 1 and those below ``2 * cp``, up to ``longest``; sometimes a balanced
+    order."""
+    cp = draw(st.sampled_from(list(cps)))
+    tp = draw(st.sampled_from([1, 1, 2]))
+    layout = draw(st.sampled_from(LAYOUTS))
+    padding = draw(st.sampled_from(["aligned", "minimal"]))
+    use_fp8 = fp8 and draw(st.booleans())
+    reorder = draw(st.sampled_from([None, "balanced"])) if layout == "contiguous" else None
+    a = ref_alignment(cp, tp, layout, use_fp8, padding)
+    length = st.sampled_from(sorted({0, 1, max(a - 1, 0), a, a + 1, 2 * cp - 1})) | st.integers(0, longest)
+    rows = draw(st.lists(st.lists(length, min_size=1, max_size=5), min_size=1, max_size=3))
+    kw = dict(cp_size=cp, tp_size=tp, layout=layout, padding=padding, fp8=use_fp8)
+    unit = math.lcm(a, cp * tp, 128 * ref_alignment(cp, tp, layout) if use_fp8 else 1)  # what a total keeps
+    natural = max(ShardPlan.build(r, **kw).total_len for r in rows) or unit  # a batch of empty rows: one unit
+    if total is not None:
+        assume(natural <= total)
+        S = total
+    else:
+        S = natural + (draw(st.sampled_from([0, 0, 1])) * unit if extra else 0)
+    return [ShardPlan.build(r, **kw, reorder=reorder, total_len=S) for r in rows], rows
+
+
+def torch_cp_documents(plans, trailing=(), dtype=torch.int64, seed=0, high=1000):
+    """Per plan, its documents in the caller's order: ``(n, *trailing)`` random tensors."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return [[torch.randn((n, *trailing), generator=g, dtype=dtype) for n in plan.input_seqlens_py]
+                for plan in plans]
+    return [[torch.randint(1, high, (n, *trailing), generator=g).to(dtype) for n in plan.input_seqlens_py]
+            for plan in plans]

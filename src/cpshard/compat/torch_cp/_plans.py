@@ -134,7 +134,8 @@ def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str =
         odd = next((i for i, n in enumerate(lens) if n % unit), None)
         if odd is not None:
             fail(f"positions[{b}]", f"document {odd} of length {lens[odd]}", f"every document of a full row must "
-                 f"divide by {unit} under layout={layout.value!r} with padding={padding.value!r} (no room for pad rows)",
+                 f"divide by {unit} under layout={layout.value!r} with padding={padding.value!r} (no room for pad "
+                 "rows)",
                  "use layout='contiguous' (padding='minimal': no padding), or build plans of the documents' own "
                  "lengths and their buffer with cpshard.compat.torch_cp.to_buffer, which pads each document")
     return [ShardPlan.build(lens, cp_size=cp_size, tp_size=tp_size, layout=layout, padding=padding,

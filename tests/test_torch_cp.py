@@ -1,0 +1,214 @@
+"""cpshard.compat.torch_cp in one process: the rank-order indices against the naive per-token reference,
+the caller's padded buffer, the document mask, plans from position ids, and every error. Across gloo
+ranks, through torch's own shard, unshard and flex attention: tests/test_torch_cp_distributed.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cpshard import ShardPlan, shard
+from cpshard.compat import torch_cp
+from reference import ref_document_mask, ref_rank_order
+from strategies import props, torch_cp_batches, torch_cp_documents as documents
+
+
+# -- the indices -------------------------------------------------------------------------------
+
+
+@props(60)
+@given(torch_cp_batches(fp8=True))
+def test_rearrange_indices_equal_the_per_token_reference(batch):
+    plans, _ = batch
+    got = torch_cp.rearrange_indices(plans)
+    back = torch_cp.rearrange_indices(plans, restore=True)
+    S = plans[0].total_len
+    assert got.shape == back.shape == (len(plans), S) and got.dtype == back.dtype == torch.int64
+    for b, plan in enumerate(plans):
+        expected = ref_rank_order(plan.input_padded_seqlens_py, plan.order, plan.cp_size, plan.layout)
+        assert got[b].tolist() == expected
+        assert torch.equal(got[b][back[b]], torch.arange(S)) and torch.equal(back[b][got[b]], torch.arange(S))
+    balancer = torch_cp.load_balancer(plans)
+    assert isinstance(balancer, torch_cp.torch_names()._LoadBalancer)
+    assert torch.equal(balancer._generate_indices(), got)
+    assert torch.equal(balancer._generate_indices(restore=True), back)
+    assert balancer._generate_indices() is balancer._generate_indices()  # built once per balancer
+
+
+@props(40)
+@given(torch_cp_batches(), st.sampled_from([(), (2,)]))
+def test_the_rearranged_buffer_gives_each_rank_its_shard(batch, trailing):
+    plans, _ = batch
+    docs = documents(plans, trailing)
+    buffer = torch_cp.to_buffer(docs, plans, pad_value=-7)
+    assert buffer.shape == (len(plans), plans[0].total_len, *trailing)
+    index = torch_cp.rearrange_indices(plans).view(len(plans), -1, *(1,) * len(trailing)).expand_as(buffer)
+    rearranged = buffer.gather(1, index)
+    cp = plans[0].cp_size
+    for r, piece in enumerate(rearranged.chunk(cp, dim=1)):
+        for b, plan in enumerate(plans):
+            assert torch.equal(piece[b], shard(docs[b], plan, r, pad_value=-7))
+    restore = torch_cp.rearrange_indices(plans, restore=True).view_as(index[..., 0] if trailing else index)
+    restore = restore.view(len(plans), -1, *(1,) * len(trailing)).expand_as(buffer)
+    assert torch.equal(rearranged.gather(1, restore), buffer)
+    back = torch_cp.from_buffer(buffer, plans)
+    assert all(torch.equal(x, y) for row, want in zip(back, docs) for x, y in zip(row, want, strict=True))
+
+
+@props(30)
+@given(torch_cp_batches(extra=False))
+def test_document_mask_mod_equals_the_reference(batch):
+    plans, _ = batch
+    mask_mod = torch_cp.document_mask_mod(plans)
+    S = plans[0].total_len
+    q = torch.arange(S)
+    b = torch.arange(len(plans))[:, None, None, None]
+    mask = mask_mod(b, torch.zeros(1, dtype=torch.long), q[:, None], q[None, :])
+    assert mask.shape == (len(plans), 1, S, S) and mask.dtype == torch.bool
+    for i, plan in enumerate(plans):
+        assert mask[i, 0].tolist() == ref_document_mask(plan.input_seqlens_py, plan.input_padded_seqlens_py)
+
+
+def test_the_docstring_picture():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    assert torch_cp.rearrange_indices(plan).tolist() == [[0, 1, 6, 7, 8, 11, 2, 3, 4, 5, 9, 10]]
+    assert torch_cp.rearrange_indices([plan], restore=True).tolist() == [[0, 1, 6, 7, 8, 9, 2, 3, 4, 10, 11, 5]]
+    assert torch.cat([plan.global_rows(r) for r in range(2)]).tolist() == [0, 1, 6, 7, 8, 11, 2, 3, 4, 5, 9, 10]
+
+
+# -- plans from position ids -------------------------------------------------------------------
+
+
+def positions_of(rows):
+    return torch.tensor([[p for n in lens for p in range(n)] for lens in rows])
+
+
+@props(40)
+@given(st.sampled_from([1, 2, 3, 4]), st.sampled_from(["zigzag", "contiguous"]), st.integers(1, 3), st.data())
+def test_plans_from_positions(cp, layout, B, data):
+    unit = 2 * cp if layout == "zigzag" else 1
+    S = cp * 2 * data.draw(st.integers(1, 6))
+    rows = []
+    for _ in range(B):
+        lens, left = [], S
+        while left:
+            n = unit * data.draw(st.integers(1, max(1, left // unit)))
+            lens.append(min(n, left))
+            left -= lens[-1]
+        rows.append(lens)
+    plans = torch_cp.plans_from_positions(positions_of(rows), cp_size=cp, layout=layout)
+    assert torch_cp.document_lengths(positions_of(rows)) == rows
+    for plan, lens in zip(plans, rows, strict=True):
+        assert plan.input_seqlens_py == tuple(lens) and plan.total_len == S and plan.cp_size == cp
+        assert plan.input_padded_seqlens_py == tuple(lens)  # a full row: nothing padded
+        balanced = layout == "contiguous" and cp > 1
+        assert plan == ShardPlan.build(lens, cp_size=cp, layout=layout, padding="minimal",
+                                       reorder="balanced" if balanced else None, total_len=S)
+    one = torch_cp.plans_from_positions(positions_of(rows)[0], cp_size=cp, layout=layout)
+    assert one == plans[:1]
+
+
+def test_plans_from_positions_keep_the_callers_order_on_request():
+    plans = torch_cp.plans_from_positions(positions_of([[2, 1, 9, 4]]), cp_size=4, reorder=None)
+    assert plans[0].order is None and plans[0].layout.value == "contiguous"
+    plans = torch_cp.plans_from_positions(positions_of([[2, 1, 9, 4]]), cp_size=4)
+    assert plans[0] == ShardPlan.build([2, 1, 9, 4], cp_size=4, layout="contiguous", padding="minimal",
+                                       reorder="balanced", total_len=16)
+
+
+@pytest.mark.parametrize("positions, kw, match", [
+    (torch.tensor([[1, 2, 3, 4]]), {}, r"positions\[0, 0\]=1: must be 0"),
+    (torch.tensor([[0, 1, 3, 4]]), {}, r"positions\[0, 2\]=3: must be positions\[0, 1\] \+ 1 = 2 or 0"),
+    (torch.tensor([[0, 1, 2, 3], [0, 1, 1, 0]]), {}, r"positions\[1, 2\]=1"),
+    (torch.tensor([[0, 1, 2]]), {}, r"S=3 positions.*divide by cp_size \* tp_size = 2"),
+    (torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), {"tp_size": 3}, r"cp_size \* tp_size = 6"),
+    (torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]]), {"layout": "zigzag"},
+     r"positions\[0\]=document 1 of length 2: every document of a full row must divide by 4 .*layout='contiguous'"),
+    (torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), {"padding": "aligned"}, r"document 0 of length 3: .* divide by 2"),
+    (torch.zeros((1, 0), dtype=torch.long), {}, r"must be \(B, S\) or \(S,\) with S >= 1"),
+    (torch.zeros((1, 2, 2), dtype=torch.long), {}, r"must be \(B, S\)"),
+    (torch.tensor([[0, 1, 2, 3]]), {"layout": "zigzag", "reorder": "balanced"}, r"reorder='balanced'"),
+])
+def test_plans_from_positions_errors(positions, kw, match):
+    with pytest.raises(ValueError, match=match):
+        torch_cp.plans_from_positions(positions, cp_size=2, **kw)
+
+
+def test_positions_must_be_integers():
+    with pytest.raises(TypeError, match=r"positions=torch.float32 tensor: must hold integers"):
+        torch_cp.plans_from_positions(torch.zeros(1, 4), cp_size=2)
+    with pytest.raises(TypeError, match=r"must hold integers"):
+        torch_cp.document_lengths([[0.0, 1.0]])
+    assert torch_cp.document_lengths([[0, 0, 1]]) == [[1, 2]]
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_plans_must_share_one_total_and_cp():
+    a = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(ValueError, match=r"plans\[1\].total_len=16: must equal plans\[0\].total_len=12"):
+        torch_cp.rearrange_indices([a, ShardPlan.build([5, 3], cp_size=2, total_len=16)])
+    with pytest.raises(ValueError, match=r"plans\[1\].cp_size=3: must equal plans\[0\].cp_size=2"):
+        torch_cp.load_balancer([a, ShardPlan.build([12], cp_size=3)])
+    with pytest.raises(TypeError, match=r"plans=list: must be a non-empty list"):
+        torch_cp.document_mask_mod([])
+    with pytest.raises(TypeError, match=r"plans\[0\]=BshdPlan: must be a ShardPlan"):
+        from cpshard import BshdPlan
+        torch_cp.rearrange_indices([BshdPlan.build([3], cp_size=2)])
+
+
+def test_buffer_errors():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(TypeError, match=r"documents=list: must be a list of 1 rows"):
+        torch_cp.to_buffer([], [plan])
+    with pytest.raises(TypeError, match=r"documents\[0\]=list: must be a list of the row's 2 documents"):
+        torch_cp.to_buffer([[torch.zeros(5)]], [plan])
+    with pytest.raises(ValueError, match=r"documents\[0\]\[1\]=.*shape \(4,\).*must hold the plan's 3 tokens"):
+        torch_cp.to_buffer([[torch.zeros(5), torch.zeros(4)]], [plan])
+    with pytest.raises(ValueError, match=r"documents\[0\]\[1\]=torch.int64 tensor.*like the first document"):
+        torch_cp.to_buffer([[torch.zeros(5), torch.zeros(3, dtype=torch.long)]], [plan])
+    with pytest.raises(ValueError, match=r"buffer=tensor of shape \(1, 11\): must be \(B, S, ...\) = \(1, 12, ...\)"):
+        torch_cp.from_buffer(torch.zeros(1, 11), [plan])
+    empty = ShardPlan.build([0, 0], cp_size=2, total_len=8)
+    buffer = torch_cp.to_buffer([[torch.zeros(0), torch.zeros(0)]], [empty], pad_value=3)
+    assert torch.equal(buffer, torch.full((1, 8), 3.0))
+
+
+def test_ring_sdpa_is_refused():
+    """torch's ring SDPA assumes head-tail rows whenever a balancer is set: a cpshard balancer asked
+    for indices while its dispatcher is on raises, naming the fix, and serves again once it is off."""
+    from torch.distributed.tensor.experimental._attention import (
+        _disable_context_parallel_dispatcher,
+        _enable_context_parallel_dispatcher,
+    )
+
+    balancer = torch_cp.load_balancer(ShardPlan.build([5, 3], cp_size=2))
+    assert not torch_cp.ring_sdpa_active()
+    _enable_context_parallel_dispatcher()
+    try:
+        assert torch_cp.ring_sdpa_active()
+        with pytest.raises(RuntimeError, match=r"ring-SDPA.*silently wrong.*document_mask_mod"):
+            balancer._generate_indices()
+    finally:
+        _disable_context_parallel_dispatcher()
+    assert not torch_cp.ring_sdpa_active()
+    assert balancer._generate_indices().shape == (1, 12)
+
+
+def test_a_torch_without_the_interface_is_named():
+    """A torch that lacks the private interface: an ImportError naming the tested version and the way out
+    (a fresh interpreter in which torch's module cannot be imported)."""
+    code = ("import sys; sys.modules['torch.distributed.tensor.experimental._context_parallel._load_balancer'] = None\n"
+            "from cpshard import ShardPlan\nfrom cpshard.compat import torch_cp\n"
+            "assert torch_cp.rearrange_indices(ShardPlan.build([3], cp_size=2)).shape == (1, 4)\n"
+            "try:\n    torch_cp.load_balancer(ShardPlan.build([3], cp_size=2))\n"
+            "except ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert f"tested on torch {torch_cp.TESTED_TORCH}" in out and "_load_balancer" in out
+    assert "install torch==2.13.0, or shard by hand with cpshard.compat.torch_cp.rearrange_indices" in out

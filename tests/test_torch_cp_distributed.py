@@ -1,0 +1,50 @@
+"""cpshard's load balancer driving torch's own context parallelism across gloo ranks (cp 2, 3 and 4):
+torch's shard and unshard against ``cpshard.shard``; flex attention through torch's CP block mask and
+K/V all-gather against per-document attention at cp = 1; the q, k, v gradients through SDPA with
+``document_mask_mod``'s mask; transformers' Llama trained one step under CP against cp = 1. The
+sub-cases run in tests/torch_cp_ranks.py, one gloo group per cp for all of them."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import pytest
+
+from rank_suites import run_suite
+
+_HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+_NAMES = ("shard_unshard", "flex", "sdpa_grads") + (("llama",) if _HAVE_TRANSFORMERS else ())
+WORLDS = [2, 3, 4]
+
+
+@functools.cache
+def _suites(world):
+    return run_suite("torch_cp_ranks", _NAMES, world, timeout=900, collective_timeout=300)
+
+
+def _examples(world, name):
+    counts = [rank[name] for rank in _suites(world)]
+    assert len(set(counts)) == 1, counts  # every rank ran every example
+    return counts[0]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_torch_shard_and_unshard_with_the_balancer(world):
+    assert _examples(world, "shard_unshard") >= 8  # two explicit batches and the drawn ones
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_flex_attention_under_cp_equals_cp1(world):
+    assert _examples(world, "flex") >= 2
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_attention_gradients_under_cp_equal_cp1(world):
+    assert _examples(world, "sdpa_grads") >= 3
+
+
+@pytest.mark.skipif(not _HAVE_TRANSFORMERS, reason="transformers is not installed")
+@pytest.mark.parametrize("world", WORLDS)
+def test_llama_step_under_cp_equals_cp1(world):
+    assert _examples(world, "llama") >= 2

@@ -1,0 +1,280 @@
+"""The gloo ranks of tests/test_torch_cp_distributed.py: torch's own context-parallel path (its shard,
+unshard, CP block mask and K/V all-gather) driven by cpshard's load balancer, against cpshard.shard and
+against cp = 1.
+
+Each sub-case runs a hypothesis search inside every rank with ``derandomize=True``: every rank draws
+the same examples, so their collectives match; a failing assertion raises on its rank (and
+``run_ranks`` reports it). No shrinking (a rank that shrank alone would leave the others waiting).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
+
+from cpshard import ShardPlan, shard
+from cpshard.compat import torch_cp
+from strategies import torch_cp_batches, torch_cp_documents
+
+warnings.filterwarnings("ignore", message=".*flex_attention.*")
+
+
+def _settings(n: int):
+    return settings(max_examples=n, derandomize=True, database=None, deadline=None,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _eager_block_masks() -> None:
+    """torch's ``_create_cp_block_mask`` compiles ``create_block_mask`` on first use (about a minute per
+    process on this CPU); hand it the eager function, the same computation, through the global it
+    keeps the compiled one in. Its mask rewrite through the load balancer is torch's own either way."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    _attention._compiled_create_block_mask = create_block_mask
+
+
+def _per_document(q, k, v, plans):
+    """cp = 1: causal attention over each document alone ``(B, H, S, D)``; pad rows stay 0."""
+    out = torch.zeros_like(q)
+    for b, plan in enumerate(plans):
+        start = 0
+        for n, p in zip(plan.input_seqlens_py, plan.input_padded_seqlens_py):
+            if n:
+                s = slice(start, start + n)
+                out[b, :, s] = F.scaled_dot_product_attention(q[b, :, s], k[b, :, s], v[b, :, s], is_causal=True)
+            start += p
+    return out
+
+
+def _token_rows(plans) -> torch.Tensor:
+    """``(B, S)`` bool: True on the buffer's token rows (the documents in ``to_buffer``'s layout)."""
+    return torch_cp.to_buffer([[torch.ones(n, dtype=torch.bool) for n in plan.input_seqlens_py] for plan in plans],
+                              plans, pad_value=False)
+
+
+def _local_mask(plans, rank: int) -> torch.Tensor:
+    """``(B, 1, L, S)`` bool: ``document_mask_mod`` for this rank's query rows against every rank's rows
+    (the all-gathered K/V), both named through the rank-order indices."""
+    order = torch_cp.rearrange_indices(plans)
+    L = plans[0].local_len
+    b = torch.arange(len(plans))[:, None, None]
+    q_rows = order[:, rank * L:(rank + 1) * L, None]
+    return torch_cp.document_mask_mod(plans)(b, 0, q_rows, order[:, None, :])[:, None]
+
+
+def _explicit(world: int, layout: str, total: int | None = None):
+    """One batch every sub-case runs first: two rows, documents of 0, 1, ``2 cp - 1`` and more tokens."""
+    rows = [[5, 0, 1, 2 * world - 1, 9], [13, 3]]
+    kw = dict(cp_size=world, layout=layout, reorder="balanced" if layout == "contiguous" else None)
+    S = total or max(ShardPlan.build(r, **kw).total_len for r in rows)
+    return [ShardPlan.build(r, **kw, total_len=S) for r in rows], rows
+
+
+# -- sub-cases -----------------------------------------------------------------------------------
+
+
+def shard_unshard(rank: int, world: int) -> int:
+    """torch's ``_context_parallel_shard`` with the balancer gives each rank exactly ``cpshard.shard``'s
+    rows of every batch row; ``context_parallel_unshard`` gives the buffer back bit for bit."""
+    names = torch_cp.torch_names()
+    mesh = _mesh(world)
+    seen = []
+
+    @_settings(8)
+    @given(torch_cp_batches(cps=(world,)), st.sampled_from([(), (3,)]))
+    @example(_explicit(world, "zigzag"), (3,))
+    @example(_explicit(world, "contiguous"), ())
+    def check(batch, trailing):
+        plans, _ = batch
+        docs = torch_cp_documents(plans, trailing)
+        buffer = torch_cp.to_buffer(docs, plans, pad_value=-1)
+        balancer = torch_cp.load_balancer(plans)
+        local, = names._context_parallel_shard(mesh, [buffer], [1], load_balancer=balancer)
+        for b, plan in enumerate(plans):
+            assert torch.equal(local[b], shard(docs[b], plan, rank, pad_value=-1)), (b, plan)
+        back, = names.context_parallel_unshard(mesh, [local], [1], load_balancer=balancer)
+        assert torch.equal(back, buffer)
+        seen.append(len(plans))
+
+    check()
+    return len(seen)
+
+
+def flex(rank: int, world: int) -> int:
+    """flex_attention under CP: torch's CP block mask (``document_mask_mod`` rewritten through the
+    balancer), K/V all-gathered with torch's ``flex_cp_allgather`` as torchtitan's
+    ``apply_cp_to_forward`` does; the restored output equals per-document causal attention at cp = 1
+    on every token row (float64)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    names = torch_cp.torch_names()
+    mesh = _mesh(world)
+    _eager_block_masks()
+    S = 128 * world  # torch's CP block mask needs S % (cp * 128) == 0
+    seen = []
+
+    @_settings(2)
+    @given(torch_cp_batches(cps=(world,), total=S, longest=S // 3))
+    @example(_explicit(world, "contiguous", S))
+    def check(batch):
+        plans, _ = batch
+        B, H, D = len(plans), 2, 4
+        g = torch.Generator().manual_seed(len(seen))
+        q, k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(3))
+        block_mask = create_block_mask(torch_cp.document_mask_mod(plans), B, 1, S, S, device="cpu")
+        balancer = torch_cp.load_balancer(plans)
+        lq, lk, lv = names._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=balancer)
+        local_mask, = names._context_parallel_shard(mesh, [block_mask], [2], load_balancer=balancer)
+        K, V = names.flex_cp_allgather(lk, lv, 2, mesh.get_group().group_name)
+        out = flex_attention(lq, K, V, block_mask=local_mask)
+        full, = names.context_parallel_unshard(mesh, [out], [2], load_balancer=balancer)
+        tokens = _token_rows(plans)
+        expected = _per_document(q, k, v, plans)
+        got, want = full.transpose(1, 2)[tokens], expected.transpose(1, 2)[tokens]
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
+        seen.append(B)
+
+    check()
+    return len(seen)
+
+
+def sdpa_grads(rank: int, world: int) -> int:
+    """The gradients of q, k and v under CP (flex has no CPU backward in torch 2.13): SDPA with the
+    explicit mask ``document_mask_mod`` gives over this rank's rows and the all-gathered K/V (torch's
+    ``flex_cp_allgather``, whose backward reduce-scatters), each rank's loss its rows' share; the
+    gradients, restored by torch's unshard, and the summed loss equal per-document attention at cp = 1."""
+    names = torch_cp.torch_names()
+    mesh = _mesh(world)
+    seen = []
+
+    @_settings(4)
+    @given(torch_cp_batches(cps=(world,), longest=24))
+    @example(_explicit(world, "zigzag"))
+    def check(batch):
+        plans, _ = batch
+        B, H, D, S = len(plans), 2, 4, plans[0].total_len
+        g = torch.Generator().manual_seed(len(seen))
+        q, k, v, w = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(4))
+        w = w * _token_rows(plans)[:, None, :, None]  # the loss reads token rows only
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_loss = (_per_document(*ref, plans) * w).sum() + sum((t * 0).sum() for t in ref)  # a batch of no tokens
+        ref_loss.backward()
+
+        balancer = torch_cp.load_balancer(plans)
+        local = names._context_parallel_shard(mesh, [q, k, v, w], [2, 2, 2, 2], load_balancer=balancer)
+        lq, lk, lv = (t.clone().requires_grad_() for t in local[:3])
+        K, V = names.flex_cp_allgather(lk, lv, 2, mesh.get_group().group_name)
+        out = F.scaled_dot_product_attention(lq, K, V, attn_mask=_local_mask(plans, rank))
+        loss = (out * local[3]).sum()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        assert torch.allclose(total, ref_loss.detach(), rtol=1e-12, atol=1e-12)
+        grads = names.context_parallel_unshard(mesh, [lq.grad, lk.grad, lv.grad], [2, 2, 2], load_balancer=balancer)
+        for name, got, want in zip("qkv", grads, (t.grad for t in ref)):
+            assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (name, (got - want).abs().max())
+        seen.append(B)
+
+    check()
+    return len(seen)
+
+
+# -- a real model: transformers' Llama ------------------------------------------------------------
+
+_CP_ATTENTION = "cpshard_torch_cp_test"
+_GROUP: dict[str, str] = {}
+
+
+def _cp_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention with the keys and values of every CP rank: all-gathered along the
+    sequence by torch's ``flex_cp_allgather`` (backward: a reduce-scatter), as torchtitan's CP
+    forward does; ``attention_mask`` is this rank's rows against them (``_local_mask``)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    key, value = torch_cp.torch_names().flex_cp_allgather(key.contiguous(), value.contiguous(), 2, _GROUP["name"])
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, is_causal=False, **kwargs)
+
+
+def _llama():
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register(_CP_ATTENTION, _cp_attention)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).double()
+
+
+def llama(rank: int, world: int) -> int:
+    """A forward and backward of transformers' Llama (2 layers, hidden 32, float64) under torch CP with
+    cpshard's balancer: token ids, positions and labels of the caller's buffer sharded by torch's
+    ``_context_parallel_shard``; cpshard's labels (``shard(..., shift=1, fill=-100)``: the next token in
+    the document, -100 at its end and on pad rows) equal torch's sharding of the label buffer; each
+    rank's loss is its share of the batch's token mean; the summed loss and every parameter gradient
+    summed over the ranks equal cp = 1, where each document runs through the model alone."""
+    import copy
+
+    names = torch_cp.torch_names()
+    mesh = _mesh(world)
+    _GROUP["name"] = mesh.get_group().group_name
+    base = _llama()
+    seen = []
+
+    @_settings(2)
+    @given(torch_cp_batches(cps=(world,), longest=20))
+    @example(_explicit(world, "contiguous"))
+    def check(batch):
+        plans, _ = batch
+        docs = torch_cp_documents(plans, high=64, seed=len(seen))
+        labels_of = [[torch.cat([d[1:], torch.full((min(len(d), 1),), -100)]) for d in row] for row in docs]
+        count = sum(max(len(d) - 1, 0) for row in docs for d in row)
+
+        ref = copy.deepcopy(base)
+        ref_loss = sum((p * 0).sum() for p in ref.parameters())  # every parameter in the graph
+        for row, labels in zip(docs, labels_of):
+            for d, lab in zip(row, labels):
+                if len(d):
+                    logits = ref(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0]
+                    token_sum = F.cross_entropy(logits, lab, ignore_index=-100, reduction="sum")
+                    ref_loss = ref_loss + token_sum / max(count, 1)
+        ref_loss.backward()
+
+        model = copy.deepcopy(base)
+        model.set_attn_implementation(_CP_ATTENTION)
+        balancer = torch_cp.load_balancer(plans)
+        positions = [[torch.arange(len(d)) for d in row] for row in docs]
+        ids, pos, labels = names._context_parallel_shard(
+            mesh, [torch_cp.to_buffer(docs, plans), torch_cp.to_buffer(positions, plans),
+                   torch_cp.to_buffer(labels_of, plans, pad_value=-100)], [1, 1, 1], load_balancer=balancer)
+        ours = torch.stack([shard(row, plan, rank, shift=1, fill=-100) for row, plan in zip(docs, plans)])
+        assert torch.equal(labels, ours)
+        logits = model(input_ids=ids, position_ids=pos, attention_mask=_local_mask(plans, rank)).logits
+        token_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        loss = token_sum / max(count, 1)
+        loss = loss + sum((p * 0).sum() for p in model.parameters())
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        assert torch.allclose(total, ref_loss.detach(), rtol=1e-10, atol=1e-12), (total, ref_loss)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)  # the CP reduction: the ranks' losses add up to the batch's
+            assert torch.allclose(grad, q.grad, rtol=1e-9, atol=1e-12), (name, (grad - q.grad).abs().max())
+        seen.append(len(plans))
+
+    check()
+    return len(seen)
