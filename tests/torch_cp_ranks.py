@@ -112,14 +112,28 @@ def shard_unshard(rank: int, world: int) -> int:
     return len(seen)
 
 
-def flex(rank: int, world: int) -> int:
-    """flex_attention under CP: torch's CP block mask (``document_mask_mod`` rewritten through the
-    balancer), K/V all-gathered with torch's ``flex_cp_allgather`` as torchtitan's
-    ``apply_cp_to_forward`` does; the restored output equals per-document causal attention at cp = 1
-    on every token row (float64)."""
+def cp_flex_attention(q, k, v, plans, mesh):
+    """Document-causal flex attention of the caller's buffers ``q, k, v`` ``(B, H, S, D)`` under torch's
+    context parallelism with cpshard's balancer; the ``(B, H, S, D)`` output, restored on every rank."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    names = torch_cp.torch_names()
+    from cpshard.compat import torch_cp
+
+    torch_names = torch_cp.torch_names()  # torch's own CP functions, checked once
+    balancer = torch_cp.load_balancer(plans)
+    B, S = len(plans), plans[0].total_len
+    mask = create_block_mask(torch_cp.document_mask_mod(plans), B, 1, S, S, device="cpu")
+    q, k, v, mask = torch_names._context_parallel_shard(mesh, [q, k, v, mask], [2, 2, 2, 2], load_balancer=balancer)
+    k, v = torch_names.flex_cp_allgather(k, v, 2, mesh.get_group().group_name)  # every rank's K/V, as torchtitan
+    out = flex_attention(q, k, v, block_mask=mask)  # the mask: this rank's rows, rewritten through the balancer
+    return torch_names.context_parallel_unshard(mesh, [out], [2], load_balancer=balancer)[0]
+
+
+def flex(rank: int, world: int) -> int:
+    """flex_attention under CP (:func:`cp_flex_attention`: torch's CP block mask of ``document_mask_mod``
+    rewritten through the balancer, K/V all-gathered with torch's ``flex_cp_allgather`` as torchtitan's
+    ``apply_cp_to_forward`` does): the restored output equals per-document causal attention at cp = 1
+    on every token row (float64)."""
     mesh = _mesh(world)
     _eager_block_masks()
     S = 128 * world  # torch's CP block mask needs S % (cp * 128) == 0
@@ -133,13 +147,7 @@ def flex(rank: int, world: int) -> int:
         B, H, D = len(plans), 2, 4
         g = torch.Generator().manual_seed(len(seen))
         q, k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(3))
-        block_mask = create_block_mask(torch_cp.document_mask_mod(plans), B, 1, S, S, device="cpu")
-        balancer = torch_cp.load_balancer(plans)
-        lq, lk, lv = names._context_parallel_shard(mesh, [q, k, v], [2, 2, 2], load_balancer=balancer)
-        local_mask, = names._context_parallel_shard(mesh, [block_mask], [2], load_balancer=balancer)
-        K, V = names.flex_cp_allgather(lk, lv, 2, mesh.get_group().group_name)
-        out = flex_attention(lq, K, V, block_mask=local_mask)
-        full, = names.context_parallel_unshard(mesh, [out], [2], load_balancer=balancer)
+        full = cp_flex_attention(q, k, v, plans, mesh)
         tokens = _token_rows(plans)
         expected = _per_document(q, k, v, plans)
         got, want = full.transpose(1, 2)[tokens], expected.transpose(1, 2)[tokens]
