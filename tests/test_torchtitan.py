@@ -12,8 +12,10 @@ types ("headtail") pass through unchanged. The patch's round trip, its report an
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
+import random
 import subprocess
 import sys
 
@@ -117,6 +119,25 @@ BATCHES = {  # cp -> (kind, rows): B >= 1 rows of S = 128 * cp tokens (torch's C
 }
 
 
+def grid(cp: int) -> list[tuple[str, list[list[int]]]]:
+    """Small batches without masks, seeded: 1-3 rows of S tokens (S a multiple of 2 * cp), documents of
+    1 .. 3 * cp tokens for "cpshard" (lengths below 2 * cp included), multiples of 2 * cp for zigzag."""
+    rng = random.Random(cp)
+    out = []
+    for _ in range(6):
+        S = 2 * cp * rng.randint(1, 5)
+        for kind, unit, most in (("cpshard", 1, 3 * cp), ("cpshard_zigzag", 2 * cp, 3)):
+            rows = []
+            for _ in range(rng.randint(1, 3)):
+                lens, left = [], S
+                while left:
+                    lens.append(min(left, unit * rng.randint(1, most)))
+                    left -= lens[-1]
+                rows.append(lens)
+            out.append((kind, rows))
+    return out
+
+
 def _rank(rank, world):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.attention.flex_attention import flex_attention
@@ -139,6 +160,20 @@ def _rank(rank, world):
             gk, gv = names.flex_cp_allgather(local[1], local[2], 2, mesh.get_group().group_name)
             o = flex_attention(local[0], gk, gv, block_mask=got["attention_masks"])
             out.append((kind, got_ids, got_labels, got["positions"], o))
+        for kind, rows in grid(world):  # no masks: any S that divides by 2 * cp
+            pos = positions_of(rows)
+            ids = torch.arange(pos.numel()).view(pos.shape)
+            got_ids, got_labels, got = prepare_context_parallel_input(ids, 1000 + ids, {"positions": pos}, mesh,
+                                                                      torch.device("cpu"), kind, None)
+            out.append((kind, got_ids, got_labels, got["positions"], None))
+        # a plain cp_shard call (Flux's): one document a row, or the positions it names
+        package = importlib.import_module(PACKAGE)
+        rows = [[3, 2 * world - 1, 2 * world - 2], [4 * world]]
+        pos = positions_of(rows)
+        ids = torch.arange(pos.numel()).view(pos.shape)
+        (plain,), none = package.cp_shard(mesh, (ids,), None, "cpshard")
+        (named, named_pos), _ = package.cp_shard(mesh, (ids, pos), None, "cpshard", positions=pos)
+        out.append((plain, named, named_pos, none))
         ids = torch.arange(2 * 128 * world).view(2, -1)
         on = prepare_context_parallel_input(ids, ids + 1, {"positions": ids % 7}, mesh, torch.device("cpu"),
                                             "headtail", None)
@@ -151,11 +186,17 @@ def _rank(rank, world):
     return out
 
 
+@functools.cache
+def ranks_of(cp: int) -> list:
+    """Every rank's results of :func:`_rank`, one run per ``cp`` for the tests below."""
+    return run_ranks(_rank, cp)
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_prepare_context_parallel_input_shards_every_triple_and_flex_attention_equals_cp1(cp):
     from torch.nn.attention.flex_attention import flex_attention
 
-    ranks = run_ranks(_rank, cp)
+    ranks = ranks_of(cp)
     for i, (kind, rows) in enumerate(BATCHES[cp]):
         B, S = len(rows), sum(rows[0])
         pos = positions_of(rows)
@@ -175,6 +216,38 @@ def test_prepare_context_parallel_input_shards_every_triple_and_flex_attention_e
             for b in range(B):
                 assert torch.allclose(o[b], want[b][:, got_ids[b] - b * S], rtol=1e-12, atol=1e-13), (kind, r, b)
         assert torch.equal(torch.cat(seen, 1).sort(1).values, ids)  # a permutation of every row
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_every_triple_is_kept_on_small_batches_and_plain_cp_shard_calls(cp):
+    ranks = ranks_of(cp)
+    first = len(BATCHES[cp])
+    for i, (kind, rows) in enumerate(grid(cp), first):
+        pos = positions_of(rows)
+        ids = torch.arange(pos.numel()).view(pos.shape)
+        plans = cptitan.batch_plans(kind, (ids,), pos, 1, cp)
+        seen = []
+        for r, results in enumerate(ranks):
+            got_kind, got_ids, got_labels, got_pos, _ = results[i]
+            assert got_kind == kind
+            for b in range(len(rows)):
+                assert torch.equal(got_ids[b], cpshard.shard(ids[b], plans[b], r)), (kind, rows, r, b)
+            assert torch.equal(got_labels, 1000 + got_ids) and torch.equal(got_pos, pos.flatten()[got_ids])
+            seen.append(got_ids)
+        assert torch.equal(torch.cat(seen, 1).sort(1).values, ids), (kind, rows)
+    rows = [[3, 2 * cp - 1, 2 * cp - 2], [4 * cp]]
+    pos = positions_of(rows)
+    ids = torch.arange(pos.numel()).view(pos.shape)
+    one_each = cptitan.batch_plans("cpshard", (ids,), None, 1, cp)  # each row one document
+    by_document = cptitan.batch_plans("cpshard", (ids,), pos, 1, cp)
+    assert [list(p.input_seqlens_py) for p in by_document] == rows
+    for r, results in enumerate(ranks):
+        plain, named, named_pos, masks = results[-1]
+        assert masks is None
+        for b in range(2):
+            assert torch.equal(plain[b], cpshard.shard(ids[b], one_each[b], r))
+            assert torch.equal(named[b], cpshard.shard(ids[b], by_document[b], r))
+        assert torch.equal(named_pos, pos.flatten()[named])
 
 
 def test_patch_round_trip_and_report():
