@@ -163,6 +163,19 @@ def test_plans_must_share_one_total_and_cp():
         torch_cp.rearrange_indices([BshdPlan.build([3], cp_size=2)])
 
 
+def test_a_mesh_of_another_size_is_refused():
+    class Mesh:  # what load_balancer reads of a DeviceMesh
+        device_type = "cpu"
+
+        def size(self):
+            return 4
+
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(ValueError, match=r"mesh=a device mesh of 4 ranks: must have the plans' cp_size=2 ranks"):
+        torch_cp.load_balancer(plan, mesh=Mesh())
+    assert torch_cp.load_balancer(ShardPlan.build([5, 3], cp_size=4), mesh=Mesh()).device == torch.device("cpu")
+
+
 def test_buffer_errors():
     plan = ShardPlan.build([5, 3], cp_size=2)
     with pytest.raises(TypeError, match=r"documents=list: must be a list of 1 rows"):

@@ -14,7 +14,7 @@ import pytest
 from rank_suites import run_suite
 
 _HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-_NAMES = ("shard_unshard", "flex", "sdpa_grads") + (("llama",) if _HAVE_TRANSFORMERS else ())
+_NAMES = ("shard_unshard", "flex", "sdpa_grads", "ring_sdpa") + (("llama",) if _HAVE_TRANSFORMERS else ())
 WORLDS = [2, 3, 4]
 
 
@@ -42,6 +42,11 @@ def test_flex_attention_under_cp_equals_cp1(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_attention_gradients_under_cp_equal_cp1(world):
     assert _examples(world, "sdpa_grads") >= 3
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_torch_context_parallel_ring_sdpa_is_refused(world):
+    assert all(rank["ring_sdpa"] is True for rank in _suites(world))
 
 
 @pytest.mark.skipif(not _HAVE_TRANSFORMERS, reason="transformers is not installed")

@@ -100,7 +100,7 @@ def shard_unshard(rank: int, world: int) -> int:
         plans, _ = batch
         docs = torch_cp_documents(plans, trailing)
         buffer = torch_cp.to_buffer(docs, plans, pad_value=-1)
-        balancer = torch_cp.load_balancer(plans)
+        balancer = torch_cp.load_balancer(plans, mesh=mesh)
         local, = names._context_parallel_shard(mesh, [buffer], [1], load_balancer=balancer)
         for b, plan in enumerate(plans):
             assert torch.equal(local[b], shard(docs[b], plan, rank, pad_value=-1)), (b, plan)
@@ -197,6 +197,26 @@ def sdpa_grads(rank: int, world: int) -> int:
 
     check()
     return len(seen)
+
+
+def ring_sdpa(rank: int, world: int) -> bool:
+    """Inside torch's ``context_parallel()`` (ring SDPA patched in, head-tail rows assumed) a cpshard
+    balancer refuses to hand out indices; after it, it serves again."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = _mesh(world)
+    plans, _ = _explicit(world, "zigzag")
+    balancer = torch_cp.load_balancer(plans)
+    refused = False
+    with context_parallel(mesh, buffers=[torch.zeros(1, 1, 4 * world, 2)], buffer_seq_dims=[2]):
+        assert torch_cp.ring_sdpa_active()
+        try:
+            balancer._generate_indices()
+        except RuntimeError as err:
+            refused = "ring-SDPA" in str(err)
+    assert not torch_cp.ring_sdpa_active()
+    assert balancer._generate_indices().shape == (2, plans[0].total_len)
+    return refused
 
 
 # -- a real model: transformers' Llama ------------------------------------------------------------

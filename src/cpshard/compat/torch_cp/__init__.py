@@ -33,18 +33,18 @@ from typing import Any
 
 import torch
 
+from cpshard.base.errors import fail
 from cpshard.compat.torch_cp._buffer import document_mask_mod, from_buffer, rearrange_indices, to_buffer
 from cpshard.compat.torch_cp._plans import document_lengths, plans_from_positions
+from cpshard.compat.torch_cp._torch import TESTED_TORCH, balancer_class, ring_sdpa_active, torch_cp
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["TESTED_TORCH", "document_lengths", "document_mask_mod", "from_buffer", "load_balancer",
            "plans_from_positions", "rearrange_indices", "ring_sdpa_active", "to_buffer", "torch_names"]
 
-TESTED_TORCH = "2.13.0"
-"""The torch version whose private context-parallel interface this package was tested on."""
 
-
-def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None) -> Any:
+def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None,
+                  mesh: Any = None) -> Any:
     """A torch ``_LoadBalancer`` (``torch.distributed.tensor.experimental._context_parallel``) over
     one :class:`~cpshard.ShardPlan` per batch row, for ``_context_parallel_shard``,
     ``context_parallel_unshard`` and the CP block mask (``_create_cp_block_mask``).
@@ -52,29 +52,24 @@ def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | 
     ``_generate_indices(restore=False)`` returns :func:`rearrange_indices` ``(B, S)`` int64 on
     ``device`` (CPU by default: the device of the buffers torch shards), ``restore=True`` its
     inverse; both built on first use and kept by the balancer. Every plan must have the same
-    ``total_len`` (``S``, the buffer's sequence length) and ``cp_size`` (the CP mesh's size).
+    ``total_len`` (``S``, the buffer's sequence length) and ``cp_size``, the size of the CP mesh
+    torch cuts the rows for (torch does not tell a balancer its mesh: pass ``mesh=`` to have it
+    checked here, and ``device`` defaults to the mesh's device type).
     Raises ``RuntimeError`` when asked for indices while torch's ring-SDPA path is on
     (:func:`ring_sdpa_active`); ``ImportError`` where the torch in use lacks the interface.
     """
-    from cpshard.compat.torch_cp._torch import balancer_class
-
-    return balancer_class()(plans, device)
-
-
-def ring_sdpa_active() -> bool:
-    """Whether torch's ring-SDPA context parallelism is on in this process (its dispatcher enabled by
-    ``_enable_context_parallel_dispatcher``, torchtitan's SDPA path, or the ``context_parallel()``
-    context): a cpshard balancer refuses to serve it."""
-    from cpshard.compat.torch_cp._torch import ring_sdpa_active as active
-
-    return active()
+    balancer = balancer_class()(plans, device if device is not None or mesh is None else mesh.device_type)
+    if mesh is not None and mesh.size() != balancer.cp_size:
+        fail("mesh", f"a device mesh of {mesh.size()} ranks", f"must have the plans' cp_size={balancer.cp_size} "
+             "ranks: torch cuts each row into one piece per rank of the mesh", "build the plans with "
+             "cp_size=mesh.size(), or pass the context-parallel mesh (e.g. world_mesh['cp'])")
+    return balancer
 
 
 def torch_names() -> Any:
     """torch's private context-parallel names this package uses, by torch's own names
-    (``_LoadBalancer``, ``_context_parallel_shard``, ``context_parallel_unshard``,
-    ``_create_cp_block_mask``, ``flex_cp_allgather``, ...), checked once: for tests and adapters
-    (torchtitan's) that drive torch's own path, so that no other module names torch's privates."""
-    from cpshard.compat.torch_cp._torch import torch_cp
-
+    (``_LoadBalancer`` and torch's own balancers, ``_context_parallel_shard``,
+    ``context_parallel_unshard``, ``_create_cp_block_mask``, ``flex_cp_allgather``, ...), checked once:
+    for tests, benchmarks and adapters (torchtitan's) that drive torch's own path, so that no other
+    module names torch's privates."""
     return torch_cp()

@@ -132,6 +132,9 @@ def document_mask_mod(plans: Sequence[ShardPlan] | ShardPlan, *, device: torch.d
     is the whole rule. The table lives on ``device`` (CPU by default): the device the block mask is
     built on. Called with broadcastable index tensors it also gives the explicit mask, e.g.
     ``mask_mod(b[:, None, None, None], 0, q[:, None], kv[None, :])``.
+
+    Build its ``BlockMask`` with ``B`` = the number of plans (one per batch row), not a ``B = 1``
+    mask broadcast over the batch: each row has its own documents and its own rank order.
     """
     plans = check_plans(plans)
     S = plans[0].total_len

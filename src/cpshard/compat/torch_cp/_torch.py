@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import types
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -24,12 +24,14 @@ from cpshard.base.errors import fail
 from cpshard.compat.torch_cp._buffer import rearrange_indices
 from cpshard.compat.torch_cp._plans import check_plans
 
-__all__ = ["balancer_class", "ring_sdpa_active", "torch_cp"]
+__all__ = ["TESTED_TORCH", "balancer_class", "ring_sdpa_active", "torch_cp"]
 
-TESTED_TORCH = "2.13.0"  # cpshard.compat.torch_cp.TESTED_TORCH
+TESTED_TORCH = "2.13.0"
+"""The torch version whose private context-parallel interface this package was tested on."""
 _MODULE = "torch.distributed.tensor.experimental._context_parallel"
-_NAMES = {  # what cpshard uses, by the module that defines it in torch 2.13
-    "_load_balancer": ("_LoadBalancer",),
+_NAMES = {  # what cpshard uses (and hands to its torchtitan adapter), by the module that defines it in torch 2.13
+    "_load_balancer": ("_LoadBalancer", "_HeadTailLoadBalancer", "_PerDocumentHeadTailLoadBalancer",
+                       "_PTRRLoadBalancer"),
     "_attention": ("_context_parallel_shard", "context_parallel_unshard", "_create_cp_block_mask", "_cp_options",
                    "_sdpa_handler", "custom_ops", "_replaced_functions"),
     "_cp_custom_ops": ("flex_cp_allgather",),
@@ -53,7 +55,7 @@ def torch_cp() -> types.SimpleNamespace:
     return types.SimpleNamespace(**found)
 
 
-def _missing(what: str, err: BaseException | None) -> None:
+def _missing(what: str, err: BaseException | None) -> NoReturn:
     fail("torch", torch.__version__, f"cpshard.compat.torch_cp needs torch's context-parallel interface, and this "
          f"torch lacks {what}{f' ({err})' if err else ''}; it was tested on torch {TESTED_TORCH}",
          f"install torch=={TESTED_TORCH}, or shard by hand with cpshard.compat.torch_cp.rearrange_indices, "
@@ -61,9 +63,10 @@ def _missing(what: str, err: BaseException | None) -> None:
 
 
 def ring_sdpa_active() -> bool:
-    """Whether torch's ring-SDPA path is on in this process: the CP handlers in DTensor's op dispatcher
-    (``_enable_context_parallel_dispatcher``, torchtitan's ``apply_cp_to_forward`` for SDPA models, or
-    the ``context_parallel()`` context), or ``F.scaled_dot_product_attention`` patched by it."""
+    """Whether torch's ring-SDPA context parallelism is on in this process, which a cpshard balancer
+    refuses to serve: the CP handlers in DTensor's op dispatcher (``_enable_context_parallel_dispatcher``,
+    torchtitan's ``apply_cp_to_forward`` for SDPA models, or the ``context_parallel()`` context), or
+    ``F.scaled_dot_product_attention`` patched by it."""
     names = torch_cp()
     from torch.distributed.tensor import DTensor
 
