@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from cpshard import ShardPlan
+from cpshard.compat import torch_cp
 from cpshard.index.balance import work_lower_bound
 
 BLOCK = 128
@@ -61,20 +62,6 @@ SIZES = (8192, 32768, 131072)
 CPS = (2, 4, 8, 16)
 DISTS = ("exp", "lognormal", "exp-2cp")
 NAMES = ("none", "headtail", "perdoc-ht", "ptrr", "cp-zigzag", "cp-contig")
-
-
-def _private() -> Any:
-    """torch's balancers (private names, torch 2.13)."""
-    from torch.distributed.tensor.experimental._context_parallel import _load_balancer
-    return _load_balancer
-
-
-def _torch_cp() -> Any:
-    try:
-        from cpshard.compat import torch_cp
-    except ImportError:
-        return None
-    return torch_cp
 
 
 def lengths(rng: random.Random, dist: str, total: int, cp: int) -> list[int]:
@@ -116,11 +103,10 @@ def doc_block_mask(rows: list[list[int]]) -> Any:
 
 def balancers(rows: list[list[int]], cp: int) -> dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor] | str]]:
     """Each balancer as a function of nothing: ``(indices (B, S'), cost (B, S'))`` or why it has none."""
-    lb = _private()
+    lb = torch_cp.torch_names()  # torch's balancers, by their (private) names, checked by cpshard
     total = sum(rows[0])
     pos = positions(rows)
     cost = (pos + 1).to(torch.int64)
-    tcp = _torch_cp()
 
     def plain() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.arange(total).expand(len(rows), total), cost
@@ -142,16 +128,14 @@ def balancers(rows: list[list[int]], cp: int) -> dict[str, Callable[[], tuple[to
 
     def cpshard(layout: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | str]:
         def run() -> tuple[torch.Tensor, torch.Tensor] | str:
-            if tcp is None:
-                return "n/a"
             if layout == "zigzag":  # each document padded to a multiple of 2 * cp: a longer buffer
                 total = max(ShardPlan.build(lens, cp_size=cp, layout="zigzag").total_len for lens in rows)
                 plans = [ShardPlan.build(lens, cp_size=cp, layout="zigzag", total_len=total) for lens in rows]
-                buffer_cost = tcp.to_buffer([[torch.arange(1, n + 1) for n in lens] for lens in rows], plans)
+                buffer_cost = torch_cp.to_buffer([[torch.arange(1, n + 1) for n in lens] for lens in rows], plans)
             else:
-                plans = tcp.plans_from_positions(pos, cp_size=cp)
+                plans = torch_cp.plans_from_positions(pos, cp_size=cp)
                 buffer_cost = cost
-            return tcp.load_balancer(plans)._generate_indices(), buffer_cost
+            return torch_cp.load_balancer(plans)._generate_indices(), buffer_cost
         return run
 
     return {"none": plain, "headtail": headtail, "perdoc-ht": perdoc, "ptrr": ptrr,
@@ -193,8 +177,6 @@ def main() -> None:
     n_rows = args.rows or (2 if args.quick else 4)
     repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(1)
-    if _torch_cp() is None:
-        print("cpshard.compat.torch_cp is not importable here: the cpshard columns read n/a")
 
     print(f"document-causal work per rank, max/mean (mean over {n_rows} rows / worst row); 1.00 is perfect")
     header = (f"{'S':>7} {'cp':>3} {'dist':>10} {'fit':>5} {'bound':>6} " + " ".join(f"{n:>15}" for n in NAMES)

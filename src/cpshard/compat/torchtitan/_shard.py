@@ -67,7 +67,7 @@ def shard(cp_mesh: Any, inputs: tuple[torch.Tensor, ...], attention_masks: Any, 
                      "context parallelism rewrites only flex attention's block masks",
                      "build the masks with create_block_mask (torchtitan's FlexAttention models do)", kind=TypeError)
     plans = batch_plans(kind, inputs, positions, input_seq_dim, cp_mesh.size(0))
-    balancer = load_balancer(plans, device=cp_mesh.device_type)
+    balancer = load_balancer(plans, mesh=cp_mesh)  # on the mesh's device type, its size checked
     shard_buffers = torch_names()._context_parallel_shard
     out = tuple(shard_buffers(mesh=cp_mesh, buffers=list(inputs), seq_dims=(input_seq_dim,) * len(inputs),
                               load_balancer=balancer))
