@@ -18,6 +18,7 @@ import json
 import random
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -250,14 +251,22 @@ def test_every_triple_is_kept_on_small_batches_and_plain_cp_shard_calls(cp):
         assert torch.equal(named_pos, pos.flatten()[named])
 
 
-def test_patch_round_trip_and_report():
+def test_patch_round_trip_and_report(monkeypatch):
     api = importlib.import_module(API)
     package = importlib.import_module(PACKAGE)
     before = api.cp_shard
+    early = types.ModuleType("torchtitan.cpshard_probe")  # a loaded torchtitan module that bound cp_shard by name
+    early.cp_shard = early.shard = before
+    monkeypatch.setitem(sys.modules, early.__name__, early)
     assert cptitan.active() is None
     with cptitan.patch() as p:
         assert p.active and cptitan.active() is p
-        assert p.bound == [f"{API}.cp_shard", f"{PACKAGE}.cp_shard"]
+        assert p.bound == [f"{API}.cp_shard", f"{PACKAGE}.cp_shard", f"{early.__name__}.cp_shard",
+                           f"{early.__name__}.shard"]
+        assert early.cp_shard is api.cp_shard and early.shard is api.cp_shard
+        late = types.ModuleType("torchtitan.cpshard_late")  # imported while the patch is on: takes cpshard's
+        late.cp_shard = package.cp_shard
+        monkeypatch.setitem(sys.modules, late.__name__, late)
         assert p.original() is before and api.cp_shard is not before and package.cp_shard is api.cp_shard
         assert p.kinds == ("cpshard", "cpshard_zigzag")
         assert not cptitan.patch().active  # another patch holds the sites: binds nothing
@@ -266,6 +275,7 @@ def test_patch_round_trip_and_report():
         assert report["on"] and report["bound"] == p.bound and report["error"] is None
     assert not p.active and cptitan.active() is None
     assert api.cp_shard is before and package.cp_shard is before
+    assert early.cp_shard is before and early.shard is before and late.cp_shard is before
     p.undo()  # a second undo does nothing
     assert api.cp_shard is before
 
@@ -300,6 +310,7 @@ assert root.profiler is node, "the override returns the profiler's config unchan
 assert len(lines) == 1 and "cpshard.compat.torchtitan.enable.switch_on: profiler" in lines[0], lines
 patch = cptitan.active()
 assert patch is not None and patch is importlib.import_module("cpshard.compat.torchtitan.enable").PATCH
+assert cptitan.activate() is patch and cptitan.process_patch() is patch  # once a process
 api = importlib.import_module("torchtitan.distributed.context_parallel.api")
 assert api.cp_shard is not patch.original()
 patch.undo()
