@@ -14,6 +14,8 @@
 #                                 folder scripts/test.sh puts first on PYTHONPATH for a second run of the MTP
 #                                 tests); the Megatron tests then skip, naming the reason
 #   CPSHARD_NO_VERL=1             skip verl 0.9.1 and its pinned dependencies; tests/test_verl_compat.py skips
+#   CPSHARD_NO_TORCHTITAN=1       skip torchtitan 0.3.0 and what its CP module imports (triton, ...);
+#                                 tests/test_torchtitan.py skips
 #   PYTHON=python3.11             the interpreter that creates .venv
 #   CPSHARD_SETUP_FORCE=1         run every step, stamps or not
 set -euo pipefail
@@ -95,6 +97,11 @@ fi
 if [ "${CPSHARD_NO_VERL:-0}" != 1 ]; then
   # shellcheck disable=SC2046
   step verl "$(key "$(pins verl)")" "$(pins verl | listed) (each --no-deps)" "${PIP[@]}" --no-deps $(pins verl)
+fi
+if [ "${CPSHARD_NO_TORCHTITAN:-0}" != 1 ]; then
+  # shellcheck disable=SC2046
+  step torchtitan "$(key "$(pins torchtitan)")" "$(pins torchtitan | listed) (each --no-deps)" \
+    "${PIP[@]}" --no-deps $(pins torchtitan)
 fi
 
 if [ "${#ran[@]}" -eq 0 ]; then

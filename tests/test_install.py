@@ -35,13 +35,14 @@ def _groups() -> dict[str, list[str]]:
 
 def test_constraints_pin_each_package_once_and_setup_reads_them():
     groups = _groups()
-    assert list(groups) == ["torch", "core", "megatron", "verl"]
+    assert list(groups) == ["torch", "core", "megatron", "verl", "torchtitan"]
     pins = [p for group in groups.values() for p in group]
     names = [re.split("==", p)[0].lower().replace("_", "-") for p in pins]
     assert all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][\w.+]*", p) for p in pins), pins
     assert len(names) == len(set(names)), "a package pinned twice"
     assert "torch==2.13.0" in groups["torch"] and "megatron-core==0.19.2" in groups["megatron"]
     assert "verl==0.9.1" in groups["verl"] and any(p.startswith("numpy==") for p in groups["core"])
+    assert "torchtitan==0.3.0" in groups["torchtitan"] and "triton==3.9.0" in groups["torchtitan"]
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     code = "\n".join(line for line in setup.splitlines() if not line.lstrip().startswith("#"))
     assert not re.search(r"[A-Za-z][\w.-]*==[0-9]", code), "setup.sh holds a pin of its own"
@@ -56,7 +57,7 @@ def test_constraints_match_the_environment_setup_built():
     """What setup.sh installed is what constraints.txt says (where it installed it)."""
     from importlib import metadata
 
-    for group in ("core", "megatron", "verl"):
+    for group in ("core", "megatron", "verl", "torchtitan"):
         for pin in _groups()[group]:
             name, version = pin.split("==")
             try:

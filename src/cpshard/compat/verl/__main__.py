@@ -10,15 +10,13 @@ reason is printed, naming which), 2 on a usage error.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
-import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cpshard.compat._report import held_or_trial, report_main
 from cpshard.compat.verl import _activation, _patch
 from cpshard.compat.verl._plans import verl_version
 
@@ -52,18 +50,7 @@ def status() -> dict[str, Any]:
         import verl
 
         out["verl"] = getattr(verl, "__version__", None)
-        held = _patch.active()
-        if held is None:
-            quiet = logging.getLogger("cpshard.compat.verl")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)  # the report says it all
-            try:
-                with _patch.patch() as held:
-                    pass
-            finally:
-                quiet.setLevel(level)
-        else:
-            out["on"] = True
+        held, out["on"] = held_or_trial(_patch.active, _patch.patch, "cpshard.compat.verl")
     except Exception as exc:  # noqa: BLE001  (verl's import, or the patch's refusal: reported)
         out["error"] = f"{type(exc).__name__}: {exc}"
         if _raised_by_activation(exc):  # verl imported cpshard's activation (enable), which refused
@@ -108,12 +95,7 @@ def _text(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cpshard.compat.verl", description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    report = status()
-    print(json.dumps(report, indent=1) if args.json else _text(report))
-    return 1 if report["error"] or report["refused"] else 0
+    return report_main(argv, "python -m cpshard.compat.verl", __doc__, status, _text, lambda report: bool(report["error"] or report["refused"]))
 
 
 if __name__ == "__main__":
