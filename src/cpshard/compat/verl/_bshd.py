@@ -19,7 +19,7 @@ import torch
 
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import Layout
-from cpshard.compat import _verl_rows
+from cpshard.compat.verl import _rows
 from cpshard.compat.verl import _layout
 from cpshard.compat.verl._plans import (
     _attach,
@@ -83,7 +83,7 @@ def preprocess_bshd_engine(
     mask = plan.token_mask(ctx.cp_rank).to(x.device)
     if need_roll:  # verl rolls each padded row: its last column takes the row's first token
         values = input_ids.values() if input_ids.is_nested else as_flat(input_ids, plan, "input_ids")  # checked
-        x = _verl_rows.bshd_rows(x, values, plan, ctx.cp_rank)
+        x = _rows.bshd_rows(x, values, plan, ctx.cp_rank)
     positions = plan.position_ids(ctx.cp_rank).to(x.device)
     _attach(mask, plan)
     return x, mask, positions

@@ -17,7 +17,7 @@ import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
 from cpshard.base.layout import Layout
-from cpshard.compat import _verl_rows
+from cpshard.compat.verl import _rows
 from cpshard.compat.verl import _layout
 from cpshard.compat.verl._plans import (
     _attach,
@@ -98,7 +98,7 @@ def preprocess_thd_engine(
     _attach(psp, plan)
     if not pre_process:
         return input_ids, psp, None
-    rows, positions = _verl_rows.thd_rows(input_ids.values(), plan, ctx.cp_rank, bool(need_roll), rules)
+    rows, positions = _rows.thd_rows(input_ids.values(), plan, ctx.cp_rank, bool(need_roll), rules)
     return rows.unsqueeze(0), psp, positions.to(input_ids.device).unsqueeze(0)
 
 
