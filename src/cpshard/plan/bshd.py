@@ -132,9 +132,9 @@ class BshdPlan(Plan):
         # every batch row is one sequence of M rows, split over the ranks alone (PlanIndices.split)
         return np.full(self.num_seqs, self.max_seqlen, dtype=np.int64), True
 
-    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int]:
+    def padded_rows(self, x: torch.Tensor, name: str = "x", *, allowed: bool = True) -> tuple[torch.Tensor, int]:
         # a plain tensor is the right-padded (B, S, ...) batch (ops.sharding.shard), which as_flat does not take
-        if not padded:
+        if not allowed:
             fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
                  "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
         b, longest = self.num_seqs, max(self.seqlens_py)

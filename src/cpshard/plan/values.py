@@ -206,9 +206,11 @@ class Plan:
         """:meth:`twin` of a checked ``target`` layout and ``order``."""
         raise NotImplementedError
 
-    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int] | None:
-        """A plain tensor as ``(B * S, ...)`` rows and ``S`` where this kind reads it as a padded batch (BSHD;
-        where the caller takes none, ``padded=False``, an error), or None: packed token rows (THD)."""
+    def padded_rows(self, x: torch.Tensor, name: str = "x", *, allowed: bool = True) -> tuple[torch.Tensor, int] | None:
+        """How this plan kind reads a plain tensor ``x``: as a right-padded ``(B, S, ...)`` batch, returned as
+        its ``(B * S, ...)`` rows and ``S`` (a :class:`~cpshard.BshdPlan`), or None: ``x`` holds packed token
+        rows (a :class:`ShardPlan`). Where the caller takes no padded batch (``allowed=False``), a kind that
+        reads one raises a ``ValueError`` naming ``name``; so does a padded batch of the wrong shape."""
         return None
 
     def _closed_form_work(self) -> list[int] | None:
@@ -222,8 +224,10 @@ class Plan:
         tokens)."""
         return None
 
-    def _unpadded(self) -> ShardPlan:
-        """The plan of the tokens, unpadded, in the caller's order, on one rank (for ``shift``)."""
+    def unpadded(self) -> ShardPlan:
+        """The plan of this plan's tokens alone: its sequences unpadded, in the caller's order, on one rank
+        (``cp_size=1``, ``alignment=1``; :func:`cpshard.shift` shifts unsharded sequences by its index).
+        Built once per plan."""
         lens = self.input_seqlens_py
         return self._indices.kept_for("unpadded", None, lambda: ShardPlan(lens, lens, 1, alignment=1))
 
