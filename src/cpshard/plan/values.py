@@ -27,7 +27,6 @@ from cpshard.base.layout import (
     Reorder,
     TwinOrder,
     alignment,
-    fp8_alignment,
     fp8_total_alignment,
     padded_lengths,
     sequence_unit,
@@ -35,13 +34,12 @@ from cpshard.base.layout import (
 )
 from cpshard.index import segments as _index
 from cpshard.index.balance import balanced_order, rank_work, zigzag_works
-from cpshard.index.halo import HaloExchange
-from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
 from cpshard.index.closed import thd_restore
 from cpshard.plan.indices import DeviceTensors, PlanIndices
+from cpshard.plan.thd_twin import thd_twin_values
 
-__all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
+__all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan"]
 
 
 class Plan:
@@ -539,45 +537,11 @@ class ShardPlan(Plan):
         return thd_restore(self)
 
     def _twin(self, target: Layout, order: TwinOrder) -> ShardPlan:
-        cp, tp = self.cp_size, self.tp_size
-        lens, padded = self.input_seqlens_py, self.input_padded_seqlens_py
-        if order is TwinOrder.SAME:
-            new_order = self.order
-        elif order is TwinOrder.CALLER:
-            new_order = None
-        else:
-            if target is not Layout.CONTIGUOUS:
-                fail("order", "'balanced'", f"balances the contiguous layout (zigzag is balanced by its chunks; "
-                     f"layout={target.value!r})", "pass layout='contiguous', or order='same'")
-            new_order = tuple(balanced_order(lens, padded, cp)) if cp > 1 else None
-        if target is Layout.ZIGZAG and cp > 1:
-            bad = [i for i, p in enumerate(padded) if p % (2 * cp)]
-            if bad:
-                i = bad[0]
-                fail("plan", f"a {self.layout.value} plan whose sequence {i} is padded to {padded[i]}",
-                     f"a zigzag twin needs every padded length to divide by 2 * cp_size = {2 * cp} ({len(bad)} do "
-                     "not)", "build the plan with layout='zigzag' (its padding, 2 * cp * tp per sequence or "
-                     "2 * cp with padding='minimal', serves both layouts) and take its contiguous twin")
-        if self.fp8:
-            base = alignment(cp, tp, target)
-            if sum(padded) % fp8_total_alignment(base):
-                fail("plan", f"an fp8 plan of {sum(padded)} padded rows", f"an fp8 {target.value} twin needs the "
-                     f"total to divide by {fp8_total_alignment(base)}", "build the fp8 plan with layout='zigzag' "
-                     "and take its contiguous twin")
-        unit = alignment(cp, tp, target, self.padding)
-        unit = fp8_alignment(unit) if self.fp8 else unit
-        padding = self.padding
-        if any(p % unit for p in padded):  # contiguous padding too small for zigzag's aligned unit: minimal's
-            padding = Padding.MINIMAL
-            unit = alignment(cp, tp, target, padding)
-            unit = fp8_alignment(unit) if self.fp8 else unit
-            if any(p % unit for p in padded):
-                unit = 2 * cp  # fp8's lcm(16, 2 cp) does not divide: 2 cp still keeps zigzag's invariant
-        buffer_lens, buffer_padded = lens, padded
-        if new_order is not None:
-            buffer_lens = tuple(lens[i] for i in new_order)
-            buffer_padded = tuple(padded[i] for i in new_order)
-        return ShardPlan(buffer_lens, buffer_padded, cp, tp, target, self.fp8, unit, padding, new_order)
+        # the twin's values, checked (plan/thd_twin.py), in the caller's order and then the twin's buffer order
+        lens, padded, unit, padding, new_order = thd_twin_values(
+            self.input_seqlens_py, self.input_padded_seqlens_py, self.cp_size, self.tp_size, self.fp8, self.padding,
+            self.layout, self.order, target, order)
+        return ShardPlan(lens, padded, self.cp_size, self.tp_size, target, self.fp8, unit, padding, new_order)
 
     # -- value semantics ---------------------------------------------------------------------
 
@@ -603,38 +567,6 @@ def _check_total(total: int, fix: str | None = None) -> None:
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
     return tuple(itertools.accumulate(values, initial=0))
-
-
-# ---------------------------------------------------------------------------------------------
-# The pure exchanges behind cpshard.distributed's sharded shifts, public so that a user (or a test)
-# can see or check a whole exchange in one process.
-
-
-def shift_exchange(plan: Plan, cp_rank: int, shift: int, device: torch.device | str | None = None) -> ShiftExchange:
-    """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``.
-
-    Pure index math, the same on every rank (Note [Sharded shift exchange] in ``index/shift.py``):
-    call it for every rank in one process to see or test a whole exchange
-    (``ShiftExchange.apply`` and ``cpshard.index.shift.all_to_all_in_process`` run it there). CPU unless ``device``.
-    """
-    check_plan_type(plan)
-    cp_rank = check_rank(cp_rank, plan.cp_size)
-    shift = check_shift(shift)
-    return plan.indices().shift_exchange(cp_rank, shift, torch.device("cpu" if device is None else device))
-
-
-def halo_exchange(plan: Plan, cp_rank: int, shifts: Sequence[int],
-                  device: torch.device | str | None = None) -> HaloExchange:
-    """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``.
-
-    One exchange of each segment's halo serves every shift and tensor (Note [Halo exchange for
-    several shifts] in ``index/halo.py``; ``cpshard.distributed.shift_sharded_multi`` runs it). Pure index
-    math, the same on every rank: callable for every rank in one process. CPU unless ``device``.
-    """
-    check_plan_type(plan)
-    cp_rank = check_rank(cp_rank, plan.cp_size)
-    ks = tuple(check_shift(k, "shifts") for k in shifts)
-    return plan.indices().halo(cp_rank, ks, torch.device("cpu" if device is None else device))
 
 
 def check_plan_type(plan: Any, fix: str = "build one with ShardPlan.build or BshdPlan.build", name: str = "plan"
