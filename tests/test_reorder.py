@@ -3,14 +3,15 @@ takes and returns the caller's order; the reference is the naive one given that 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import cpshard
 from cpshard import ShardPlan, shard, shift_exchange, unshard
 from cpshard.ops.sharding import unshard_by
-from cpshard.index.closed import thd_restore
+from cpshard.index.closed import thd_restore, zigzag_rows
 from reference import ref_padded_lengths, ref_shard
 from strategies import props
 from test_exchange import emulate_shift_sharded
@@ -85,6 +86,9 @@ def test_reorder_errors():
 @given(lens=st.lists(st.integers(0, 90), min_size=1, max_size=12), cp=st.integers(1, 6), tp=st.integers(1, 3),
        layout=st.sampled_from(["zigzag", "contiguous"]), padding=st.sampled_from(["aligned", "minimal"]),
        reorder=st.booleans())
+@example(lens=[3, 0, 7, 1], cp=4, tp=1, layout="zigzag", padding="aligned", reorder=False)  # one chunk size: 1
+@example(lens=[3, 0, 70, 1], cp=4, tp=2, layout="zigzag", padding="aligned", reorder=False)  # chunks of 2 and 10
+@example(lens=[0, 0], cp=3, tp=1, layout="zigzag", padding="minimal", reorder=False)  # no token
 def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, padding, reorder):
     """The THD restore index computed per token (closed form) is the one every rank's segments give:
     the token's (rank, local row), read from each rank's global rows, in the caller's order."""
@@ -101,3 +105,15 @@ def test_restore_index_in_closed_form_equals_the_segments(lens, cp, tp, layout, 
             for p in range(n)]
     assert index == want
     assert thd_restore(plan).tolist() == want  # the closed form, whichever path ran
+
+
+@props(60)
+@given(chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=10),
+       h=st.integers(1, 5), cp=st.integers(2, 6))
+def test_zigzag_rows_by_one_chunk_size_equals_by_each(chunks, h, cp):
+    """``zigzag_rows`` given one chunk size (an int: one division by a number) places every position
+    where the same size given per position does (the division element by element)."""
+    pos = np.array([min(p, 2 * cp * h - 1) for p, _ in chunks], dtype=np.int32)
+    base = np.array([b * 2 * h for _, b in chunks], dtype=np.int32)
+    each = zigzag_rows(pos.copy(), np.full(pos.shape, h, dtype=np.int32), base.copy(), cp, 100)
+    assert zigzag_rows(pos.copy(), h, base.copy(), cp, 100).tolist() == each.tolist()

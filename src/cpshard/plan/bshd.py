@@ -60,6 +60,8 @@ class BshdPlan(Plan):
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
     _indices: PlanIndices = field(init=False, repr=False, compare=False)
 
+    # ShardPlan.build's keyword arguments, then BSHD's own: one way to build either plan kind, each
+    # signature spelled out for its readers and type checkers (`duplicates` pairs the two; they stay)
     @classmethod
     def build(
         cls,
@@ -185,8 +187,7 @@ def _bshd_restore(plan: BshdPlan) -> np.ndarray:
     pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's column
     base = np.repeat((np.arange(plan.num_seqs, dtype=np.int64) * local).astype(i32), lens)
     if cp > 1 and plan.layout is Layout.ZIGZAG:
-        h = np.full(pos.shape, max(plan.max_seqlen // (2 * cp), 1), dtype=i32)  # M = 0 holds no token
-        return zigzag_rows(pos, h, base, cp, rows)
+        return zigzag_rows(pos, max(plan.max_seqlen // (2 * cp), 1), base, cp, rows)  # M = 0 holds no token
     if cp > 1:
         rank = pos // max(local, 1)
         pos -= rank * local
