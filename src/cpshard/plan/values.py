@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -40,6 +40,21 @@ from cpshard.plan.indices import DeviceTensors, PlanIndices
 from cpshard.plan.thd_twin import thd_twin_values
 
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan"]
+
+
+class _HostOffsets:
+    """A plan's offsets ``<name>_py`` as the int32 CPU tensor ``<name>``, built once by its index service
+    (:meth:`PlanIndices.host`): a read-only property, one line a name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, plan: None, owner: type | None = None) -> _HostOffsets: ...
+    @overload
+    def __get__(self, plan: Plan, owner: type | None = None) -> torch.Tensor: ...
+    def __get__(self, plan: Plan | None, owner: type | None = None) -> torch.Tensor | _HostOffsets:
+        return self if plan is None else plan._indices.host(self.name)
 
 
 class Plan:
@@ -133,15 +148,10 @@ class Plan:
     def input_cu_seqlens_py(self) -> tuple[int, ...]:
         return self.cu_seqlens_py if self.order is None else _cumsum(self.input_seqlens_py)
 
-    @property
-    def seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32 on the CPU, built once per plan (shared: do not edit it in place)."""
-        return self._indices.host("seqlens")
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
-        return self._indices.host("cu_seqlens")
+    seqlens = _HostOffsets()
+    """``(B,)`` int32 on the CPU, built once per plan (shared: do not edit it in place)."""
+    cu_seqlens = _HostOffsets()
+    """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
 
     def indices(self) -> PlanIndices:
         """The plan's index service: every index tensor derived from it, built on first use and kept
@@ -504,15 +514,10 @@ class ShardPlan(Plan):
     def _cu_padded_py(self) -> tuple[int, ...]:
         return self.cu_seqlens_padded_py
 
-    @property
-    def padded_seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32 on the CPU, built once per plan (do not edit it in place)."""
-        return self._indices.host("padded_seqlens")
-
-    @property
-    def cu_seqlens_padded(self) -> torch.Tensor:
-        """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
-        return self._indices.host("cu_seqlens_padded")
+    padded_seqlens = _HostOffsets()
+    """``(B,)`` int32 on the CPU, built once per plan (do not edit it in place)."""
+    cu_seqlens_padded = _HostOffsets()
+    """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
 
     def global_rows(self, cp_rank: int) -> torch.Tensor:
         """``(L,)`` int64: the global padded row each of ``cp_rank``'s local rows holds."""

@@ -47,6 +47,8 @@ def _zigzag_only(site: str, cp_size: int) -> None:
                       site)
 
 
+# verl's parameters, then the keyword-only ones every drop-in adds: the signature stays as verl's callers
+# bind it (`duplicates` pairs it with _thd.py's; the note there says why it stays).
 def preprocess_bshd_engine(
     input_ids: torch.Tensor,
     pre_process: bool = True,

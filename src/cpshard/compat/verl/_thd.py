@@ -38,6 +38,9 @@ from cpshard.plan.values import ShardPlan
 
 __all__ = ["postprocess_packed_seqs", "postprocess_thd_engine", "preprocess_packed_seqs", "preprocess_thd_engine"]
 
+# Each drop-in spells out verl's parameters, then the keyword-only ones every drop-in adds (tp_size, cp_size,
+# cp_rank, cp_group, plan). `duplicates` pairs these lists, here and with _bshd.py; they stay: each is the
+# drop-in's signature, which verl's callers bind by position and name.
 
 def preprocess_thd_engine(
     input_ids: torch.Tensor,
