@@ -18,7 +18,7 @@ import torch
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
-from cpshard.index.closed import zigzag_rows
+from cpshard.index.closed import by_position_pays, zigzag_by_rank, zigzag_rows
 from cpshard.plan.args import parse_plan_args
 from cpshard.plan.indices import PlanIndices
 from cpshard.plan.values import Plan, check_value_fields
@@ -148,6 +148,14 @@ class BshdPlan(Plan):
 
     def _closed_form_restore(self) -> np.ndarray:
         return _bshd_restore(self)
+
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+        # zigzag: every row one sequence of M columns, its local columns from b L on a rank of B L rows
+        cp, local = self.cp_size, self.local_len
+        if cp == 1 or self.layout is not Layout.ZIGZAG or not by_position_pays(self.max_seqlen, self.num_tokens):
+            return None
+        return zigzag_by_rank(_index.int64_array(self.seqlens_py), np.arange(self.num_seqs, dtype=np.int64) * local,
+                              max(self.max_seqlen // (2 * cp), 1), cp)
 
     def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
         if order is not TwinOrder.SAME:

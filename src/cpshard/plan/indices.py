@@ -120,6 +120,7 @@ class Plan(Protocol):
     def _cu_padded_py(self) -> tuple[int, ...]: ...
     def _closed_form_work(self) -> list[int] | None: ...
     def _closed_form_restore(self) -> np.ndarray | None: ...
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None: ...
     def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments: ...
     def _split(self) -> tuple[np.ndarray, bool]: ...
     def _key(self) -> tuple[Any, ...]: ...
@@ -397,16 +398,22 @@ class PlanIndices:
 
     def unshard_by_rank(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
         """The restore from the ranks' parts without concatenating them: ``(rows, bounds, back)`` such
-        that, with ``grouped[bounds[r]:bounds[r + 1]] = part[r][rows[r]]`` (rank ``r``'s token rows,
-        in the caller's order), ``grouped[back]`` is :meth:`unshard`'s gather (CPU, int32).
+        that, with ``grouped[bounds[r]:bounds[r + 1]] = part[r][rows[r]]`` (rank ``r``'s token rows, in
+        an order of the index's making), ``grouped[back]`` is :meth:`unshard`'s gather (CPU, int32).
 
         Concatenating the parts copies every padded row (four times the tokens of a batch of 1..64
-        tokens at cp = 64, zigzag); this reads the token rows alone, twice. One stable sort of the
-        tokens by rank (a radix sort of 16-bit keys), from :meth:`unshard`'s index.
+        tokens at cp = 64, zigzag); this reads the token rows alone, twice. The plan kind's closed form
+        where it has one (zigzag with one chunk size, :func:`~cpshard.index.closed.zigzag_by_rank`: no
+        index of every token, no sort of the tokens), else one stable sort of :meth:`unshard`'s index
+        by rank (a radix sort of 16-bit keys; the rows of a rank in the caller's order).
         """
         plan = self.plan
 
         def make() -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+            grouped = plan._closed_form_restore_by_rank()
+            if grouped is not None:
+                local, bounds, back = grouped
+                return [torch.from_numpy(rows) for rows in local], bounds, torch.from_numpy(back)
             flat = self.unshard(torch.device("cpu")).numpy()
             cp, rows = plan.cp_size, math.prod(plan.local_shape)
             rank = flat // max(rows, 1)

@@ -35,7 +35,7 @@ from cpshard.base.layout import (
 from cpshard.index import segments as _index
 from cpshard.index.balance import balanced_order, rank_work, zigzag_works
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
-from cpshard.index.closed import thd_restore
+from cpshard.index.closed import thd_restore, thd_restore_by_rank
 from cpshard.plan.indices import DeviceTensors, PlanIndices
 from cpshard.plan.thd_twin import thd_twin_values
 
@@ -230,6 +230,11 @@ class Plan:
         """:meth:`PlanIndices.unshard`'s index in a closed form of this plan kind, per token, or None
         where the kind has none (the index service uses it where segments would average fewer than 16
         tokens)."""
+        return None
+
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+        """:meth:`PlanIndices.unshard_by_rank` in a closed form of this plan kind, or None: the index
+        service sorts :meth:`PlanIndices.unshard`'s index by rank."""
         return None
 
     def unpadded(self) -> ShardPlan:
@@ -540,6 +545,9 @@ class ShardPlan(Plan):
 
     def _closed_form_restore(self) -> np.ndarray:
         return thd_restore(self)
+
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+        return thd_restore_by_rank(self)
 
     def _twin(self, target: Layout, order: TwinOrder) -> ShardPlan:
         # the twin's values, checked (plan/thd_twin.py), in the caller's order and then the twin's buffer order
