@@ -121,6 +121,19 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=2)
 
 
+def add_sweep_args(parser: argparse.ArgumentParser, *, warmup: int, min_len: int, max_len: int) -> None:
+    """The batch sweep the gloo benchmarks share (``mtp.py``, ``shift.py``): ``--batches`` sizes of
+    lengths uniform in ``[--min-len, --max-len]`` drawn with ``--seed``, ``--repeats`` (None: the
+    script's default, fewer under ``--quick``) after ``--warmup`` calls."""
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--min-len", type=int, default=min_len)
+    parser.add_argument("--max-len", type=int, default=max_len)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def batch_lengths(args: argparse.Namespace, generator: torch.Generator) -> list[int]:
     """The lengths :func:`add_batch_args` describes, drawn from ``generator``."""
     return torch.randint(args.min_len, args.max_len + 1, (args.seqs,), generator=generator).tolist()

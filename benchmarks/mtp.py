@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from _timing import add_sweep_args
 from cpshard.spawn import CollectiveCounter, run_ranks
 
 WORLD = 4
@@ -178,14 +180,8 @@ def _version() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
+    add_sweep_args(parser, warmup=1, min_len=8, max_len=200)
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 3])
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--min-len", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.repeats is None:
         args.repeats = 3 if args.quick else 10

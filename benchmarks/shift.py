@@ -61,6 +61,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 import cpshard
+from _timing import add_sweep_args
 from cpshard.spawn import CollectiveCounter, run_ranks
 
 WORLD = 4
@@ -284,14 +285,8 @@ def _report(every: list[list[dict[str, Any]]], args: argparse.Namespace) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64, 256])
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--warmup", type=int, default=3)
+    add_sweep_args(parser, warmup=3, min_len=64, max_len=1024)
     parser.add_argument("--cold-repeats", type=int, default=None)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.repeats is None:
         args.repeats = 5 if args.quick else 30

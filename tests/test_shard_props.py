@@ -25,6 +25,20 @@ from strategies import (
 )
 
 MAX_TOTAL = 9000
+EDGE_CASES = [  # (plan, data, form) every shard and round-trip test runs first
+    (PlanCfg([0, 0], 2, 1, "zigzag"), DataCfg(torch.int64, (), 0, -1, -100, 1), "list"),
+    (PlanCfg([0], 3, 1, "contiguous", min_local_rows=3), DataCfg(torch.bool, (2,), 1, True, False, 2), "jagged"),
+    (PlanCfg([3], 2, 1, "zigzag", min_local_rows=3), DataCfg(torch.float32, (), 2, -1.5, 0.5, 1), "flat"),
+    (PlanCfg([5, 3], 2, 1, "zigzag"), DataCfg(torch.bfloat16, (3,), 3, 2.25, -3.0, 3), "flat"),
+    (PlanCfg([1, 2999], 7, 3, "contiguous", fp8=True), DataCfg(torch.int64, (), 4, 7, 5, 2), "jagged"),
+]
+
+
+def edge_cases(test):
+    """``test`` with an ``@example`` for each of :data:`EDGE_CASES`."""
+    for case in reversed(EDGE_CASES):
+        test = example(*case)(test)
+    return test
 
 
 def _plan(cfg: PlanCfg, seqlens=None) -> ShardPlan:
@@ -36,11 +50,7 @@ def _shard(x, plan, r, d: DataCfg):
 
 
 @given(plan_cfgs(max_total=MAX_TOTAL), data_cfgs(), st.sampled_from(FORMS))
-@example(PlanCfg([0, 0], 2, 1, "zigzag"), DataCfg(torch.int64, (), 0, -1, -100, 1), "list")
-@example(PlanCfg([0], 3, 1, "contiguous", min_local_rows=3), DataCfg(torch.bool, (2,), 1, True, False, 2), "jagged")
-@example(PlanCfg([3], 2, 1, "zigzag", min_local_rows=3), DataCfg(torch.float32, (), 2, -1.5, 0.5, 1), "flat")
-@example(PlanCfg([5, 3], 2, 1, "zigzag"), DataCfg(torch.bfloat16, (3,), 3, 2.25, -3.0, 3), "flat")
-@example(PlanCfg([1, 2999], 7, 3, "contiguous", fp8=True), DataCfg(torch.int64, (), 4, 7, 5, 2), "jagged")
+@edge_cases
 # many trailing empty sequences: every one of their pad segments points past the input (clamped at once)
 @example(PlanCfg([5] + [0] * 12, 2, 1, "zigzag"), DataCfg(torch.int64, (), 5, -1, -100, 1), "flat")
 @example(PlanCfg([7, 3] + [0] * 10, 3, 2, "contiguous"), DataCfg(torch.bool, (), 6, False, True, 1), "list")
@@ -93,11 +103,7 @@ def test_shifted_pad_rows_default_to_fill(cfg: PlanCfg, k: int):
 
 
 @given(plan_cfgs(max_total=MAX_TOTAL), data_cfgs(), st.sampled_from(FORMS))
-@example(PlanCfg([0, 0], 2, 1, "zigzag"), DataCfg(torch.int64, (), 0, -1, -100, 1), "list")
-@example(PlanCfg([0], 3, 1, "contiguous", min_local_rows=3), DataCfg(torch.bool, (2,), 1, True, False, 2), "jagged")
-@example(PlanCfg([3], 2, 1, "zigzag", min_local_rows=3), DataCfg(torch.float32, (), 2, -1.5, 0.5, 1), "flat")
-@example(PlanCfg([5, 3], 2, 1, "zigzag"), DataCfg(torch.bfloat16, (3,), 3, 2.25, -3.0, 3), "flat")
-@example(PlanCfg([1, 2999], 7, 3, "contiguous", fp8=True), DataCfg(torch.int64, (), 4, 7, 5, 2), "jagged")
+@edge_cases
 @props(120)
 def test_unshard_roundtrip(cfg: PlanCfg, d: DataCfg, form: str):
     """unshard(shard(x)) == x exactly; with a shift, unshard gives the shifted sequences."""

@@ -39,8 +39,9 @@ from cpshard.ops.padded import from_padded, to_padded
 from cpshard.ops.sharding import shard, shift, unshard
 from cpshard.packing.pack import Packing, pack  # eager: the function must shadow its module's name (pure, NumPy)
 from cpshard.plan.bshd import BshdPlan
+from cpshard.plan.exchanges import halo_exchange, shift_exchange
 from cpshard.plan.twins import twin_plan
-from cpshard.plan.values import DeviceTensors, Plan, ShardPlan, halo_exchange, shift_exchange
+from cpshard.plan.values import DeviceTensors, Plan, ShardPlan
 from cpshard.policy.layouts import layout_for, register_layout_rule, unregister_layout_rule
 
 __version__ = "0.2.0"

@@ -8,12 +8,12 @@ layer the losses sit on.
 
 from __future__ import annotations
 
-from cpshard.base.choice import _Choice
+from cpshard.base.choice import Choice
 
 __all__ = ["GradReduction"]
 
 
-class GradReduction(_Choice, argument="grad_reduction", what="gradient reduction"):
+class GradReduction(Choice, argument="grad_reduction", what="gradient reduction"):
     """How the caller reduces parameter gradients over ranks after backward (SPEC.md, "Losses and the
     gradient convention"; Note [Gradient convention] in ``loss/reductions.py``).
 

@@ -14,14 +14,14 @@ import math
 
 import numpy as np
 
-from cpshard.base.choice import _Choice
+from cpshard.base.choice import Choice
 from cpshard.base.errors import check_int, fail
 
 __all__ = ["Layout", "Padding", "Reorder", "TwinOrder", "alignment", "fp8_alignment", "fp8_total_alignment",
            "padded_lengths", "round_up", "sequence_unit", "shared_alignment", "total_problem"]
 
 
-class Layout(_Choice, argument="layout", what="known layout"):
+class Layout(Choice, argument="layout", what="known layout"):
     """How a padded THD buffer is divided among context-parallel ranks.
 
     ``ZIGZAG`` cuts each sequence into ``2 * cp`` chunks; rank ``r`` holds chunks ``r`` and
@@ -36,7 +36,7 @@ class Layout(_Choice, argument="layout", what="known layout"):
 
 
 
-class Padding(_Choice, argument="padding", what="padding mode"):
+class Padding(Choice, argument="padding", what="padding mode"):
     """How much each sequence is padded (SPEC.md, "Padding").
 
     ``ALIGNED`` (the default) pads every sequence to the alignment Megatron users run: ``tp``,
@@ -51,7 +51,7 @@ class Padding(_Choice, argument="padding", what="padding mode"):
 
 
 
-class Reorder(_Choice, argument="reorder", what="known order (or None: the caller's)"):
+class Reorder(Choice, argument="reorder", what="known order (or None: the caller's)"):
     """Which order a plan puts the sequences in (SPEC.md, "Balanced order").
 
     ``BALANCED`` (contiguous layout): the order that spreads causal-attention work evenly over the
@@ -63,7 +63,7 @@ class Reorder(_Choice, argument="reorder", what="known order (or None: the calle
 
 
 
-class TwinOrder(_Choice, argument="order", what="twin order"):
+class TwinOrder(Choice, argument="order", what="twin order"):
     """The buffer order of a THD plan's twin (:meth:`~cpshard.Plan.twin`): ``SAME`` keeps the plan's,
     ``CALLER`` lays the sequences out in the caller's order, ``BALANCED`` in the order
     ``reorder="balanced"`` chooses (contiguous layout only)."""

@@ -25,7 +25,8 @@ import numpy as np
 from cpshard.base.layout import Layout
 from cpshard.index import segments as _index
 
-__all__ = ["thd_moved", "thd_restore", "thd_rows", "zigzag_rows"]
+__all__ = ["by_position_pays", "thd_moved", "thd_restore", "thd_restore_by_rank", "thd_rows", "zigzag_by_rank",
+           "zigzag_rows"]
 
 
 def _caller_order(plan: Any, values: np.ndarray) -> np.ndarray:
@@ -42,16 +43,24 @@ def _placement(plan: Any, padded: np.ndarray | None) -> tuple[np.ndarray, np.nda
     return _caller_order(plan, padded), _caller_order(plan, cu)
 
 
-def zigzag_rows(pos: np.ndarray, h: np.ndarray, base: np.ndarray, cp: int, local_len: int) -> np.ndarray:
+def zigzag_rows(pos: np.ndarray, h: np.ndarray | int, base: np.ndarray, cp: int, local_len: int) -> np.ndarray:
     """The rank-concatenated rows of zigzag positions ``pos`` (chunks of ``h`` rows, the sequence's
     local rows starting at ``base``: ``cu / cp`` in a THD buffer; ``local_len`` a rank's rows), computed
-    in place in ``pos`` (``h`` is spent). A BSHD batch row is a sequence of its own: ``base`` its first
-    local row, ``local_len`` the rows of a rank's whole part (``plan.bshd``'s restore)."""
+    in place in ``pos`` (an array ``h`` is spent). A BSHD batch row is a sequence of its own: ``base``
+    its first local row, ``local_len`` the rows of a rank's whole part (``plan.bshd``'s restore).
+
+    ``h`` one int where every position's chunks have the same size: NumPy divides by one number about
+    ten times faster than element by element, and a batch of short sequences at a large ``cp``, the
+    batch whose restore works per token, pads most of them to the same ``2 cp tp`` rows."""
     chunk = pos // h
-    np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
-    pos -= h  # the local row inside the sequence's two chunks
-    np.subtract(2 * cp - 1, chunk, out=h)
-    np.minimum(chunk, h, out=chunk)  # the rank holding the chunk
+    if isinstance(h, np.ndarray):
+        step = np.multiply(h, chunk - (chunk >= cp), out=h)  # (k - second) h: p less it is the row in its two chunks
+    else:
+        step = chunk - (chunk >= cp)
+        step *= h
+    pos -= step  # the local row inside the sequence's two chunks
+    np.subtract(2 * cp - 1, chunk, out=step)
+    np.minimum(chunk, step, out=chunk)  # the rank holding the chunk
     chunk *= local_len
     pos += chunk
     pos += base
@@ -74,8 +83,74 @@ def thd_restore(plan: Any) -> np.ndarray:
     if plan.layout is not Layout.ZIGZAG or cp == 1:
         return _index.expand_np(cu, lens, i32)  # token p of a sequence: cu_padded + p
     pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
-    return zigzag_rows(pos, np.repeat((padded // (2 * cp)).astype(i32), lens), np.repeat((cu // cp).astype(i32), lens),
-                        cp, plan.local_len)
+    h = padded // (2 * cp)
+    held = h[lens > 0]  # one chunk size for every sequence that holds a token: divide by one number
+    one = held.size and held.min() == held.max()
+    return zigzag_rows(pos, int(held[0]) if one else np.repeat(h.astype(i32), lens),
+                       np.repeat((cu // cp).astype(i32), lens), cp, plan.local_len)
+
+
+def zigzag_by_rank(lens: np.ndarray, base: np.ndarray, h: int,
+                   cp: int) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """The restore grouped by rank (:meth:`~cpshard.plan.indices.PlanIndices.unshard_by_rank`) where every
+    sequence holding a token has zigzag chunks of one size ``h``: ``(rows, bounds, back)``, sequence ``i``
+    holding ``lens[i]`` tokens on the local rows from ``base[i]`` of each rank (int64 arrays, caller's
+    order), at ``cp > 1``.
+
+    With one chunk size, a position ``p`` alone decides the token's rank and its row among its
+    sequence's rows there (``off(p)``), and the sequences holding a token at ``p`` are those longer
+    than ``p``, a set that shrinks as ``p`` grows. So the tokens are grouped by rank, then by position,
+    then in the caller's order, with no sort of the tokens: walking the positions, rank ``rank(p)``'s
+    rows gain ``base + off(p)`` of the sequences still longer than ``p`` (increasing rows: a rank's part
+    is read in one ascending sweep per position it holds), and those tokens' places follow on. Work: a
+    few passes over the tokens, and ``2 cp h`` steps (:func:`by_position_pays`: where that is cheaper
+    than sorting the tokens)."""
+    i32 = np.dtype(np.int32)
+    span = 2 * cp * h
+    p = np.arange(span, dtype=np.int64)
+    chunk = p // h
+    off = chunk - (chunk >= cp)
+    off *= -h
+    off += p  # the row among its sequence's rows on its rank
+    rank = np.minimum(chunk, 2 * cp - 1 - chunk)
+    by_rank = np.argsort(rank, kind="stable")  # the positions, rank by rank
+    count = lens.size - np.cumsum(np.bincount(lens, minlength=span + 1))[:span]  # sequences longer than p
+    first = np.empty(span, dtype=np.int64)  # each position's first place in the grouped order
+    first[by_rank] = np.cumsum(count[by_rank]) - count[by_rank]
+    token0 = (np.cumsum(lens) - lens).astype(i32)  # each sequence's first token
+    base = base.astype(i32)
+    grouped = np.empty(int(lens.sum()), dtype=i32)  # every rank's rows, rank by rank
+    back = np.empty(grouped.size, dtype=i32)
+    seqs = np.flatnonzero(lens)
+    for q in range(span):
+        seqs = seqs[lens[seqs] > q]  # the sequences holding a token at position q, in the caller's order
+        at = int(first[q])
+        np.add(base[seqs], int(off[q]), out=grouped[at:at + seqs.size])
+        back[token0[seqs] + q] = np.arange(at, at + seqs.size, dtype=i32)
+    bounds = [0, *np.cumsum(np.bincount(rank, weights=count, minlength=cp)).astype(np.int64).tolist()]
+    return [grouped[a:b] for a, b in zip(bounds[:-1], bounds[1:])], bounds, back
+
+
+def by_position_pays(span: int, tokens: int) -> bool:
+    """Whether :func:`zigzag_by_rank`'s ``span`` steps (each a few NumPy calls, some microseconds) cost
+    less than sorting ``tokens`` tokens by rank (some nanoseconds each): positions fewer than a
+    2048th of the tokens (a batch of short sequences at a large ``cp``)."""
+    return span * 2048 <= tokens
+
+
+def thd_restore_by_rank(plan: Any) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+    """:func:`zigzag_by_rank` of a zigzag THD plan at ``cp > 1`` whose sequences holding a token share one
+    padded length (a batch of short sequences at a large ``cp``: its alignment, ``2 cp tp`` rows); None
+    for any other plan (the index service sorts :func:`thd_restore`'s index by rank)."""
+    cp = plan.cp_size
+    if plan.layout is not Layout.ZIGZAG or cp == 1:
+        return None
+    lens = _index.int64_array(plan.input_seqlens_py)  # caller's order
+    padded, cu = _placement(plan, None)
+    held = padded[lens > 0]
+    if not held.size or held.min() != held.max() or not by_position_pays(int(held[0]), plan.num_tokens):
+        return None
+    return zigzag_by_rank(lens, cu // cp, int(held[0]) // (2 * cp), cp)
 
 
 def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None) -> np.ndarray:

@@ -46,7 +46,7 @@ def as_flat(x: TokenRows, plan: Plan, name: str = "x") -> torch.Tensor:
                  "build the plan from this batch's lengths")
         return x.values()
     if isinstance(x, torch.Tensor):
-        plan._padded_rows(x, name, padded=False)  # a BshdPlan reads a plain tensor as the padded batch: an error
+        plan.padded_rows(x, name, allowed=False)  # a BshdPlan reads a plain tensor as the padded batch: an error
         if x.dim() == 0 or x.shape[0] != plan.num_tokens:
             padded = ("; a padded (B, S) batch is turned into packed rows by cpshard.from_padded(x, attention_mask)"
                       if x.dim() >= 2 and x.shape[0] == plan.num_seqs else "")
@@ -184,7 +184,7 @@ def shard(x: TokenRows, plan: Plan, cp_rank: int, *, shift: int = 0, pad_value: 
     shift = check_shift(shift)
     stride: int | None = None
     plain = isinstance(x, torch.Tensor) and not check_tensor("x", x).is_nested
-    padded = plan._padded_rows(x, "x", padded=True) if plain else None  # type: ignore[arg-type]
+    padded = plan.padded_rows(x, "x") if plain else None  # type: ignore[arg-type]
     if padded is not None:  # the plan kind reads a plain tensor as the padded (B, S, ...) batch (BSHD)
         rows, stride = padded
     else:
@@ -324,7 +324,7 @@ def shift(x: TokenRows, plan: Plan, k: int | None = None, *, shift: int | None =
     k = check_shift(1 if k is None and shift is None else (k if shift is None else shift))
     rows = as_flat(x, plan)
     fill = check_fill("fill", fill, rows.dtype)
-    values = gather_rows(rows, plan._unpadded().indices().shard(0, k, rows.device), 0, fill)
+    values = gather_rows(rows, plan.unpadded().indices().shard(0, k, rows.device), 0, fill)
     if isinstance(x, torch.Tensor) and x.is_nested:
         return as_nested(values, plan)
     if isinstance(x, (list, tuple)):

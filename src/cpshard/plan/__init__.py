@@ -1,6 +1,7 @@
 """The plan: its values (``ShardPlan``, ``BshdPlan``), the index service each one owns, twin plans,
 and the causal masks and work under a plan. Pure: nothing here communicates."""
 
-from cpshard.plan.values import DeviceTensors, Plan, PlanBase, ShardPlan, halo_exchange, shift_exchange
+from cpshard.plan.exchanges import halo_exchange, shift_exchange
+from cpshard.plan.values import DeviceTensors, Plan, PlanBase, ShardPlan
 
 __all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]

@@ -18,7 +18,7 @@ import torch
 from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, TwinOrder, alignment
 from cpshard.index import segments as _index
-from cpshard.index.closed import zigzag_rows
+from cpshard.index.closed import by_position_pays, zigzag_by_rank, zigzag_rows
 from cpshard.plan.args import parse_plan_args
 from cpshard.plan.indices import PlanIndices
 from cpshard.plan.values import Plan, check_value_fields
@@ -60,6 +60,8 @@ class BshdPlan(Plan):
     alignment: int = None  # type: ignore[assignment]  # None: derived in __post_init__
     _indices: PlanIndices = field(init=False, repr=False, compare=False)
 
+    # ShardPlan.build's keyword arguments, then BSHD's own: one way to build either plan kind, each
+    # signature spelled out for its readers and type checkers (`duplicates` pairs the two; they stay)
     @classmethod
     def build(
         cls,
@@ -132,9 +134,9 @@ class BshdPlan(Plan):
         # every batch row is one sequence of M rows, split over the ranks alone (PlanIndices.split)
         return np.full(self.num_seqs, self.max_seqlen, dtype=np.int64), True
 
-    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int]:
+    def padded_rows(self, x: torch.Tensor, name: str = "x", *, allowed: bool = True) -> tuple[torch.Tensor, int]:
         # a plain tensor is the right-padded (B, S, ...) batch (ops.sharding.shard), which as_flat does not take
-        if not padded:
+        if not allowed:
             fail(name, f"tensor of shape {tuple(x.shape)}", "with a BshdPlan a plain tensor is the padded (B, S, ...) "
                  "batch, which this function does not take", "pass the packed rows as a list or a jagged nested tensor")
         b, longest = self.num_seqs, max(self.seqlens_py)
@@ -146,6 +148,14 @@ class BshdPlan(Plan):
 
     def _closed_form_restore(self) -> np.ndarray:
         return _bshd_restore(self)
+
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+        # zigzag: every row one sequence of M columns, its local columns from b L on a rank of B L rows
+        cp, local = self.cp_size, self.local_len
+        if cp == 1 or self.layout is not Layout.ZIGZAG or not by_position_pays(self.max_seqlen, self.num_tokens):
+            return None
+        return zigzag_by_rank(_index.int64_array(self.seqlens_py), np.arange(self.num_seqs, dtype=np.int64) * local,
+                              max(self.max_seqlen // (2 * cp), 1), cp)
 
     def _twin(self, target: Layout, order: TwinOrder) -> BshdPlan:
         if order is not TwinOrder.SAME:
@@ -185,8 +195,7 @@ def _bshd_restore(plan: BshdPlan) -> np.ndarray:
     pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's column
     base = np.repeat((np.arange(plan.num_seqs, dtype=np.int64) * local).astype(i32), lens)
     if cp > 1 and plan.layout is Layout.ZIGZAG:
-        h = np.full(pos.shape, max(plan.max_seqlen // (2 * cp), 1), dtype=i32)  # M = 0 holds no token
-        return zigzag_rows(pos, h, base, cp, rows)
+        return zigzag_rows(pos, max(plan.max_seqlen // (2 * cp), 1), base, cp, rows)  # M = 0 holds no token
     if cp > 1:
         rank = pos // max(local, 1)
         pos -= rank * local

@@ -70,6 +70,7 @@ from cpshard.index import shift as _exchange
 __all__ = ["DeviceTensors", "PlanIndices", "ROWS_PER_RUN"]
 
 _T = TypeVar("_T")
+_E = TypeVar("_E", _exchange.ShiftExchange, _halo.HaloExchange)  # what an exchange method keeps
 _I32 = torch.int32
 _ABOVE = frozenset({"blocks", "scan", "unpadded"})  # kinds built by modules above the service (kept_for)
 _BOUND = 64  # entries kept per kind (shifts, row strides and devices a program uses; a step needs a few)
@@ -119,6 +120,7 @@ class Plan(Protocol):
     def _cu_padded_py(self) -> tuple[int, ...]: ...
     def _closed_form_work(self) -> list[int] | None: ...
     def _closed_form_restore(self) -> np.ndarray | None: ...
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None: ...
     def _rank_segments(self, cp_rank: int, lengths: np.ndarray) -> _index.Segments: ...
     def _split(self) -> tuple[np.ndarray, bool]: ...
     def _key(self) -> tuple[Any, ...]: ...
@@ -396,16 +398,22 @@ class PlanIndices:
 
     def unshard_by_rank(self) -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
         """The restore from the ranks' parts without concatenating them: ``(rows, bounds, back)`` such
-        that, with ``grouped[bounds[r]:bounds[r + 1]] = part[r][rows[r]]`` (rank ``r``'s token rows,
-        in the caller's order), ``grouped[back]`` is :meth:`unshard`'s gather (CPU, int32).
+        that, with ``grouped[bounds[r]:bounds[r + 1]] = part[r][rows[r]]`` (rank ``r``'s token rows, in
+        an order of the index's making), ``grouped[back]`` is :meth:`unshard`'s gather (CPU, int32).
 
         Concatenating the parts copies every padded row (four times the tokens of a batch of 1..64
-        tokens at cp = 64, zigzag); this reads the token rows alone, twice. One stable sort of the
-        tokens by rank (a radix sort of 16-bit keys), from :meth:`unshard`'s index.
+        tokens at cp = 64, zigzag); this reads the token rows alone, twice. The plan kind's closed form
+        where it has one (zigzag with one chunk size, :func:`~cpshard.index.closed.zigzag_by_rank`: no
+        index of every token, no sort of the tokens), else one stable sort of :meth:`unshard`'s index
+        by rank (a radix sort of 16-bit keys; the rows of a rank in the caller's order).
         """
         plan = self.plan
 
         def make() -> tuple[list[torch.Tensor], list[int], torch.Tensor]:
+            grouped = plan._closed_form_restore_by_rank()
+            if grouped is not None:
+                local, bounds, back = grouped
+                return [torch.from_numpy(rows) for rows in local], bounds, torch.from_numpy(back)
             flat = self.unshard(torch.device("cpu")).numpy()
             cp, rows = plan.cp_size, math.prod(plan.local_shape)
             rank = flat // max(rows, 1)
@@ -532,31 +540,36 @@ class PlanIndices:
         from its own segments and its neighbours' (:meth:`near`), the group's count in closed form
         (``index.shift.remote_rows``)."""
         def make() -> _exchange.ShiftExchange:
-            if device.type != "cpu":
-                return self.shift_exchange(cp_rank, shift, torch.device("cpu")).to(device)
-            plan = self.plan
-            padded, alone = self.split()
-            remote = self._kept("shift_exchange", ("crossing", shift), lambda: _exchange.remote_rows(
-                padded, self.lengths(), plan.cp_size, plan.layout, alone, shift))
+            remote = self._crossing("shift_exchange", shift, _exchange.remote_rows)
             return _exchange.build_shift_exchange(self.near(cp_rank, abs(shift)), self.segments(cp_rank), cp_rank,
-                                                  shift, plan.cp_size, remote)
-        return self._kept("shift_exchange", (cp_rank, shift, device), make)
+                                                  shift, self.plan.cp_size, remote)
+        return self._exchange("shift_exchange", (cp_rank, shift), device, make)
 
     def halo(self, cp_rank: int, shifts: tuple[int, ...], device: torch.device) -> _halo.HaloExchange:
         """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in
         ``shifts``: from its own segments and its neighbours' (:meth:`near`), the group's count in
         closed form (``index.halo.remote_halo_rows``)."""
         def make() -> _halo.HaloExchange:
-            if device.type != "cpu":
-                return self.halo(cp_rank, shifts, torch.device("cpu")).to(device)
-            plan = self.plan
-            padded, alone = self.split()
-            remote = self._kept("halo", ("crossing", shifts), lambda: _halo.remote_halo_rows(
-                padded, self.lengths(), plan.cp_size, plan.layout, alone, shifts))
+            remote = self._crossing("halo", shifts, _halo.remote_halo_rows)
             span = max((abs(k) for k in shifts), default=0)
             return _halo.build_halo_exchange(self.near(cp_rank, span), self.segments(cp_rank), self.lengths(),
-                                             cp_rank, shifts, plan.cp_size, remote)
-        return self._kept("halo", (cp_rank, shifts, device), make)
+                                             cp_rank, shifts, self.plan.cp_size, remote)
+        return self._exchange("halo", (cp_rank, shifts), device, make)
+
+    def _exchange(self, kind: str, key: tuple[Any, ...], device: torch.device, build: Callable[[], _E]) -> _E:
+        """The exchange ``kind`` of ``key`` on ``device``, kept: ``build`` makes it on the CPU, and another
+        device's is a copy of the CPU one."""
+        def make() -> _E:
+            return build() if device.type == "cpu" else self._exchange(kind, key, torch.device("cpu"), build).to(device)
+        return self._kept(kind, (*key, device), make)
+
+    def _crossing(self, kind: str, shifts: Any, count: Callable[..., int]) -> int:
+        """How many rows cross ranks in the whole group for the exchange ``kind`` of ``shifts``, kept:
+        ``count`` (``index.shift.remote_rows``, ``index.halo.remote_halo_rows``) over the sequences."""
+        plan = self.plan
+        padded, alone = self.split()
+        return self._kept(kind, ("crossing", shifts), lambda: count(padded, self.lengths(), plan.cp_size, plan.layout,
+                                                                      alone, shifts))
 
 
 def _segments_per_token(plan: Any) -> float:

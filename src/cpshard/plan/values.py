@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -27,7 +27,6 @@ from cpshard.base.layout import (
     Reorder,
     TwinOrder,
     alignment,
-    fp8_alignment,
     fp8_total_alignment,
     padded_lengths,
     sequence_unit,
@@ -35,13 +34,27 @@ from cpshard.base.layout import (
 )
 from cpshard.index import segments as _index
 from cpshard.index.balance import balanced_order, rank_work, zigzag_works
-from cpshard.index.halo import HaloExchange
-from cpshard.index.shift import ShiftExchange
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
-from cpshard.index.closed import thd_restore
+from cpshard.index.closed import thd_restore, thd_restore_by_rank
 from cpshard.plan.indices import DeviceTensors, PlanIndices
+from cpshard.plan.thd_twin import thd_twin_values
 
-__all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan", "halo_exchange", "shift_exchange"]
+__all__ = ["DeviceTensors", "Plan", "PlanBase", "ShardPlan"]
+
+
+class _HostOffsets:
+    """A plan's offsets ``<name>_py`` as the int32 CPU tensor ``<name>``, built once by its index service
+    (:meth:`PlanIndices.host`): a read-only property, one line a name."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, plan: None, owner: type | None = None) -> _HostOffsets: ...
+    @overload
+    def __get__(self, plan: Plan, owner: type | None = None) -> torch.Tensor: ...
+    def __get__(self, plan: Plan | None, owner: type | None = None) -> torch.Tensor | _HostOffsets:
+        return self if plan is None else plan._indices.host(self.name)
 
 
 class Plan:
@@ -135,15 +148,10 @@ class Plan:
     def input_cu_seqlens_py(self) -> tuple[int, ...]:
         return self.cu_seqlens_py if self.order is None else _cumsum(self.input_seqlens_py)
 
-    @property
-    def seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32 on the CPU, built once per plan (shared: do not edit it in place)."""
-        return self._indices.host("seqlens")
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
-        return self._indices.host("cu_seqlens")
+    seqlens = _HostOffsets()
+    """``(B,)`` int32 on the CPU, built once per plan (shared: do not edit it in place)."""
+    cu_seqlens = _HostOffsets()
+    """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
 
     def indices(self) -> PlanIndices:
         """The plan's index service: every index tensor derived from it, built on first use and kept
@@ -206,9 +214,11 @@ class Plan:
         """:meth:`twin` of a checked ``target`` layout and ``order``."""
         raise NotImplementedError
 
-    def _padded_rows(self, x: torch.Tensor, name: str, padded: bool) -> tuple[torch.Tensor, int] | None:
-        """A plain tensor as ``(B * S, ...)`` rows and ``S`` where this kind reads it as a padded batch (BSHD;
-        where the caller takes none, ``padded=False``, an error), or None: packed token rows (THD)."""
+    def padded_rows(self, x: torch.Tensor, name: str = "x", *, allowed: bool = True) -> tuple[torch.Tensor, int] | None:
+        """How this plan kind reads a plain tensor ``x``: as a right-padded ``(B, S, ...)`` batch, returned as
+        its ``(B * S, ...)`` rows and ``S`` (a :class:`~cpshard.BshdPlan`), or None: ``x`` holds packed token
+        rows (a :class:`ShardPlan`). Where the caller takes no padded batch (``allowed=False``), a kind that
+        reads one raises a ``ValueError`` naming ``name``; so does a padded batch of the wrong shape."""
         return None
 
     def _closed_form_work(self) -> list[int] | None:
@@ -222,8 +232,15 @@ class Plan:
         tokens)."""
         return None
 
-    def _unpadded(self) -> ShardPlan:
-        """The plan of the tokens, unpadded, in the caller's order, on one rank (for ``shift``)."""
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+        """:meth:`PlanIndices.unshard_by_rank` in a closed form of this plan kind, or None: the index
+        service sorts :meth:`PlanIndices.unshard`'s index by rank."""
+        return None
+
+    def unpadded(self) -> ShardPlan:
+        """The plan of this plan's tokens alone: its sequences unpadded, in the caller's order, on one rank
+        (``cp_size=1``, ``alignment=1``; :func:`cpshard.shift` shifts unsharded sequences by its index).
+        Built once per plan."""
         lens = self.input_seqlens_py
         return self._indices.kept_for("unpadded", None, lambda: ShardPlan(lens, lens, 1, alignment=1))
 
@@ -502,15 +519,10 @@ class ShardPlan(Plan):
     def _cu_padded_py(self) -> tuple[int, ...]:
         return self.cu_seqlens_padded_py
 
-    @property
-    def padded_seqlens(self) -> torch.Tensor:
-        """``(B,)`` int32 on the CPU, built once per plan (do not edit it in place)."""
-        return self._indices.host("padded_seqlens")
-
-    @property
-    def cu_seqlens_padded(self) -> torch.Tensor:
-        """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
-        return self._indices.host("cu_seqlens_padded")
+    padded_seqlens = _HostOffsets()
+    """``(B,)`` int32 on the CPU, built once per plan (do not edit it in place)."""
+    cu_seqlens_padded = _HostOffsets()
+    """``(B + 1,)`` int32 on the CPU, starting at 0; built once per plan (do not edit it in place)."""
 
     def global_rows(self, cp_rank: int) -> torch.Tensor:
         """``(L,)`` int64: the global padded row each of ``cp_rank``'s local rows holds."""
@@ -534,46 +546,15 @@ class ShardPlan(Plan):
     def _closed_form_restore(self) -> np.ndarray:
         return thd_restore(self)
 
+    def _closed_form_restore_by_rank(self) -> tuple[list[np.ndarray], list[int], np.ndarray] | None:
+        return thd_restore_by_rank(self)
+
     def _twin(self, target: Layout, order: TwinOrder) -> ShardPlan:
-        cp, tp = self.cp_size, self.tp_size
-        lens, padded = self.input_seqlens_py, self.input_padded_seqlens_py
-        if order is TwinOrder.SAME:
-            new_order = self.order
-        elif order is TwinOrder.CALLER:
-            new_order = None
-        else:
-            if target is not Layout.CONTIGUOUS:
-                fail("order", "'balanced'", f"balances the contiguous layout (zigzag is balanced by its chunks; "
-                     f"layout={target.value!r})", "pass layout='contiguous', or order='same'")
-            new_order = tuple(balanced_order(lens, padded, cp)) if cp > 1 else None
-        if target is Layout.ZIGZAG and cp > 1:
-            bad = [i for i, p in enumerate(padded) if p % (2 * cp)]
-            if bad:
-                i = bad[0]
-                fail("plan", f"a {self.layout.value} plan whose sequence {i} is padded to {padded[i]}",
-                     f"a zigzag twin needs every padded length to divide by 2 * cp_size = {2 * cp} ({len(bad)} do "
-                     "not)", "build the plan with layout='zigzag' (its padding, 2 * cp * tp per sequence or "
-                     "2 * cp with padding='minimal', serves both layouts) and take its contiguous twin")
-        if self.fp8:
-            base = alignment(cp, tp, target)
-            if sum(padded) % fp8_total_alignment(base):
-                fail("plan", f"an fp8 plan of {sum(padded)} padded rows", f"an fp8 {target.value} twin needs the "
-                     f"total to divide by {fp8_total_alignment(base)}", "build the fp8 plan with layout='zigzag' "
-                     "and take its contiguous twin")
-        unit = alignment(cp, tp, target, self.padding)
-        unit = fp8_alignment(unit) if self.fp8 else unit
-        padding = self.padding
-        if any(p % unit for p in padded):  # contiguous padding too small for zigzag's aligned unit: minimal's
-            padding = Padding.MINIMAL
-            unit = alignment(cp, tp, target, padding)
-            unit = fp8_alignment(unit) if self.fp8 else unit
-            if any(p % unit for p in padded):
-                unit = 2 * cp  # fp8's lcm(16, 2 cp) does not divide: 2 cp still keeps zigzag's invariant
-        buffer_lens, buffer_padded = lens, padded
-        if new_order is not None:
-            buffer_lens = tuple(lens[i] for i in new_order)
-            buffer_padded = tuple(padded[i] for i in new_order)
-        return ShardPlan(buffer_lens, buffer_padded, cp, tp, target, self.fp8, unit, padding, new_order)
+        # the twin's values, checked (plan/thd_twin.py), in the caller's order and then the twin's buffer order
+        lens, padded, unit, padding, new_order = thd_twin_values(
+            self.input_seqlens_py, self.input_padded_seqlens_py, self.cp_size, self.tp_size, self.fp8, self.padding,
+            self.layout, self.order, target, order)
+        return ShardPlan(lens, padded, self.cp_size, self.tp_size, target, self.fp8, unit, padding, new_order)
 
     # -- value semantics ---------------------------------------------------------------------
 
@@ -599,38 +580,6 @@ def _check_total(total: int, fix: str | None = None) -> None:
 
 def _cumsum(values: Sequence[int]) -> tuple[int, ...]:
     return tuple(itertools.accumulate(values, initial=0))
-
-
-# ---------------------------------------------------------------------------------------------
-# The pure exchanges behind cpshard.distributed's sharded shifts, public so that a user (or a test)
-# can see or check a whole exchange in one process.
-
-
-def shift_exchange(plan: Plan, cp_rank: int, shift: int, device: torch.device | str | None = None) -> ShiftExchange:
-    """What ``cp_rank`` sends, receives and copies locally to shift a sharded tensor by ``shift``.
-
-    Pure index math, the same on every rank (Note [Sharded shift exchange] in ``index/shift.py``):
-    call it for every rank in one process to see or test a whole exchange
-    (``ShiftExchange.apply`` and ``cpshard.index.shift.all_to_all_in_process`` run it there). CPU unless ``device``.
-    """
-    check_plan_type(plan)
-    cp_rank = check_rank(cp_rank, plan.cp_size)
-    shift = check_shift(shift)
-    return plan.indices().shift_exchange(cp_rank, shift, torch.device("cpu" if device is None else device))
-
-
-def halo_exchange(plan: Plan, cp_rank: int, shifts: Sequence[int],
-                  device: torch.device | str | None = None) -> HaloExchange:
-    """What ``cp_rank`` sends, receives and gathers to shift sharded tensors by every shift in ``shifts``.
-
-    One exchange of each segment's halo serves every shift and tensor (Note [Halo exchange for
-    several shifts] in ``index/halo.py``; ``cpshard.distributed.shift_sharded_multi`` runs it). Pure index
-    math, the same on every rank: callable for every rank in one process. CPU unless ``device``.
-    """
-    check_plan_type(plan)
-    cp_rank = check_rank(cp_rank, plan.cp_size)
-    ks = tuple(check_shift(k, "shifts") for k in shifts)
-    return plan.indices().halo(cp_rank, ks, torch.device("cpu" if device is None else device))
 
 
 def check_plan_type(plan: Any, fix: str = "build one with ShardPlan.build or BshdPlan.build", name: str = "plan"

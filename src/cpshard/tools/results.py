@@ -6,7 +6,6 @@ whose linear blocks run inside the step through its ``mix``).
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 import sys
@@ -18,7 +17,8 @@ from typing import Any, TextIO
 import torch
 import torch.nn.functional as F
 
-from cpshard.base.errors import check_int, fail, parse_choice
+from cpshard.base.choice import Choice
+from cpshard.base.errors import check_int, fail
 from cpshard.base.layout import Layout, Padding
 from cpshard.distributed.collectives import gather, shift_sharded_multi
 from cpshard.distributed.sums import sum_over_group
@@ -38,26 +38,18 @@ QUANTITIES = ("loss", "logprobs", "mtp_loss", "grads")
 MAX_TOKENS = 8192  # the reference attention's work grows with the square of a sequence's length
 
 
-class Model(str, enum.Enum):
+class Model(Choice, argument="model", what="verify model", where="cpshard.verify.Model"):
     """The model ``cpshard verify`` trains: the tiny decoder, or the hybrid that changes layout inside."""
 
     DECODER = "decoder"
     HYBRID = "hybrid"
 
-    @classmethod
-    def parse(cls, value: object) -> Model:
-        return parse_choice(cls, value, "model", "verify model", "cpshard.verify.Model")
 
-
-class Kernel(str, enum.Enum):
+class Kernel(Choice, argument="attention", what="attention kernel", where="cpshard.verify.Kernel"):
     """The CP attention a configuration runs: the reference, or the layout-naive one (to be caught)."""
 
     REFERENCE = "reference"
     NAIVE = "naive"
-
-    @classmethod
-    def parse(cls, value: object) -> Kernel:
-        return parse_choice(cls, value, "attention", "attention kernel", "cpshard.verify.Kernel")
 
 
 # -- configurations and results ---------------------------------------------------------------

@@ -25,8 +25,10 @@ lists those rows:
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
 ``_thd`` and ``_bshd`` (the drop-ins), ``_layout`` (the layout of a site verl passes none),
 ``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
-``_patch`` (:func:`patch`, :class:`VerlPatch`), ``_activation`` with ``enable`` and ``plugin`` (cpshard
-on in every process of a verl job), ``__main__`` (``python -m cpshard.compat.verl``: what is bound here).
+``_rows`` (verl's per-row rules over the plan's segments), ``_pack`` (the packing drop-in
+:func:`rearrange_micro_batches`, and verl's own partition), ``_patch`` (:func:`patch`,
+:class:`VerlPatch`), ``_activation`` with ``enable`` and ``plugin`` (cpshard on in every process of a
+verl job), ``__main__`` (``python -m cpshard.compat.verl``: what is bound here).
 
 Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/models/mcore/util.py``,
 ``model_forward.py``, ``model_forward_fused.py``, ``tests/utils/test_megatron_bshd_preprocess.py``;
@@ -35,7 +37,7 @@ megatron-core 0.19.2 ``megatron/core/packed_seq_params.py``.
 
 from __future__ import annotations
 
-from cpshard.compat._verl_pack import rearrange_micro_batches
+from cpshard.compat.verl._pack import rearrange_micro_batches
 from cpshard.compat.verl._activation import activate, process_patch
 from cpshard.compat.verl._bshd import (
     build_vlm_attn_mask_bshd,

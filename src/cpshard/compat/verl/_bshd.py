@@ -19,7 +19,7 @@ import torch
 
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import Layout
-from cpshard.compat import _verl_rows
+from cpshard.compat.verl import _rows
 from cpshard.compat.verl import _layout
 from cpshard.compat.verl._plans import (
     _attach,
@@ -47,6 +47,8 @@ def _zigzag_only(site: str, cp_size: int) -> None:
                       site)
 
 
+# verl's parameters, then the keyword-only ones every drop-in adds: the signature stays as verl's callers
+# bind it (`duplicates` pairs it with _thd.py's; the note there says why it stays).
 def preprocess_bshd_engine(
     input_ids: torch.Tensor,
     pre_process: bool = True,
@@ -83,7 +85,7 @@ def preprocess_bshd_engine(
     mask = plan.token_mask(ctx.cp_rank).to(x.device)
     if need_roll:  # verl rolls each padded row: its last column takes the row's first token
         values = input_ids.values() if input_ids.is_nested else as_flat(input_ids, plan, "input_ids")  # checked
-        x = _verl_rows.bshd_rows(x, values, plan, ctx.cp_rank)
+        x = _rows.bshd_rows(x, values, plan, ctx.cp_rank)
     positions = plan.position_ids(ctx.cp_rank).to(x.device)
     _attach(mask, plan)
     return x, mask, positions

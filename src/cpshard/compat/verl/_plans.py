@@ -20,7 +20,7 @@ import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
 from cpshard.base.layout import Layout, alignment, fp8_total_alignment, total_problem
-from cpshard.compat import _verl_rows
+from cpshard.compat.verl import _rows
 from cpshard.compat.verl import _layout
 from cpshard.distributed.collectives import gather, gather_tokens
 from cpshard.megatron.state import ParallelContext, parallel_context
@@ -61,17 +61,17 @@ def _cp_layout(value: Any) -> Layout:
 
 
 @functools.lru_cache(maxsize=1)
-def _installed_rules() -> _verl_rows.Rules:
-    return _verl_rows.rules_for(verl_version(default=WRITTEN_FOR))
+def _installed_rules() -> _rows.Rules:
+    return _rows.rules_for(verl_version(default=WRITTEN_FOR))
 
 
-def _rules(verl_version: str | None) -> _verl_rows.Rules:
+def _rules(verl_version: str | None) -> _rows.Rules:
     if verl_version is None:
         return _installed_rules()
     if not isinstance(verl_version, str):
         fail("verl_version", repr(verl_version), "must be a version string", "pass e.g. '0.9.1', or None",
              kind=TypeError)
-    return _verl_rows.rules_for(verl_version)
+    return _rows.rules_for(verl_version)
 
 
 def _ctx(tp_size: int | None, cp_size: int | None, cp_rank: int | None, cp_group: Any,

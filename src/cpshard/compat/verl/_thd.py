@@ -17,7 +17,7 @@ import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
 from cpshard.base.layout import Layout
-from cpshard.compat import _verl_rows
+from cpshard.compat.verl import _rows
 from cpshard.compat.verl import _layout
 from cpshard.compat.verl._plans import (
     _attach,
@@ -38,6 +38,9 @@ from cpshard.plan.values import ShardPlan
 
 __all__ = ["postprocess_packed_seqs", "postprocess_thd_engine", "preprocess_packed_seqs", "preprocess_thd_engine"]
 
+# Each drop-in spells out verl's parameters, then the keyword-only ones every drop-in adds (tp_size, cp_size,
+# cp_rank, cp_group, plan). `duplicates` pairs these lists, here and with _bshd.py; they stay: each is the
+# drop-in's signature, which verl's callers bind by position and name.
 
 def preprocess_thd_engine(
     input_ids: torch.Tensor,
@@ -98,7 +101,7 @@ def preprocess_thd_engine(
     _attach(psp, plan)
     if not pre_process:
         return input_ids, psp, None
-    rows, positions = _verl_rows.thd_rows(input_ids.values(), plan, ctx.cp_rank, bool(need_roll), rules)
+    rows, positions = _rows.thd_rows(input_ids.values(), plan, ctx.cp_rank, bool(need_roll), rules)
     return rows.unsqueeze(0), psp, positions.to(input_ids.device).unsqueeze(0)
 
 

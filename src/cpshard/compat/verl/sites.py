@@ -28,7 +28,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from cpshard.compat._verl_pack import rearrange_micro_batches
+from cpshard.compat.verl._pack import rearrange_micro_batches
 from cpshard.compat.verl import _bshd, _thd
 from cpshard.compat.verl._plans import local_padding_mask
 
