@@ -14,8 +14,9 @@
 #                                 folder scripts/test.sh puts first on PYTHONPATH for a second run of the MTP
 #                                 tests); the Megatron tests then skip, naming the reason
 #   CPSHARD_NO_VERL=1             skip verl 0.9.1 and its pinned dependencies; tests/test_verl_compat.py skips
-#   CPSHARD_NO_TORCHTITAN=1       skip torchtitan 0.3.0 and what its CP module imports (triton, ...);
-#                                 tests/test_torchtitan.py skips
+#   CPSHARD_NO_TORCHTITAN=1       skip torchtitan 0.3.0 and what its CP module imports (triton, ...), which go
+#                                 into .venv-torchtitan (a --target folder scripts/test.sh puts first on
+#                                 PYTHONPATH for the torchtitan tests' own run); tests/test_torchtitan.py skips
 #   PYTHON=python3.11             the interpreter that creates .venv
 #   CPSHARD_SETUP_FORCE=1         run every step, stamps or not
 set -euo pipefail
@@ -99,9 +100,19 @@ if [ "${CPSHARD_NO_VERL:-0}" != 1 ]; then
   step verl "$(key "$(pins verl)")" "$(pins verl | listed) (each --no-deps)" "${PIP[@]}" --no-deps $(pins verl)
 fi
 if [ "${CPSHARD_NO_TORCHTITAN:-0}" != 1 ]; then
-  # shellcheck disable=SC2046
-  step torchtitan "$(key "$(pins torchtitan)")" "$(pins torchtitan | listed) (each --no-deps)" \
-    "${PIP[@]}" --no-deps $(pins torchtitan)
+  # into a --target folder, not .venv: triton in .venv would hide the triton-less CPU machine that the
+  # Megatron tests stand for (cpshard.megatron's stand-in); scripts/test.sh puts it first on PYTHONPATH
+  # for the torchtitan tests' own run
+  titan_install() {
+    rm -rf .venv-torchtitan
+    # shellcheck disable=SC2046
+    "${PIP[@]}" --no-deps --target .venv-torchtitan $(pins torchtitan)
+  }
+  if [ ! -d .venv-torchtitan/torchtitan ]; then
+    rm -f "$STAMPS/torchtitan"
+  fi
+  step torchtitan "$(key "$(pins torchtitan)" target)" \
+    "$(pins torchtitan | listed) into .venv-torchtitan (each --no-deps; the torchtitan tests' own run)" titan_install
 fi
 
 if [ "${#ran[@]}" -eq 0 ]; then

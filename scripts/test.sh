@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up (idempotent; scripts/setup.sh) and run the whole test suite; then the MTP tests once more with
-# megatron-core 0.16.0 first on the path (its GPTModel loop, no process_mtp_loss; see scripts/setup.sh);
+# megatron-core 0.16.0 first on the path (its GPTModel loop, no process_mtp_loss; see scripts/setup.sh); the
+# torchtitan adapter's tests with .venv-torchtitan first on the path (torchtitan 0.3.0 and triton);
 # the docs site, built with mkdocs --strict (tests/test_docs.py runs every Python block of README.md and
 # docs/ in the suite); and the README's install cases in a fresh torch-only environment
 # (scripts/check_install.sh, about a minute, run alongside the MTP tests and the docs build;
@@ -27,6 +28,13 @@ if [ -d .venv-mcore016/megatron ]; then
   echo "--- the MTP tests with megatron-core 0.16.0 ---"
   PYTHONPATH=.venv-mcore016${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q -rs tests/test_mtp.py \
     tests/test_mtp_distributed.py
+fi
+if [ -d .venv-torchtitan/torchtitan ]; then
+  # torchtitan 0.3.0 and the triton its CP module imports live apart from .venv (scripts/setup.sh): here they
+  # come first on the path, for the adapter's tests and the docs page's blocks (the main run skips them)
+  echo "--- the torchtitan tests with torchtitan 0.3.0 and triton 3.9.0 (.venv-torchtitan) ---"
+  PYTHONPATH=.venv-torchtitan${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q -rs -p no:xdist \
+    tests/test_torchtitan.py tests/test_docs.py -k "test_torchtitan or torch_cp"
 fi
 echo "--- the docs site (mkdocs build --strict: a broken link or a missing API reference fails) ---"
 # not --quiet: mkdocs drops its warnings under --quiet, and --strict then passes them
