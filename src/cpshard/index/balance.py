@@ -112,7 +112,7 @@ def _works(table: np.ndarray, local: int, cp_size: int, orders: np.ndarray) -> n
     cuts = np.arange(bins, dtype=_I64) * local + np.arange(0, k * total, total, dtype=_I64)[:, None]
     head = np.minimum(cuts - end.reshape(-1)[j] + p_o[j], table[2][orders.reshape(-1)[j]])
     g = np.cumsum(w_o)[j] - w_o[j] + tri(head)  # G(r L), r = 0 .. cp, plus k * W
-    return np.diff(g, axis=1)
+    return g[:, 1:] - g[:, :-1]
 
 
 def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int], cp_size: int) -> list[int]:
