@@ -91,22 +91,28 @@ def _works(table: np.ndarray, local: int, cp_size: int, orders: np.ndarray) -> n
     """``(K, cp)`` rank works of ``K`` orders ``(K, B)`` (Note [Causal work under the contiguous layout]).
 
     A dozen array operations whatever ``K``: the descent scores all its candidates in one call. The
-    boundary search is one ``searchsorted`` over every order's ends, each row offset by ``k * span``
-    (``span`` past the buffer's rows), so the rows' keys never interleave.
+    running sums run over all ``K`` orders flat (several times faster than row by row): every order
+    holds the same rows and work, so order ``k``'s sums are its own plus ``k`` times the total, which
+    the flat positions of its boundaries account for and the final difference cancels (exactly, even
+    where the sums would pass int64: NumPy's integer sums wrap, and the differences fit). The boundary
+    ``r L`` cuts the sequence after every one that ends at or before it, and a sequence ending at row
+    ``e`` does so exactly when ``ceil(e / L) <= r``: one ``bincount`` of every order's ``ceil(e / L)``
+    (each order its own ``cp + 1`` bins) and a running count give every boundary's sequence, no search.
     """
     k, b = orders.shape
-    p_o, w_o, n_o = table[0][orders], table[1][orders], table[2][orders]
-    end = np.cumsum(p_o, 1)  # the row after each sequence
-    span = int(end[0, -1]) + 1 if k else 1  # every order holds the same rows
-    offset = np.arange(k, dtype=_I64)[:, None] * span
-    cuts = np.arange(cp_size + 1, dtype=_I64)[None, :] * local
-    j = np.searchsorted((end + offset).reshape(-1), (cuts + offset).reshape(-1), side="right").reshape(k, -1)
-    j -= np.arange(k, dtype=_I64)[:, None] * b
-    np.minimum(j, b - 1, out=j)  # the sequence each boundary cuts
-    head = np.minimum(cuts - np.take_along_axis(end, j, 1) + np.take_along_axis(p_o, j, 1),
-                      np.take_along_axis(n_o, j, 1))
-    g = np.take_along_axis(np.cumsum(w_o, 1) - w_o, j, 1) + tri(head)  # G(r L), r = 0 .. cp
-    return np.diff(g, axis=1)
+    if local == 0:
+        return np.zeros((k, cp_size), dtype=_I64)
+    bins, total = cp_size + 1, local * cp_size
+    p_o, w_o = table[0][orders].reshape(-1), table[1][orders].reshape(-1)
+    end = np.cumsum(p_o).reshape(k, b)  # the row after each sequence, plus k * total
+    first = end + (np.arange(k, dtype=_I64) * local + (local - 1))[:, None]
+    first //= local  # the first boundary at or after each end (0 .. cp), plus k * (cp + 1)
+    j = np.bincount(first.reshape(-1), minlength=k * bins).cumsum().reshape(k, bins)  # plus k * b: flat
+    np.minimum(j, np.arange(b - 1, k * b, b, dtype=_I64)[:, None], out=j)  # the sequence each boundary cuts
+    cuts = np.arange(bins, dtype=_I64) * local + np.arange(0, k * total, total, dtype=_I64)[:, None]
+    head = np.minimum(cuts - end.reshape(-1)[j] + p_o[j], table[2][orders.reshape(-1)[j]])
+    g = np.cumsum(w_o)[j] - w_o[j] + tri(head)  # G(r L), r = 0 .. cp, plus k * W
+    return g[:, 1:] - g[:, :-1]
 
 
 def rank_work(seqlens: Sequence[int], padded: Sequence[int], order: Sequence[int], cp_size: int) -> list[int]:
@@ -144,14 +150,19 @@ def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
 def _move_maps(b: int, i: np.ndarray, j: np.ndarray) -> np.ndarray:
     """``(2 K, B)`` index maps: insert the item at ``i[k]`` at ``j[k]``, then swap ``i[k]`` and ``j[k]``."""
     t = np.arange(b, dtype=_I64)
-    rows = np.arange(i.size)
-    i, j = i[:, None], j[:, None]
-    ins = t + ((i < j) & (t >= i) & (t < j)) - ((i > j) & (t > j) & (t <= i))
-    ins[rows, j[:, 0]] = i[:, 0]
-    swp = np.repeat(t[None, :], i.shape[0], axis=0)
-    swp[rows, i[:, 0]] = j[:, 0]
-    swp[rows, j[:, 0]] = i[:, 0]
-    return np.concatenate([ins, swp])
+    k = i.size
+    rows = np.arange(k)
+    ahead = i < j  # positions lo .. hi - 1 take the item one after them (ahead) or one before (behind)
+    lo, hi = np.where(ahead, i, j + 1)[:, None], np.where(ahead, j, i + 1)[:, None]
+    out = np.empty((2 * k, b), dtype=_I64)
+    ins, swp = out[:k], out[k:]
+    np.multiply((t >= lo) & (t < hi), np.where(ahead, 1, -1)[:, None], out=ins)
+    ins += t
+    ins[rows, j] = i
+    swp[:] = t
+    swp[rows, i] = j
+    swp[rows, j] = i
+    return out
 
 
 @lru_cache(maxsize=32)
@@ -186,14 +197,24 @@ def spread_positions(last: int, steps: int) -> np.ndarray:
     return np.where(idx < steps // 2, up, down).round().astype(_I64)
 
 
-def _heavy_moves(table: np.ndarray, local: int, order: np.ndarray, heavy: int) -> np.ndarray:
+def _heavy_moves(table: np.ndarray, local: int, order: np.ndarray, heavy: int,
+                 seen: dict[tuple[int, int], np.ndarray]) -> np.ndarray:
     """Past ``_FULL_SEARCH``: insertions and swaps of the sequences touching rank ``heavy`` with evenly
-    spread positions, at most ``_STEP_ROWS`` candidate rows (both spread more thinly as ``B`` grows)."""
+    spread positions, at most ``_STEP_ROWS`` candidate rows (both spread more thinly as ``B`` grows).
+    The maps depend only on the positions of the first and last of those sequences; ``seen`` keeps
+    them by those positions for the rest of one search, which comes back to the same ones often."""
     b = order.size
     ends = np.cumsum(table[0][order])
     first = int(np.searchsorted(ends, heavy * local, side="right"))
-    last = int(np.searchsorted(ends, (heavy + 1) * local - 1, side="right"))
-    pos = np.arange(first, min(last, b - 1) + 1, dtype=_I64)
+    last = min(int(np.searchsorted(ends, (heavy + 1) * local - 1, side="right")), b - 1)
+    if (first, last) not in seen:
+        seen[first, last] = _spread_moves(b, first, last)
+    return seen[first, last]
+
+
+def _spread_moves(b: int, first: int, last: int) -> np.ndarray:
+    """``_heavy_moves``' maps for the sequences at positions ``first .. last`` of ``b``."""
+    pos = np.arange(first, last + 1, dtype=_I64)
     pairs = max(16, _STEP_ROWS // (2 * b))
     if pos.size * b > pairs:
         keep = max(4, math.isqrt(pairs))
@@ -205,7 +226,7 @@ def _heavy_moves(table: np.ndarray, local: int, order: np.ndarray, heavy: int) -
 
 
 def _descend(table: np.ndarray, local: int, cp_size: int, order: np.ndarray, budget: int,
-             scored: bool = True) -> tuple[np.ndarray, float, int]:
+             seen: dict[tuple[int, int], np.ndarray], scored: bool = True) -> tuple[np.ndarray, float, int]:
     """Best-improvement descent on ``order_score`` from ``order``: ``(order, its score, budget left)``.
 
     Stops at a local optimum or once ``budget`` candidate rows (orders scored times ``B``) are spent.
@@ -220,15 +241,14 @@ def _descend(table: np.ndarray, local: int, cp_size: int, order: np.ndarray, bud
             moves = full
         else:
             assert w is not None  # scored above whenever full is None
-            moves = _heavy_moves(table, local, order, int(w.argmax()))
-        cands = order[moves]
-        works = _works(table, local, cp_size, cands)
-        budget -= cands.size
+            moves = _heavy_moves(table, local, order, int(w.argmax()), seen)
+        works = _works(table[:, order], local, cp_size, moves)  # the table in this order: moves index it
+        budget -= moves.size
         scores = order_score(works)
         k = int(scores.argmin())
         if not scores[k] < cur:
             break
-        cur, order, w = float(scores[k]), cands[k], works[k]
+        cur, order, w = float(scores[k]), order[moves[k]], works[k]
     return order, cur, budget
 
 
@@ -247,12 +267,12 @@ def order_score(works: np.ndarray) -> np.ndarray:
     ``max + sum(w^2) / (2 cp max^2)``: the fraction lies in ``(0, 1/2]`` and maxima are integers, so
     the key orders first by the maximum, then by the sum of squares among equal maxima.
     """
-    x = works.astype(np.float64)
-    mx = x.max(1)
-    sq = x * x
-    total = sq[:, 0].copy()
-    for r in range(1, x.shape[1]):  # rank by rank: the same sum whatever the array library's reduction
-        total += sq[:, r]
+    x = works.T.astype(np.float64, order="C")  # (cp, K): a rank's row is contiguous
+    mx = x.max(0)
+    x *= x
+    total = x[0].copy()
+    for r in range(1, x.shape[0]):  # rank by rank: the same sum whatever the array library's reduction
+        total += x[r]
     return mx + total / (2 * works.shape[1] * np.maximum(mx * mx, 1))
 
 
@@ -343,17 +363,18 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     good = _bound(n, local, cp_size) * (1 + _GOOD) + 1  # a score below this is within _GOOD of optimal
     small = b <= _FULL_SEARCH
     budget = _BUDGET if b <= _LARGE else _BUDGET // 8
+    seen: dict[tuple[int, int], np.ndarray] = {}  # _heavy_moves' maps, for this search
     greedy = np.array(longest_first(n.tolist(), p.tolist(), local, cp_size), dtype=_I64)
     best = (float("inf"), greedy)
     for start, search in ((np.arange(b, dtype=_I64), small), (greedy, True)):
-        order, score, left = _descend(table, local, cp_size, start, budget if search else 0)
+        order, score, left = _descend(table, local, cp_size, start, budget if search else 0, seen)
         budget = left if search else budget
         best = min(best, (score, order), key=lambda x: x[0])  # the first of equals: the given order
     current, gen, stale = best, torch.Generator().manual_seed(0), 0
     for _ in range(_KICKS if b <= _LARGE else 0):
         if budget <= 0 or best[0] < good or stale >= _PATIENCE:
             break
-        order, score, budget = _descend(table, local, cp_size, _kick(current[1], gen), budget, False)
+        order, score, budget = _descend(table, local, cp_size, _kick(current[1], gen), budget, seen, False)
         stale = 0 if score < best[0] else stale + 1
         if score <= current[0]:
             current = (score, order)
@@ -415,14 +436,19 @@ def _bound(n: np.ndarray, local: int, cp_size: int) -> int:
     bound = -(-int(w.sum()) // cp_size)
     if local == 0:
         return bound
-    q = np.arange(1, local + 1, dtype=_I64)[:, None]
-    for length in n[w > bound].tolist():
-        k = np.arange(0, -(-length // local) + 2, dtype=_I64)
-        lo = (q + (k - 1) * local).clip(0, length)
-        hi = np.minimum(q + k * local, length)
-        piece = (tri(hi) - tri(lo)).max(1)
-        bound = max(bound, int(piece.min()))
-    return bound
+    length = n[w > bound][:, None]  # fewer than cp of them: each holds more than a rank's mean
+    if not length.size:
+        return bound
+    # At offset q the pieces are [0, q), then L-row pieces from q on, the last one cut at the length.
+    # Whole L-row pieces cost more the later they start, so the heaviest piece is the first, the last
+    # (index k, from q + (k - 1) L to the length) or the whole one before it (when k >= 2).
+    q = np.arange(1, local + 1, dtype=_I64)[None, :]
+    k = np.where(length > q, (length - q + (local - 1)) // local, 0)  # the last piece holding a token
+    start = np.maximum(q + (k - 1) * local, 0)  # where the last piece starts (k >= 1)
+    piece = tri(np.minimum(q, length))
+    np.maximum(piece, np.where(k >= 1, tri(length) - tri(start), 0), out=piece)
+    np.maximum(piece, np.where(k >= 2, tri(start) - tri(np.maximum(start - local, 0)), 0), out=piece)
+    return max(bound, int(piece.min(1).max()))
 
 
 def _filler_curve(n: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
