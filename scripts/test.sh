@@ -33,7 +33,7 @@ if [ -d .venv-torchtitan/torchtitan ]; then
   # torchtitan 0.3.0 and the triton its CP module imports live apart from .venv (scripts/setup.sh): here they
   # come first on the path, for the adapter's tests and the docs page's blocks (the main run skips them)
   echo "--- the torchtitan tests with torchtitan 0.3.0 and triton 3.9.0 (.venv-torchtitan) ---"
-  PYTHONPATH=.venv-torchtitan${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q -rs -p no:xdist \
+  PYTHONPATH=$PWD/.venv-torchtitan${PYTHONPATH:+:$PYTHONPATH} .venv/bin/python -m pytest -q -rs -p no:xdist \
     tests/test_torchtitan.py tests/test_docs.py -k "test_torchtitan or torch_cp"
 fi
 echo "--- the docs site (mkdocs build --strict: a broken link or a missing API reference fails) ---"

@@ -61,7 +61,9 @@ def test_every_python_block_runs_as_written(name, code, excerpt, tmp_path, monke
         return
     missing = _needs(code)
     if missing:
-        pytest.skip(f"{name} needs {', '.join(missing)}, which scripts/setup.sh was told to skip")
+        where = ("scripts/test.sh runs it in its torchtitan pass, .venv-torchtitan first on the path"
+                 if missing == ["torchtitan"] else "scripts/setup.sh was told to skip it")
+        pytest.skip(f"{name} needs {', '.join(missing)}, absent here: {where}")
     if "run_ranks" in code:
         assert 'if __name__ == "__main__":' in code, f"{name}: a script that calls run_ranks needs the guard"
         script = tmp_path / "block.py"

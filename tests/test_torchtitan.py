@@ -26,7 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("torchtitan.distributed.context_parallel",
-                    reason="torchtitan is not installed (scripts/setup.sh installs it; CPSHARD_NO_TORCHTITAN=1 skips)")
+                    reason="torchtitan is not on this path: scripts/test.sh runs this module in a pass of its own with "
+                    ".venv-torchtitan first on PYTHONPATH (scripts/setup.sh; CPSHARD_NO_TORCHTITAN=1 skips it)")
 
 # imported before cpshard is switched on, as torchtitan's trainer and validator do
 from torchtitan.distributed.context_parallel import prepare_context_parallel_input  # noqa: E402
