@@ -323,3 +323,47 @@ def test_the_megatron_drop_in_refuses_on_every_rank_without_a_plan(refusals):
         assert "built different plans" in msg and "ranks [1] built no plan (see that rank's own error)" in msg, msg
     assert "| cause: labels=tensor of shape (1, 7): under cp = 2 the local sequence length" in bad1[2]
     assert fine0 == fine1 == ("ok", (8, 1, 3))
+
+
+# -- a fresh adversarial pass (issue 38) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adversary():
+    return _timed_suite(("adversary_grad", "adversary_inputs"))
+
+
+def test_ranks_that_disagree_about_the_backward_raise_in_forward(adversary):
+    """Before: rank 1 (no gradient, or no_grad) returned and rank 0 waited in the backward collective."""
+    for rank, calls in enumerate(_per_rank(adversary, "adversary_grad")):
+        unchecked = (calls[0], calls[1], calls[3])  # attention, shift_sharded, all_gather_rows: the header
+        for what, op in zip(unchecked, ("all_gather_rows", "shift_sharded", "all_gather_rows")):
+            msg = _raised_at_once(what)
+            assert msg.startswith(f"{op}: the ranks of the context-parallel group disagree about this call"), msg
+            assert f"requires_grad={rank == 0}" in msg, msg
+        for what in (calls[2], calls[4], calls[5]):  # relayout, the scan, the attention: the agreement names it
+            msg = _raised_at_once(what)
+            assert "called with different arguments in requires_grad" in msg and "Fix: pass every rank" in msg, msg
+
+
+def test_whole_batch_inputs_and_counts_refused_on_every_rank(adversary):
+    """Before: rank 1's whole-batch labels were sharded after the agreement, so it raised alone (rank 0
+    returned, or waited in mtp_loss's count sum); num_tokens=inf returned 0; a NaN weight in rank 1's
+    mask made rank 0 return its plain sum (6.0) as its share."""
+    (len0, count0, fill0, inf0, nan0, seq0, fine0, *spelt0), (len1, count1, fill1, inf1, nan1, seq1, fine1, *spelt1) = (
+        _per_rank(adversary, "adversary_inputs"))
+    _own_and_peer(len0, len1, ("x[1]=tensor of shape (6,): must have seqlens[1] = 7 rows", "ValueError"))
+    _own_and_peer(count0, count1, ("x=list of 3 tensors: must hold the plan's 2 sequences", "ValueError"))
+    # rank 0's integer labels cannot take label_fill=0.5, rank 1's float ones can: rank 0 refuses
+    assert _raised_at_once(fill0).startswith("fill=0.5: does not fit rows of integer dtype torch.int64"), fill0
+    assert "ranks [0] of the context-parallel group rejected their input" in _raised_at_once(fill1), fill1
+    for what in (inf0, inf1):
+        assert _raised_at_once(what).startswith("num_tokens=inf: must be finite (a count of tokens or sequences)")
+    for what in (nan0, nan1, seq0, seq1):  # NaN on every rank, never a finite share
+        assert what[0] == "ok" and what[1] != what[1], what
+    assert fine0[0] == fine1[0] == "ok"
+    # "mean" / "MEAN" (token_mean of ones: shares 2 n_r / 16, adding up to 2), then SUM / "Sum" (sequence_mean
+    # of ones under "sum": shares adding up to 1); refused before as "disagree about this reduction"
+    for what0, what1, total in zip(spelt0, spelt1, (2.0, 1.0)):
+        assert what0[0] == what1[0] == "ok", (what0, what1)
+        assert abs(what0[1] + what1[1] - total) < 1e-12, (what0, what1)

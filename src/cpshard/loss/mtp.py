@@ -233,18 +233,26 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
     wait. The agreement then always runs, with or without an exchange, so that ranks that pass their
     labels in another form (and so make another collective) or other arguments raise on every rank."""
     agreed = resolve_check(check) and not (isinstance(plan, Plan) and solo(plan, group))
+    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
+    out: dict[str, torch.Tensor] = {}
     try:
         result, args, num_depths = own()
         n = _target_args(labels, loss_mask, plan, num_depths, input_ids)
+        base = 0 if labels is not None else 1
+        shifts = tuple(range(base, base + n + 1))
+        rank = group_rank(plan, group)
+        # whole-batch inputs are sharded here, inside the checks: their lengths, count and label_fill are
+        # checked by shard, which then raises on every rank (checks on) instead of on this one after the
+        # agreement while its peers wait in the count sum
+        for name, x in ((source_name, source), ("loss_mask", loss_mask)):
+            if x is not None and _is_global(x):
+                fill = label_fill if name != "loss_mask" else 0
+                out[name] = torch.stack([shard(x, plan, rank, shift=k, pad_value=fill, fill=fill) for k in shifts])
     except (ValueError, TypeError) as exc:
         if agreed:
             agree(plan, group, exc, {})
         raise  # agree re-raised it (kept for the type checker), or checks are off
-    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
-    base = 0 if labels is not None else 1
-    shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
-    rank = group_rank(plan, group)
     args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": label_fill,
             "num_depths": n}
     exchanges = any(x is not None and not _is_global(x) for x in (source, loss_mask))
@@ -252,14 +260,8 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
         agree(plan, group, None, args)
 
     sharded: list[tuple[str, torch.Tensor]] = []
-    out: dict[str, torch.Tensor] = {}
     for name, x in ((source_name, source), ("loss_mask", loss_mask)):
-        if x is None:
-            continue
-        if _is_global(x):
-            fill = label_fill if name != "loss_mask" else 0
-            out[name] = torch.stack([shard(x, plan, rank, shift=k, pad_value=fill, fill=fill) for k in shifts])
-        else:
+        if x is not None and not _is_global(x):
             assert isinstance(x, torch.Tensor)
             sharded.append((name, x.reshape(lead)))
     if sharded:

@@ -110,6 +110,14 @@ def _rows(name: str, x: Any, plan: Plan) -> torch.Tensor:
     return x.reshape(plan.local_shape)
 
 
+def _check_count(name: str, shown: str, value: float, fix: str) -> None:
+    """A given count: a number >= 0 (not NaN), and finite (an infinite count made every share 0)."""
+    if not value >= 0:
+        fail(name, shown, "must be a count >= 0", fix)
+    if math.isinf(value):
+        fail(name, shown, "must be finite (a count of tokens or sequences)", fix)
+
+
 class _Local:
     """What every loss needs from a rank's rows, checked before any collective."""
 
@@ -154,15 +162,13 @@ class _Local:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not value.is_meta:
             count = value.detach().reshape(()).to(device=self.values.device, dtype=_F64)
             if value.device.type == "cpu":  # read here: no device to wait for
-                if not float(count) >= 0:
-                    fail(name, f"tensor({float(count)})", "must be a count >= 0", fix)
+                _check_count(name, f"tensor({float(count)})", float(count), fix)
             else:  # on the device, no host sync: a device-side assertion
-                torch._assert_async(count >= 0)
+                torch._assert_async((count >= 0) & count.isfinite())
             return count
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             fail(name, repr(value), "must be a number or a one-element tensor", fix, kind=TypeError)
-        if not float(value) >= 0:
-            fail(name, repr(value), "must be a count >= 0", fix)
+        _check_count(name, repr(value), float(value), fix)
         return torch.tensor(float(value), dtype=_F64, device=self.values.device)
 
     def covers(self, name: str, count: torch.Tensor, read: bool, sequences: bool = False) -> None:
@@ -188,8 +194,9 @@ class _Local:
             torch._assert_async(count >= present - slack)
 
     def divide(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """``factor * summed / count``, with a zero count taken as one (the sum is then zero too)."""
-        count = torch.where(count > 0, count, torch.ones_like(count)).to(summed.dtype)
+        """``factor * summed / count``, with a zero count taken as one (the sum is then zero too). Only zero:
+        a NaN count (a NaN weight in some rank's mask) gives NaN on every rank, not each rank's plain sum."""
+        count = torch.where(count == 0, torch.ones_like(count), count).to(summed.dtype)
         return self.factor * summed / count
 
 
@@ -308,8 +315,14 @@ def _same_everywhere(summed: torch.Tensor, words: torch.Tensor, ranks: int, op: 
 
 
 def _call_args(grad_reduction: Any, dp_group: Any, **extra: Any) -> dict[str, Any]:
-    return {"grad_reduction": str(getattr(grad_reduction, "value", grad_reduction)), "dp_group": dp_group is not None,
-            **extra}
+    """The arguments every rank passes alike; ``grad_reduction`` as parsed (``"MEAN"`` and ``GradReduction.MEAN``
+    are ``"mean"``: ranks that spell one convention two ways agree), or as given where it does not parse
+    (refused inside the checks, by ``_Local``)."""
+    try:
+        reduction = GradReduction.parse(grad_reduction).value
+    except (ValueError, TypeError):
+        reduction = repr(grad_reduction)
+    return {"grad_reduction": reduction, "dp_group": dp_group is not None, **extra}
 
 
 def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
@@ -467,7 +480,7 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
         return local.divide(sums.sum(), given)
     counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)),
                           None if given is None else ("num_seqs", given))
-    labelled = counts > 0
+    labelled = (counts > 0) | counts.isnan()  # a NaN weight in a rank's mask: NaN on every rank, not dropped
     if token_reduction == "mean":
         sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
     total = given if given is not None else call.over_dp(labelled.sum(dtype=_F64))
