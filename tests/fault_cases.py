@@ -557,3 +557,38 @@ def _mtp_whole(plan: Any, labels: list[torch.Tensor]) -> Any:
     from cpshard.mtp import mtp_targets
 
     return mtp_targets(labels, None, plan, _world(), num_depths=2, check=True)[0].shape
+
+
+def adversary_check_values(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Rank 1 passes a ``check`` that is no bool while rank 0 passes ``check=True``: rank 1 raised its
+    TypeError before any collective, and rank 0's agreement paired with rank 1's next call (its first
+    gather returned, its loss and MTP loss then failed inside gloo). Now the bad value joins the
+    agreement as rank 1's refusal: every rank raises. Last, two functions whose arguments read alike:
+    the operation is agreed on too."""
+    from cpshard.distributed import gather_tokens, sum_over_group
+    from cpshard.loss import token_mean
+
+    group = _world()
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    x = shard(torch.arange(16.0), plan, rank)
+    v, m = _loss_inputs(plan, rank)
+    return [_seen(lambda: gather(x, plan, group, check=_flip(rank, True, "yes")).values()),
+            _seen(lambda: token_mean(v, m, plan, group, check=_flip(rank, True, 1))),
+            _seen(lambda: _mtp_call(plan, rank, check=_flip(rank, True, "on"))),
+            _seen(lambda: gather(x, plan, group, check=True).values().shape),
+            # checks on, another function whose arguments read alike (rows (L,) and one 0-d value: dtype
+            # float32, row shape ()): the agreement passed and the ranks waited in an all-gather and an all-reduce
+            _seen(lambda: gather_tokens(x, plan, group, check=True) if rank == 0 else
+                  sum_over_group(torch.ones(()), plan, group, check=True))]
+
+
+def adversary_sums(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Complex sums: ``sum_over_group`` and ``sum_over`` of complex64 crashed on every rank inside torch
+    ("Tensor must have a storage_offset divisible by 2": the pairs after an odd-length trailer);
+    ``max_over`` of complex values has no meaning and is refused by name."""
+    from cpshard.distributed import max_over, sum_over, sum_over_group
+
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    z = torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64) * (rank + 1)
+    return [_seen(lambda: sum_over_group(z, plan, _world())), _seen(lambda: sum_over(z.to(torch.complex128), _world())),
+            _seen(lambda: max_over(z, _world()))]

@@ -330,7 +330,7 @@ def test_the_megatron_drop_in_refuses_on_every_rank_without_a_plan(refusals):
 
 @pytest.fixture(scope="module")
 def adversary():
-    return _timed_suite(("adversary_grad", "adversary_inputs"))
+    return _timed_suite(("adversary_grad", "adversary_inputs", "adversary_check_values", "adversary_sums"))
 
 
 def test_ranks_that_disagree_about_the_backward_raise_in_forward(adversary):
@@ -367,3 +367,24 @@ def test_whole_batch_inputs_and_counts_refused_on_every_rank(adversary):
     for what0, what1, total in zip(spelt0, spelt1, (2.0, 1.0)):
         assert what0[0] == what1[0] == "ok", (what0, what1)
         assert abs(what0[1] + what1[1] - total) < 1e-12, (what0, what1)
+
+
+def test_a_check_that_is_no_bool_is_refused_on_every_rank(adversary):
+    """Before: rank 1 raised its TypeError alone; rank 0's agreement paired with rank 1's next call."""
+    calls0, calls1 = _per_rank(adversary, "adversary_check_values")
+    for what0, what1, value in zip(calls0, calls1, ("'yes'", "1", "'on'")):
+        _own_and_peer(what0, what1, (f"check={value}: must be True, False or None", "TypeError"))
+    assert calls0[3] == calls1[3] == ("ok", (16,))
+    for rank, what in enumerate((calls0[4], calls1[4])):  # before: both waited until the backend's timeout
+        msg = _raised_at_once(what)
+        assert "called with different arguments in operation" in msg, msg
+        assert f"operation={('gather', 'sum_over_group')[rank]}" in msg, msg
+
+
+def test_complex_sums_add_up_and_a_complex_maximum_is_refused(adversary):
+    """Before: a torch RuntimeError on every rank for the sums; the maximum of the parts apart for max_over."""
+    want = torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64) * 3  # ranks 1 and 2 times the values
+    for summed, summed_wide, maximum in _per_rank(adversary, "adversary_sums"):
+        assert summed[0] == "ok" and torch.equal(summed[1], want), summed
+        assert summed_wide[0] == "ok" and torch.equal(summed_wide[1], want.to(torch.complex128)), summed_wide
+        assert _raised_at_once(maximum, "TypeError").startswith("values=a torch.complex64 tensor: has no order")

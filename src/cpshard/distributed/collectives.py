@@ -71,7 +71,7 @@ def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any,
         checked = check_local(local, plan)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
-    local, rank, call, checked = checked_call(plan, group, check, validate)
+    local, rank, call, checked = checked_call(plan, group, check, validate, "gather")
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[len(plan.local_shape):])
     if solo(plan, group):
         return flat
@@ -174,7 +174,7 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
                 "pad_value": pad, "fill": fil, "requires_grad": backward_follows(checked)}
         return (checked, k, pad, fil), call
 
-    (local, k, pad, fil), rank, call, checked = checked_call(plan, group, check, validate)
+    (local, k, pad, fil), rank, call, checked = checked_call(plan, group, check, validate, "shift_sharded")
     ex = plan.indices().shift_exchange(rank, k, local.device)
     stamp = Stamp("shift_sharded", rank, checked, (plan,), call)
     lead = len(plan.local_shape)
@@ -244,7 +244,8 @@ def shift_sharded_multi_for(tensors: Sequence[torch.Tensor], plan: Plan, group: 
                 "shifts": ks, "pad_values": pads, "fills": fils, **args}
         return (checked, ks, pads, fils), call
 
-    (checked, ks, pads, fils), rank, call, ran_check = checked_call(plan, group, check, validate)
+    (checked, ks, pads, fils), rank, call, ran_check = checked_call(plan, group, check, validate,
+                                                                    "shift_sharded_multi")
     lead = len(plan.local_shape)
     rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
     ms = plan.indices().halo(rank, ks, rows[0].device)
@@ -317,7 +318,7 @@ def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: b
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]),
                          "requires_grad": backward_follows(checked), **args}
 
-    rows, rank, call, ran_check = checked_call(plan, group, check, validate)
+    rows, rank, call, ran_check = checked_call(plan, group, check, validate, op)
     if solo(plan, group):
         return rows
     stamp = Stamp(op, rank, ran_check, (plan,), call)
@@ -416,7 +417,7 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
         return (checked, dst), {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(src_plan.local_shape):]),
                                 "dst_plan": plan_fingerprint(dst).tolist(), "requires_grad": backward_follows(checked)}
 
-    (checked, dst), rank, call, ran_check = checked_call(src_plan, group, check, validate)
+    (checked, dst), rank, call, ran_check = checked_call(src_plan, group, check, validate, "relayout")
     lead = len(src_plan.local_shape)
     trailing = checked.shape[lead:]
     flat = checked.reshape(math.prod(src_plan.local_shape), *trailing)

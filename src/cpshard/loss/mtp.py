@@ -65,8 +65,7 @@ import torch
 from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_int, check_real, fail, parse_choice
 from cpshard.base.types import TokenRows
-from cpshard.distributed.agree import resolve_check
-from cpshard.distributed.checks import agree
+from cpshard.distributed.checks import agree, checks_on
 from cpshard.distributed.collectives import shift_sharded_multi_for
 from cpshard.distributed.groups import group_rank, solo
 from cpshard.distributed.sums import reduce_over
@@ -232,7 +231,7 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
     agreement (every rank raises, this one its own error) instead of raising here while the peers
     wait. The agreement then always runs, with or without an exchange, so that ranks that pass their
     labels in another form (and so make another collective) or other arguments raise on every rank."""
-    agreed = resolve_check(check) and not (isinstance(plan, Plan) and solo(plan, group))
+    agreed = checks_on(check, plan, group) and not (isinstance(plan, Plan) and solo(plan, group))
     source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
     out: dict[str, torch.Tensor] = {}
     try:

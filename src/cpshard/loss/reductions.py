@@ -77,8 +77,7 @@ import torch
 
 from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_real, check_tensor, fail
-from cpshard.distributed.agree import resolve_check
-from cpshard.distributed.checks import agree
+from cpshard.distributed.checks import agree, checks_on
 from cpshard.distributed.groups import group_rank, group_size
 from cpshard.distributed.sums import reduce_over
 from cpshard.index.segments import to_device
@@ -209,7 +208,7 @@ class _Call:
         self.name, self.plan, self.group, self.dp_group = name, plan, group, dp_group
         self.call = call  # the arguments every CP rank passes alike
         self.dp_sum = dp_sum  # whether this call sums over dp_group (else, checks on, it joins a one-word check)
-        self.checked = resolve_check(check)
+        self.checked = checks_on(check, plan, group)  # a check that is no bool: refused inside the agreement
 
     @property
     def dp_call(self) -> dict[str, Any]:
@@ -250,7 +249,7 @@ class _Call:
 
     def _agreed(self, error: Exception | None, extra: dict[str, Any] | None = None) -> None:
         try:
-            agree(self.plan, self.group, error, {**self.call, **(extra or {})})
+            agree(self.plan, self.group, error, {**self.call, **(extra or {}), "operation": self.name})
         except (ValueError, TypeError) as exc:  # the verdict, or this rank's own error re-raised
             self._leave(exc)
 

@@ -65,7 +65,7 @@ def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None,
                 "requires_grad": backward_follows(qkv[1], qkv[2])}
         return (qkv, args), {"dtype": qkv[0].dtype, "row shape": tuple(qkv[0].shape[len(plan.local_shape):]), **args}
 
-    ((q, k, v), args), rank, _ = validated(plan, group, check, validate)
+    ((q, k, v), args), rank, _ = validated(plan, group, check, validate, "attention")
     rows = math.prod(plan.local_shape)
     heads, dim = q.shape[-2:]
     kv = torch.cat([k, v], -1).reshape(rows, heads, 2 * dim)

@@ -205,7 +205,7 @@ def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, naive: bool, check: bool 
         return (a_, x_, belief), {"dtype": a_.dtype, "row shape": tuple(a_.shape[1:]), "naive": belief != plan,
                                   "requires_grad": backward_follows(a_, x_)}  # the state gather's backward
 
-    (a, x, rows_plan), rank, _ = validated(plan, group, check, validate)
+    (a, x, rows_plan), rank, _ = validated(plan, group, check, validate, "linear_scan")
     args = {"naive": rows_plan != plan}  # every rank alike: agreed on, and carried by the gather's header
     layout = scan_layout(rows_plan)
     dev = a.device
