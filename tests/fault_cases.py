@@ -572,6 +572,7 @@ def adversary_check_values(rank: int, world: int) -> list[tuple[Any, ...]]:
     plan = ShardPlan.build([9, 7], cp_size=world)
     x = shard(torch.arange(16.0), plan, rank)
     v, m = _loss_inputs(plan, rank)
+    others = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     return [_seen(lambda: gather(x, plan, group, check=_flip(rank, True, "yes")).values()),
             _seen(lambda: token_mean(v, m, plan, group, check=_flip(rank, True, 1))),
             _seen(lambda: _mtp_call(plan, rank, check=_flip(rank, True, "on"))),
@@ -579,7 +580,9 @@ def adversary_check_values(rank: int, world: int) -> list[tuple[Any, ...]]:
             # checks on, another function whose arguments read alike (rows (L,) and one 0-d value: dtype
             # float32, row shape ()): the agreement passed and the ranks waited in an all-gather and an all-reduce
             _seen(lambda: gather_tokens(x, plan, group, check=True) if rank == 0 else
-                  sum_over_group(torch.ones(()), plan, group, check=True))]
+                  sum_over_group(torch.ones(()), plan, group, check=True)),
+            # a dp_group this rank is not in: refused inside the agreement, its fix naming the DP group
+            _seen(lambda: token_mean(v, m, plan, group, dp_group=others[1 - rank], check=True))]
 
 
 def adversary_sums(rank: int, world: int) -> list[tuple[Any, ...]]:

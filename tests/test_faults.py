@@ -379,6 +379,9 @@ def test_a_check_that_is_no_bool_is_refused_on_every_rank(adversary):
         msg = _raised_at_once(what)
         assert "called with different arguments in operation" in msg, msg
         assert f"operation={('gather', 'sum_over_group')[rank]}" in msg, msg
+    for rank, what in enumerate((calls0[5], calls1[5])):  # before: "Fix: pass the context-parallel group ..."
+        assert _raised_at_once(what).startswith(f"dp_group=a group of ranks [{1 - rank}]: does not contain this "
+                                                f"process (global rank {rank}). Fix: pass the data-parallel group")
 
 
 def test_complex_sums_add_up_and_a_complex_maximum_is_refused(adversary):
