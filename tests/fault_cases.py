@@ -526,7 +526,10 @@ def adversary_inputs(rank: int, world: int) -> list[tuple[Any, ...]]:
     only rank 0's integer labels cannot take: sharded after the agreement, they raised on that rank
     alone while its peer waited in the count sum (or returned). Then counts: an infinite num_tokens
     returned 0 on every rank; a NaN weight in rank 1's mask made rank 0 return its plain sum; and
-    ``grad_reduction="mean"`` against ``"MEAN"`` (one convention) refused."""
+    ``grad_reduction="mean"`` against ``"MEAN"`` (one convention), and ``label_fill`` 0 against
+    ``np.int64(0)``, refused."""
+    import numpy as np
+
     from cpshard import GradReduction
     from cpshard.loss import sequence_mean, token_mean
     from cpshard.mtp import mtp_targets
@@ -549,7 +552,11 @@ def adversary_inputs(rank: int, world: int) -> list[tuple[Any, ...]]:
             _seen(lambda: float(token_mean(v, plan.token_mask(rank), plan, group, check=False,
                                            grad_reduction=_flip(rank, "mean", "MEAN")))),
             _seen(lambda: float(sequence_mean(v, plan.token_mask(rank), plan, group, check=True,
-                                              grad_reduction=_flip(rank, GradReduction.SUM, "Sum"))))]
+                                              grad_reduction=_flip(rank, GradReduction.SUM, "Sum")))),
+            # label_fill 0 against NumPy's 0 (one value): refused before, checks on and off
+            *[_seen(lambda check=check: mtp_targets(shard(whole, plan, rank), None, plan, group, num_depths=2,
+                                                    label_fill=_flip(rank, 0, np.int64(0)), check=check)[0].shape)
+              for check in (True, False)]]
 
 
 def _mtp_whole(plan: Any, labels: list[torch.Tensor]) -> Any:

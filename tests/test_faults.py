@@ -367,6 +367,7 @@ def test_whole_batch_inputs_and_counts_refused_on_every_rank(adversary):
     for what0, what1, total in zip(spelt0, spelt1, (2.0, 1.0)):
         assert what0[0] == what1[0] == "ok", (what0, what1)
         assert abs(what0[1] + what1[1] - total) < 1e-12, (what0, what1)
+    assert spelt0[2:] == spelt1[2:] == [("ok", (2, 10))] * 2  # label_fill spelt two ways: the labels of 2 depths
 
 
 def test_a_check_that_is_no_bool_is_refused_on_every_rank(adversary):

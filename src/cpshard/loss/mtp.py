@@ -252,7 +252,7 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
             agree(plan, group, exc, {})
         raise  # agree re-raised it (kept for the type checker), or checks are off
     lead = plan.local_shape
-    args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": label_fill,
+    args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": _as_number(label_fill),
             "num_depths": n}
     exchanges = any(x is not None and not _is_global(x) for x in (source, loss_mask))
     if agreed and not exchanges:  # the exchange agrees on its own call (which then holds args) below
@@ -394,6 +394,14 @@ def mtp_loss(
     attach = autoscaler if autoscaler is not None else MtpLossAutoScaler.apply
     hidden = attach(chunks[0], total)
     return MtpLoss(hidden=hidden, losses=torch.stack(losses), counts=totals.detach())
+
+
+def _as_number(value: Any) -> Any:
+    """A real ``value`` as the number it is (``np.int64(0)``, ``0`` and ``0.0`` are ``0``; ``np.float32(0.5)``
+    is ``0.5``), so that ranks that spell one label_fill two ways agree; anything else as given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) or float(value).is_integer() else float(value)
 
 
 def _count_dtype(mask: torch.Tensor) -> torch.dtype:
