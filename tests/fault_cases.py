@@ -473,3 +473,132 @@ def megatron_refusal(rank: int, world: int) -> list[tuple[Any, ...]]:
         return [_seen(caused), _seen(lambda: call(8))]
     finally:
         set_checks(previous)
+
+
+# -- a fresh adversarial pass (issue 38): new cases, each failing before its fix -----------------------
+
+
+def _backward(out: torch.Tensor) -> float:
+    """The call's result summed, after ``backward()`` where autograd recorded it (its collective then runs)."""
+    if out.requires_grad:
+        out.sum().backward()
+    return float(out.detach().sum())
+
+
+def adversary_grad(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Rank 1's tensors require no gradient (or it runs under no_grad) while rank 0's do: rank 1 returned
+    and rank 0 waited in the backward collective rank 1 never made (attention, the scan, shift_sharded,
+    relayout, all_gather_rows). Now ``requires_grad`` is agreed on (checks on) and carried by the
+    forward's header (checks off): every rank raises in forward."""
+    from cpshard import twin_plan
+    from cpshard.attention import attention
+    from cpshard.distributed import all_gather_rows
+    from cpshard.scan import linear_scan
+
+    group = _world()
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    cont = twin_plan(plan, "contiguous")
+    grad = rank == 0
+
+    def q() -> torch.Tensor:
+        return torch.randn(plan.local_len, 2, 4, generator=torch.Generator().manual_seed(rank),
+                           dtype=torch.float64).requires_grad_(grad)
+
+    def x(rows: int = plan.local_len) -> torch.Tensor:
+        return torch.full((rows, 2), 0.5, dtype=torch.float64).requires_grad_(grad)
+
+    def no_grad_on_1(call: Callable[[], Any]) -> Any:
+        with torch.set_grad_enabled(rank == 0):
+            return call()
+
+    return [_seen(lambda: _backward(attention(q(), q(), q(), plan, group, check=False))),
+            _seen(lambda: _backward(shift_sharded(x(), plan, group, shift=1, check=False))),
+            _seen(lambda: _backward(relayout(x(), plan, cont, group, check=True))),
+            _seen(lambda: _backward(all_gather_rows(x(), plan, group, check=False))),
+            _seen(lambda: _backward(no_grad_on_1(lambda: linear_scan(x(cont.local_len).detach().requires_grad_(),
+                                                                     x(cont.local_len).detach(), cont, group,
+                                                                     check=True)))),
+            _seen(lambda: _backward(attention(q().detach().requires_grad_(), q(), q(), plan, group, check=True)))]
+
+
+def adversary_inputs(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Checks on, rank 1's whole-batch labels or mask of another length or count, and a label_fill that
+    only rank 0's integer labels cannot take: sharded after the agreement, they raised on that rank
+    alone while its peer waited in the count sum (or returned). Then counts: an infinite num_tokens
+    returned 0 on every rank; a NaN weight in rank 1's mask made rank 0 return its plain sum; and
+    ``grad_reduction="mean"`` against ``"MEAN"`` (one convention), and ``label_fill`` 0 against
+    ``np.int64(0)``, refused."""
+    import numpy as np
+
+    from cpshard import GradReduction
+    from cpshard.loss import sequence_mean, token_mean
+    from cpshard.mtp import mtp_targets
+
+    group = _world()
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    whole = [torch.arange(9) % 5, torch.arange(7) % 5]
+    v = torch.ones(plan.local_len, dtype=torch.float64)
+    nan_mask = plan.token_mask(rank).double()
+    nan_mask[0] = float("nan") if rank == 1 else nan_mask[0]
+    return [_seen(lambda: _mtp_whole(plan, _flip(rank, whole, [whole[0], whole[1][:6]]))),
+            _seen(lambda: _mtp_whole(plan, whole + ([torch.arange(3)] if rank == 1 else []))),
+            _seen(lambda: mtp_targets(_flip(rank, whole, [t.float() for t in whole]), None, plan, group, num_depths=2,
+                                      label_fill=0.5, check=True)[0].shape),
+            _seen(lambda: token_mean(v, plan.token_mask(rank), plan, group, num_tokens=float("inf"), check=False)),
+            _seen(lambda: float(token_mean(v, nan_mask, plan, group, check=False))),
+            _seen(lambda: float(sequence_mean(v, nan_mask, plan, group, check=False))),
+            _seen(lambda: float(token_mean(v, plan.token_mask(rank), plan, group, check=True))),
+            # one convention spelled two ways: it refused before ("disagree about this reduction")
+            _seen(lambda: float(token_mean(v, plan.token_mask(rank), plan, group, check=False,
+                                           grad_reduction=_flip(rank, "mean", "MEAN")))),
+            _seen(lambda: float(sequence_mean(v, plan.token_mask(rank), plan, group, check=True,
+                                              grad_reduction=_flip(rank, GradReduction.SUM, "Sum")))),
+            # label_fill 0 against NumPy's 0 (one value): refused before, checks on and off
+            *[_seen(lambda check=check: mtp_targets(shard(whole, plan, rank), None, plan, group, num_depths=2,
+                                                    label_fill=_flip(rank, 0, np.int64(0)), check=check)[0].shape)
+              for check in (True, False)]]
+
+
+def _mtp_whole(plan: Any, labels: list[torch.Tensor]) -> Any:
+    """mtp_targets of whole-batch labels, checks on: the labels of every depth."""
+    from cpshard.mtp import mtp_targets
+
+    return mtp_targets(labels, None, plan, _world(), num_depths=2, check=True)[0].shape
+
+
+def adversary_check_values(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Rank 1 passes a ``check`` that is no bool while rank 0 passes ``check=True``: rank 1 raised its
+    TypeError before any collective, and rank 0's agreement paired with rank 1's next call (its first
+    gather returned, its loss and MTP loss then failed inside gloo). Now the bad value joins the
+    agreement as rank 1's refusal: every rank raises. Last, two functions whose arguments read alike:
+    the operation is agreed on too."""
+    from cpshard.distributed import gather_tokens, sum_over_group
+    from cpshard.loss import token_mean
+
+    group = _world()
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    x = shard(torch.arange(16.0), plan, rank)
+    v, m = _loss_inputs(plan, rank)
+    others = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    return [_seen(lambda: gather(x, plan, group, check=_flip(rank, True, "yes")).values()),
+            _seen(lambda: token_mean(v, m, plan, group, check=_flip(rank, True, 1))),
+            _seen(lambda: _mtp_call(plan, rank, check=_flip(rank, True, "on"))),
+            _seen(lambda: gather(x, plan, group, check=True).values().shape),
+            # checks on, another function whose arguments read alike (rows (L,) and one 0-d value: dtype
+            # float32, row shape ()): the agreement passed and the ranks waited in an all-gather and an all-reduce
+            _seen(lambda: gather_tokens(x, plan, group, check=True) if rank == 0 else
+                  sum_over_group(torch.ones(()), plan, group, check=True)),
+            # a dp_group this rank is not in: refused inside the agreement, its fix naming the DP group
+            _seen(lambda: token_mean(v, m, plan, group, dp_group=others[1 - rank], check=True))]
+
+
+def adversary_sums(rank: int, world: int) -> list[tuple[Any, ...]]:
+    """Complex sums: ``sum_over_group`` and ``sum_over`` of complex64 crashed on every rank inside torch
+    ("Tensor must have a storage_offset divisible by 2": the pairs after an odd-length trailer);
+    ``max_over`` of complex values has no meaning and is refused by name."""
+    from cpshard.distributed import max_over, sum_over, sum_over_group
+
+    plan = ShardPlan.build([9, 7], cp_size=world)
+    z = torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64) * (rank + 1)
+    return [_seen(lambda: sum_over_group(z, plan, _world())), _seen(lambda: sum_over(z.to(torch.complex128), _world())),
+            _seen(lambda: max_over(z, _world()))]

@@ -323,3 +323,72 @@ def test_the_megatron_drop_in_refuses_on_every_rank_without_a_plan(refusals):
         assert "built different plans" in msg and "ranks [1] built no plan (see that rank's own error)" in msg, msg
     assert "| cause: labels=tensor of shape (1, 7): under cp = 2 the local sequence length" in bad1[2]
     assert fine0 == fine1 == ("ok", (8, 1, 3))
+
+
+# -- a fresh adversarial pass (issue 38) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adversary():
+    return _timed_suite(("adversary_grad", "adversary_inputs", "adversary_check_values", "adversary_sums"))
+
+
+def test_ranks_that_disagree_about_the_backward_raise_in_forward(adversary):
+    """Before: rank 1 (no gradient, or no_grad) returned and rank 0 waited in the backward collective."""
+    for rank, calls in enumerate(_per_rank(adversary, "adversary_grad")):
+        unchecked = (calls[0], calls[1], calls[3])  # attention, shift_sharded, all_gather_rows: the header
+        for what, op in zip(unchecked, ("all_gather_rows", "shift_sharded", "all_gather_rows")):
+            msg = _raised_at_once(what)
+            assert msg.startswith(f"{op}: the ranks of the context-parallel group disagree about this call"), msg
+            assert f"requires_grad={rank == 0}" in msg, msg
+        for what in (calls[2], calls[4], calls[5]):  # relayout, the scan, the attention: the agreement names it
+            msg = _raised_at_once(what)
+            assert "called with different arguments in requires_grad" in msg and "Fix: pass every rank" in msg, msg
+
+
+def test_whole_batch_inputs_and_counts_refused_on_every_rank(adversary):
+    """Before: rank 1's whole-batch labels were sharded after the agreement, so it raised alone (rank 0
+    returned, or waited in mtp_loss's count sum); num_tokens=inf returned 0; a NaN weight in rank 1's
+    mask made rank 0 return its plain sum (6.0) as its share."""
+    (len0, count0, fill0, inf0, nan0, seq0, fine0, *spelt0), (len1, count1, fill1, inf1, nan1, seq1, fine1, *spelt1) = (
+        _per_rank(adversary, "adversary_inputs"))
+    _own_and_peer(len0, len1, ("x[1]=tensor of shape (6,): must have seqlens[1] = 7 rows", "ValueError"))
+    _own_and_peer(count0, count1, ("x=list of 3 tensors: must hold the plan's 2 sequences", "ValueError"))
+    # rank 0's integer labels cannot take label_fill=0.5, rank 1's float ones can: rank 0 refuses
+    assert _raised_at_once(fill0).startswith("fill=0.5: does not fit rows of integer dtype torch.int64"), fill0
+    assert "ranks [0] of the context-parallel group rejected their input" in _raised_at_once(fill1), fill1
+    for what in (inf0, inf1):
+        assert _raised_at_once(what).startswith("num_tokens=inf: must be finite (a count of tokens or sequences)")
+    for what in (nan0, nan1, seq0, seq1):  # NaN on every rank, never a finite share
+        assert what[0] == "ok" and what[1] != what[1], what
+    assert fine0[0] == fine1[0] == "ok"
+    # "mean" / "MEAN" (token_mean of ones: shares 2 n_r / 16, adding up to 2), then SUM / "Sum" (sequence_mean
+    # of ones under "sum": shares adding up to 1); refused before as "disagree about this reduction"
+    for what0, what1, total in zip(spelt0, spelt1, (2.0, 1.0)):
+        assert what0[0] == what1[0] == "ok", (what0, what1)
+        assert abs(what0[1] + what1[1] - total) < 1e-12, (what0, what1)
+    assert spelt0[2:] == spelt1[2:] == [("ok", (2, 10))] * 2  # label_fill spelt two ways: the labels of 2 depths
+
+
+def test_a_check_that_is_no_bool_is_refused_on_every_rank(adversary):
+    """Before: rank 1 raised its TypeError alone; rank 0's agreement paired with rank 1's next call."""
+    calls0, calls1 = _per_rank(adversary, "adversary_check_values")
+    for what0, what1, value in zip(calls0, calls1, ("'yes'", "1", "'on'")):
+        _own_and_peer(what0, what1, (f"check={value}: must be True, False or None", "TypeError"))
+    assert calls0[3] == calls1[3] == ("ok", (16,))
+    for rank, what in enumerate((calls0[4], calls1[4])):  # before: both waited until the backend's timeout
+        msg = _raised_at_once(what)
+        assert "called with different arguments in operation" in msg, msg
+        assert f"operation={('gather', 'sum_over_group')[rank]}" in msg, msg
+    for rank, what in enumerate((calls0[5], calls1[5])):  # before: "Fix: pass the context-parallel group ..."
+        assert _raised_at_once(what).startswith(f"dp_group=a group of ranks [{1 - rank}]: does not contain this "
+                                                f"process (global rank {rank}). Fix: pass the data-parallel group")
+
+
+def test_complex_sums_add_up_and_a_complex_maximum_is_refused(adversary):
+    """Before: a torch RuntimeError on every rank for the sums; the maximum of the parts apart for max_over."""
+    want = torch.tensor([1 + 2j, -3.5j], dtype=torch.complex64) * 3  # ranks 1 and 2 times the values
+    for summed, summed_wide, maximum in _per_rank(adversary, "adversary_sums"):
+        assert summed[0] == "ok" and torch.equal(summed[1], want), summed
+        assert summed_wide[0] == "ok" and torch.equal(summed_wide[1], want.to(torch.complex128)), summed_wide
+        assert _raised_at_once(maximum, "TypeError").startswith("values=a torch.complex64 tensor: has no order")

@@ -130,7 +130,10 @@ def test_plans_from_positions_keep_the_callers_order_on_request():
     (torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]]), {"layout": "zigzag"},
      r"positions\[0\]=document 1 of length 2: every document of a full row must divide by 4 .*layout='contiguous'"),
     (torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), {"padding": "aligned"}, r"document 0 of length 3: .* divide by 2"),
-    (torch.zeros((1, 0), dtype=torch.long), {}, r"must be \(B, S\) or \(S,\) with S >= 1"),
+    (torch.zeros((1, 0), dtype=torch.long), {}, r"must be \(B, S\) with B >= 1, or \(S,\), with S >= 1"),
+    # no row at all (B = 0): an IndexError from inside before; a meta tensor: torch's NotImplementedError
+    (torch.zeros((0, 8), dtype=torch.long), {}, r"positions=shape \(0, 8\): must be \(B, S\) with B >= 1"),
+    (torch.zeros((1, 4), dtype=torch.long, device="meta"), {}, r"positions=a tensor .* on the meta device"),
     (torch.zeros((1, 2, 2), dtype=torch.long), {}, r"must be \(B, S\)"),
     (torch.tensor([[0, 1, 2, 3]]), {"layout": "zigzag", "reorder": "balanced"}, r"reorder='balanced'"),
 ])

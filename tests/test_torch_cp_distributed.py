@@ -53,3 +53,16 @@ def test_torch_context_parallel_ring_sdpa_is_refused(world):
 @pytest.mark.parametrize("world", WORLDS)
 def test_llama_step_under_cp_equals_cp1(world):
     assert _examples(world, "llama") >= 2
+
+
+def test_ranks_whose_plans_differ_raise_on_every_rank_with_checks_on():
+    """Before: torch's shard and unshard returned other rows on each rank, no error (load_balancer had no
+    check). With ``check=True`` and ``mesh=``, one all-gather of every rank's plans first."""
+    seen = run_suite("torch_cp_ranks", ("plans_differ",), 2, timeout=120, collective_timeout=60)
+    for rank, (differ, refused, alike) in enumerate(r["plans_differ"] for r in seen):
+        assert differ[0] == "raised" and "built different plans" in differ[1] and "num_seqs=2" in differ[1], differ
+        # rank 1's plans are for cp = 1: every rank names it, rank 1's own error chained as the cause
+        assert refused[0] == "raised" and "ranks [1] built no plan (see that rank's own error)" in refused[1], refused
+        if rank == 1:
+            assert refused[2].startswith("mesh=a device mesh of 2 ranks: must have the plans' cp_size=1"), refused
+        assert alike[0] == "ok" and alike[1].tolist() == [list(range(8))], alike

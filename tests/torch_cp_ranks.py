@@ -306,3 +306,31 @@ def llama(rank: int, world: int) -> int:
 
     check()
     return len(seen)
+
+
+def plans_differ(rank: int, world: int) -> list[tuple]:
+    """Rank 1 builds other plans than rank 0 (one document of 8 against two of 4, zigzag): torch's shard
+    and unshard returned other rows on each rank, silently (their collectives carry no cpshard header).
+    With ``check=True`` the balancer's agreement raises on every rank; a rank whose own plans are
+    refused (the wrong ``cp_size`` for the mesh) makes every rank raise too. Then the same plans: the
+    buffer back bit for bit."""
+    names = torch_cp.torch_names()
+    mesh = _mesh(world)
+    buffer = torch.arange(8.0)[None]
+
+    def round_trip(lengths, cp_size=world, check=True):
+        plan = ShardPlan.build(lengths, cp_size=cp_size, layout="zigzag", padding="minimal")
+        balancer = torch_cp.load_balancer([plan], mesh=mesh, check=check)
+        local, = names._context_parallel_shard(mesh, [buffer], [1], load_balancer=balancer)
+        back, = names.context_parallel_unshard(mesh, [local], [1], load_balancer=balancer)
+        return back
+
+    def seen(call):
+        try:
+            return ("ok", call())
+        except ValueError as exc:
+            return ("raised", str(exc), str(exc.__cause__))  # the refusing rank's own error: the cause
+
+    return [seen(lambda: round_trip([4, 4] if rank == 0 else [8])),
+            seen(lambda: round_trip([8], cp_size=1 if rank == 1 else world)),
+            seen(lambda: round_trip([8]))]

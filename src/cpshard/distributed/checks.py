@@ -24,7 +24,8 @@ from cpshard.distributed.stamp import all_gather_flat, raise_on_mismatch
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.values import Plan
 
-__all__ = ["agree", "check_local", "check_plan", "checked_call", "device_types", "plan_fingerprint", "validated"]
+__all__ = ["agree", "check_local", "check_plan", "checked_call", "checks_on", "device_types", "plan_fingerprint",
+           "validated"]
 
 _T = TypeVar("_T")
 
@@ -65,8 +66,8 @@ def check_plan(plan: Plan, group: Any) -> None:
     agree(plan, group, None, {})
 
 
-def checked_call(plan: Any, group: Any, check: bool | None,
-             validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int, dict[str, Any], bool]:
+def checked_call(plan: Any, group: Any, check: bool | None, validate: Callable[[], tuple[_T, dict[str, Any]]],
+                 op: str) -> tuple[_T, int, dict[str, Any], bool]:
     """Run ``validate()`` (local checks) and return its result with this rank's group rank.
 
     ``validate`` returns ``(result, call)`` where ``call`` names the arguments every rank must
@@ -74,10 +75,11 @@ def checked_call(plan: Any, group: Any, check: bool | None,
     once, before any collective. ``check=True``: the verdict, the plan's fingerprint and a digest of
     ``call`` are shared with the other ranks first, so that a failure on any rank, different plans
     or different arguments raise on every rank instead of one rank raising while the others wait
-    (or the collective mixing data of different dtypes). Also returns ``call`` and whether the
+    (or the collective mixing data of different dtypes); ``op`` (the public function's name) is agreed
+    on with them. Also returns ``call`` and whether the
     agreement ran: the data collective's header carries both (Note [Call headers] in ``distributed/header.py``).
     """
-    if not _protocol.resolve_check(check) or (isinstance(plan, Plan) and solo(plan, group)):
+    if not checks_on(check, plan, group) or (isinstance(plan, Plan) and solo(plan, group)):
         result, call = validate()
         device_types(result)
         return result, group_rank(plan, group), call, False
@@ -87,8 +89,23 @@ def checked_call(plan: Any, group: Any, check: bool | None,
     except (ValueError, TypeError) as exc:
         agree(plan, group, exc, {})
         raise  # agree re-raises it; kept for the type checker
-    agree(plan, group, None, {**call, "device": devices})  # the agreement only: headers stay as they were
+    # the agreement only (headers stay as they were); the operation too: two functions whose arguments
+    # read alike (a gather of (L,) rows, a sum of one 0-d value) would pass it, then wait in different collectives
+    agree(plan, group, None, {**call, "device": devices, "operation": op})
     return result, group_rank(plan, group), call, True
+
+
+def checks_on(check: Any, plan: Any, group: Any) -> bool:
+    """Whether a call runs the agreement (``check``, or the process-wide switch when it is None). A ``check``
+    that is no bool (``"yes"``, ``1``) is this rank's refusal: it joins the agreement with it, as for any
+    bad input, so that peers with checks on raise with it instead of pairing their agreement with this
+    rank's next call (peers with checks off name the check setting in their data collective's header)."""
+    try:
+        return _protocol.resolve_check(check)
+    except TypeError as exc:
+        if group is not None and not (isinstance(plan, Plan) and solo(plan, group)):
+            agree(plan, group, exc, {})
+        raise
 
 
 def device_types(value: Any) -> tuple[str, ...]:
@@ -131,11 +148,11 @@ def agree(plan: Any, group: Any, error: Exception | None, call: dict[str, Any]) 
     group_rank(plan, group)  # the same plan everywhere: a size mismatch now raises on every rank
 
 
-def validated(plan: Any, group: Any, check: bool | None,
-              validate: Callable[[], tuple[_T, dict[str, Any]]]) -> tuple[_T, int, bool]:
+def validated(plan: Any, group: Any, check: bool | None, validate: Callable[[], tuple[_T, dict[str, Any]]],
+              op: str) -> tuple[_T, int, bool]:
     """For a call of layer 5 (the scan, the attention): ``validate()``'s result, this rank's group
     rank, and whether the agreement ran. With checks on (``check``, or :func:`set_checks`), a
     failure of ``validate`` on any rank, different plans or different ``call`` values (dtype, shape)
     raise on every rank, before any data collective; with checks off ``validate`` raises here."""
-    result, rank, _, ran = checked_call(plan, group, check, validate)
+    result, rank, _, ran = checked_call(plan, group, check, validate, op)
     return result, rank, ran

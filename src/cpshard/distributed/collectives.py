@@ -44,8 +44,8 @@ from cpshard.plan.args import check_shift
 from cpshard.plan.twins import check_twins, relayout_route
 from cpshard.plan.values import Plan
 
-__all__ = ["all_gather_rows", "all_gather_rows_for", "gather", "gather_states", "gather_states_for", "gather_tokens",
-           "joined", "relayout", "shift_sharded", "shift_sharded_multi", "shift_sharded_multi_for"]
+__all__ = ["all_gather_rows", "all_gather_rows_for", "backward_follows", "gather", "gather_states",
+           "gather_states_for", "gather_tokens", "joined", "relayout", "shift_sharded", "shift_sharded_multi", "shift_sharded_multi_for"]
 
 
 class _AllGatherOwnGrad(torch.autograd.Function):
@@ -71,7 +71,7 @@ def _gathered_buffer(local: torch.Tensor, plan: Plan, group: Any,
         checked = check_local(local, plan)
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):])}
 
-    local, rank, call, checked = checked_call(plan, group, check, validate)
+    local, rank, call, checked = checked_call(plan, group, check, validate, "gather")
     flat = local.reshape(math.prod(plan.local_shape), *local.shape[len(plan.local_shape):])
     if solo(plan, group):
         return flat
@@ -171,10 +171,10 @@ def shift_sharded(local: torch.Tensor, plan: Plan, group: Any, *, shift: int = 1
         k = check_shift(shift)
         pad, fil = pad_and_fill(pad_value, fill, k, checked.dtype)
         call = {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(plan.local_shape):]), "shift": k,
-                "pad_value": pad, "fill": fil}
+                "pad_value": pad, "fill": fil, "requires_grad": backward_follows(checked)}
         return (checked, k, pad, fil), call
 
-    (local, k, pad, fil), rank, call, checked = checked_call(plan, group, check, validate)
+    (local, k, pad, fil), rank, call, checked = checked_call(plan, group, check, validate, "shift_sharded")
     ex = plan.indices().shift_exchange(rank, k, local.device)
     stamp = Stamp("shift_sharded", rank, checked, (plan,), call)
     lead = len(plan.local_shape)
@@ -244,7 +244,8 @@ def shift_sharded_multi_for(tensors: Sequence[torch.Tensor], plan: Plan, group: 
                 "shifts": ks, "pad_values": pads, "fills": fils, **args}
         return (checked, ks, pads, fils), call
 
-    (checked, ks, pads, fils), rank, call, ran_check = checked_call(plan, group, check, validate)
+    (checked, ks, pads, fils), rank, call, ran_check = checked_call(plan, group, check, validate,
+                                                                    "shift_sharded_multi")
     lead = len(plan.local_shape)
     rows = [t.detach().reshape(-1, *t.shape[lead:]) for t in checked]
     ms = plan.indices().halo(rank, ks, rows[0].device)
@@ -314,9 +315,10 @@ def _gather_rows(rows: torch.Tensor, plan: Plan, group: Group, op: str, check: b
             fail(name, f"a {'nested' if checked.is_nested else '0-d'} tensor", "must be a dense tensor of rows "
                  "(one shape on every rank)", f"pass {name} as one strided tensor")
         checked = checked.unsqueeze(0) if op == "gather_states" else checked
-        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]), **args}
+        return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape[1:]),
+                         "requires_grad": backward_follows(checked), **args}
 
-    rows, rank, call, ran_check = checked_call(plan, group, check, validate)
+    rows, rank, call, ran_check = checked_call(plan, group, check, validate, op)
     if solo(plan, group):
         return rows
     stamp = Stamp(op, rank, ran_check, (plan,), call)
@@ -346,6 +348,15 @@ def joined(out: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
     if not (torch.is_grad_enabled() and gathered.requires_grad):
         return out
     return _Joined.apply(out, gathered)
+
+
+def backward_follows(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a call on ``tensors`` (grad mode on, one of them requiring a gradient): then
+    its backward collective follows, which every rank must make alike. Agreed on (checks on) and carried by
+    the forward's header (checks off) as ``requires_grad``, so that a rank whose tensors require no gradient
+    (or that runs under ``torch.no_grad()``) while its peers' do raises with them in forward, instead of
+    returning while they wait in the backward collective it never makes."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _run_relayout(flat: torch.Tensor, route: Any, group: Any, stamp: Stamp) -> torch.Tensor:
@@ -404,9 +415,9 @@ def relayout(local: torch.Tensor, src_plan: Plan, dst_plan: Plan, group: Any, *,
         _, dst = check_twins(src_plan, dst_plan)
         checked = check_local(local, src_plan)
         return (checked, dst), {"dtype": checked.dtype, "row shape": tuple(checked.shape[len(src_plan.local_shape):]),
-                                "dst_plan": plan_fingerprint(dst).tolist()}
+                                "dst_plan": plan_fingerprint(dst).tolist(), "requires_grad": backward_follows(checked)}
 
-    (checked, dst), rank, call, ran_check = checked_call(src_plan, group, check, validate)
+    (checked, dst), rank, call, ran_check = checked_call(src_plan, group, check, validate, "relayout")
     lead = len(src_plan.local_shape)
     trailing = checked.shape[lead:]
     flat = checked.reshape(math.prod(src_plan.local_shape), *trailing)

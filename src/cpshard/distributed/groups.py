@@ -94,5 +94,8 @@ def group_size(group: Any, name: str = "group") -> int:
     try:
         require_group(group)
     except (TypeError, ValueError) as exc:  # name the caller's argument, keep the rest of the message
-        raise type(exc)(str(exc).replace("group=", f"{name}=", 1)) from None
+        message = str(exc).replace("group=", f"{name}=", 1)
+        if name == "dp_group":  # the fix names the group the caller meant (it named the CP group before)
+            message = message.replace("the context-parallel group this rank", "the data-parallel group this rank")
+        raise type(exc)(message) from None
     return dist.get_world_size(group)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpshard.base.errors import check_real, check_tensor
+from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed import header as _header
 from cpshard.distributed.checks import checked_call
 from cpshard.distributed.groups import collective_device, require_group, solo
@@ -67,8 +67,8 @@ def reduce_stamped(values: torch.Tensor, group: Any, stamp: Stamp, reduce: str =
             raise ValueError(_reduction_error(stamp, verdict))
     else:  # on the device, no host sync: a device-side assertion, as the headers' (verify_headers)
         torch._assert_async((head == expected.to(head.device, non_blocking=True)).all())
-    if wide.is_complex():
-        body = torch.view_as_complex(body.view(-1, 2))
+    if wide.is_complex():  # a copy: after an odd-length trailer the pairs' storage offset is odd
+        body = torch.view_as_complex(body.reshape(-1, 2).clone())
     return body.view(values.shape).to(values.dtype)
 
 
@@ -98,7 +98,7 @@ def sum_over_group(values: torch.Tensor, plan: Plan, group: Any, *, check: bool 
         checked = check_real("values", check_tensor("values", values))
         return checked, {"dtype": checked.dtype, "row shape": tuple(checked.shape)}
 
-    values, rank, call, ran_check = checked_call(plan, group, check, validate)
+    values, rank, call, ran_check = checked_call(plan, group, check, validate, "sum_over_group")
     if solo(plan, group):
         return values.detach().clone()
     return reduce_stamped(values, group, Stamp("sum_over_group", rank, ran_check, (plan,), call))
@@ -122,6 +122,10 @@ def max_over(values: torch.Tensor, group: Any) -> torch.Tensor:
     device: CUDA under NCCL), as a new tensor on ``values``' device: the slowest rank's time, or the
     largest micro-batch count of a DP group. No gradient flows. Stamped as :func:`sum_over`."""
     values = check_real("values", check_tensor("values", values))
+    if values.is_complex():
+        fail("values", f"a {values.dtype} tensor", "has no order, so no maximum (the real and imaginary parts "
+             "would be maximised apart)", "pass values.abs(), or the real and imaginary parts as two tensors",
+             kind=TypeError)
     require_group(group)
     device = collective_device(group)
     call = {"dtype": values.dtype, "row shape": tuple(values.shape)}

@@ -65,8 +65,7 @@ import torch
 from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_int, check_real, fail, parse_choice
 from cpshard.base.types import TokenRows
-from cpshard.distributed.agree import resolve_check
-from cpshard.distributed.checks import agree
+from cpshard.distributed.checks import agree, checks_on
 from cpshard.distributed.collectives import shift_sharded_multi_for
 from cpshard.distributed.groups import group_rank, solo
 from cpshard.distributed.sums import reduce_over
@@ -232,34 +231,36 @@ def _targets(labels: Rows | None, loss_mask: Rows | None, plan: Plan, group: Any
     agreement (every rank raises, this one its own error) instead of raising here while the peers
     wait. The agreement then always runs, with or without an exchange, so that ranks that pass their
     labels in another form (and so make another collective) or other arguments raise on every rank."""
-    agreed = resolve_check(check) and not (isinstance(plan, Plan) and solo(plan, group))
+    agreed = checks_on(check, plan, group) and not (isinstance(plan, Plan) and solo(plan, group))
+    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
+    out: dict[str, torch.Tensor] = {}
     try:
         result, args, num_depths = own()
         n = _target_args(labels, loss_mask, plan, num_depths, input_ids)
+        base = 0 if labels is not None else 1
+        shifts = tuple(range(base, base + n + 1))
+        rank = group_rank(plan, group)
+        # whole-batch inputs are sharded here, inside the checks: their lengths, count and label_fill are
+        # checked by shard, which then raises on every rank (checks on) instead of on this one after the
+        # agreement while its peers wait in the count sum
+        for name, x in ((source_name, source), ("loss_mask", loss_mask)):
+            if x is not None and _is_global(x):
+                fill = label_fill if name != "loss_mask" else 0
+                out[name] = torch.stack([shard(x, plan, rank, shift=k, pad_value=fill, fill=fill) for k in shifts])
     except (ValueError, TypeError) as exc:
         if agreed:
             agree(plan, group, exc, {})
         raise  # agree re-raised it (kept for the type checker), or checks are off
-    source_name, source = ("labels", labels) if labels is not None else ("input_ids", input_ids)
-    base = 0 if labels is not None else 1
-    shifts = tuple(range(base, base + n + 1))
     lead = plan.local_shape
-    rank = group_rank(plan, group)
-    args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": label_fill,
+    args = {**args, source_name: _form(source), "loss_mask": _form(loss_mask), "label_fill": _as_number(label_fill),
             "num_depths": n}
     exchanges = any(x is not None and not _is_global(x) for x in (source, loss_mask))
     if agreed and not exchanges:  # the exchange agrees on its own call (which then holds args) below
         agree(plan, group, None, args)
 
     sharded: list[tuple[str, torch.Tensor]] = []
-    out: dict[str, torch.Tensor] = {}
     for name, x in ((source_name, source), ("loss_mask", loss_mask)):
-        if x is None:
-            continue
-        if _is_global(x):
-            fill = label_fill if name != "loss_mask" else 0
-            out[name] = torch.stack([shard(x, plan, rank, shift=k, pad_value=fill, fill=fill) for k in shifts])
-        else:
+        if x is not None and not _is_global(x):
             assert isinstance(x, torch.Tensor)
             sharded.append((name, x.reshape(lead)))
     if sharded:
@@ -393,6 +394,14 @@ def mtp_loss(
     attach = autoscaler if autoscaler is not None else MtpLossAutoScaler.apply
     hidden = attach(chunks[0], total)
     return MtpLoss(hidden=hidden, losses=torch.stack(losses), counts=totals.detach())
+
+
+def _as_number(value: Any) -> Any:
+    """A real ``value`` as the number it is (``np.int64(0)``, ``0`` and ``0.0`` are ``0``; ``np.float32(0.5)``
+    is ``0.5``), so that ranks that spell one label_fill two ways agree; anything else as given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) or float(value).is_integer() else float(value)
 
 
 def _count_dtype(mask: torch.Tensor) -> torch.dtype:

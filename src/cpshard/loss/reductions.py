@@ -77,8 +77,7 @@ import torch
 
 from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_real, check_tensor, fail
-from cpshard.distributed.agree import resolve_check
-from cpshard.distributed.checks import agree
+from cpshard.distributed.checks import agree, checks_on
 from cpshard.distributed.groups import group_rank, group_size
 from cpshard.distributed.sums import reduce_over
 from cpshard.index.segments import to_device
@@ -108,6 +107,14 @@ def _rows(name: str, x: Any, plan: Plan) -> torch.Tensor:
              f"must hold one value per local row, local_shape = {plan.local_shape} (any shape of that many "
              "elements, e.g. Megatron's [1, L])", "pass this rank's rows, sharded with the same plan")
     return x.reshape(plan.local_shape)
+
+
+def _check_count(name: str, shown: str, value: float, fix: str) -> None:
+    """A given count: a number >= 0 (not NaN), and finite (an infinite count made every share 0)."""
+    if not value >= 0:
+        fail(name, shown, "must be a count >= 0", fix)
+    if math.isinf(value):
+        fail(name, shown, "must be finite (a count of tokens or sequences)", fix)
 
 
 class _Local:
@@ -154,15 +161,13 @@ class _Local:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and not value.is_meta:
             count = value.detach().reshape(()).to(device=self.values.device, dtype=_F64)
             if value.device.type == "cpu":  # read here: no device to wait for
-                if not float(count) >= 0:
-                    fail(name, f"tensor({float(count)})", "must be a count >= 0", fix)
+                _check_count(name, f"tensor({float(count)})", float(count), fix)
             else:  # on the device, no host sync: a device-side assertion
-                torch._assert_async(count >= 0)
+                torch._assert_async((count >= 0) & count.isfinite())
             return count
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             fail(name, repr(value), "must be a number or a one-element tensor", fix, kind=TypeError)
-        if not float(value) >= 0:
-            fail(name, repr(value), "must be a count >= 0", fix)
+        _check_count(name, repr(value), float(value), fix)
         return torch.tensor(float(value), dtype=_F64, device=self.values.device)
 
     def covers(self, name: str, count: torch.Tensor, read: bool, sequences: bool = False) -> None:
@@ -188,8 +193,9 @@ class _Local:
             torch._assert_async(count >= present - slack)
 
     def divide(self, summed: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        """``factor * summed / count``, with a zero count taken as one (the sum is then zero too)."""
-        count = torch.where(count > 0, count, torch.ones_like(count)).to(summed.dtype)
+        """``factor * summed / count``, with a zero count taken as one (the sum is then zero too). Only zero:
+        a NaN count (a NaN weight in some rank's mask) gives NaN on every rank, not each rank's plain sum."""
+        count = torch.where(count == 0, torch.ones_like(count), count).to(summed.dtype)
         return self.factor * summed / count
 
 
@@ -202,7 +208,7 @@ class _Call:
         self.name, self.plan, self.group, self.dp_group = name, plan, group, dp_group
         self.call = call  # the arguments every CP rank passes alike
         self.dp_sum = dp_sum  # whether this call sums over dp_group (else, checks on, it joins a one-word check)
-        self.checked = resolve_check(check)
+        self.checked = checks_on(check, plan, group)  # a check that is no bool: refused inside the agreement
 
     @property
     def dp_call(self) -> dict[str, Any]:
@@ -243,7 +249,7 @@ class _Call:
 
     def _agreed(self, error: Exception | None, extra: dict[str, Any] | None = None) -> None:
         try:
-            agree(self.plan, self.group, error, {**self.call, **(extra or {})})
+            agree(self.plan, self.group, error, {**self.call, **(extra or {}), "operation": self.name})
         except (ValueError, TypeError) as exc:  # the verdict, or this rank's own error re-raised
             self._leave(exc)
 
@@ -308,8 +314,14 @@ def _same_everywhere(summed: torch.Tensor, words: torch.Tensor, ranks: int, op: 
 
 
 def _call_args(grad_reduction: Any, dp_group: Any, **extra: Any) -> dict[str, Any]:
-    return {"grad_reduction": str(getattr(grad_reduction, "value", grad_reduction)), "dp_group": dp_group is not None,
-            **extra}
+    """The arguments every rank passes alike; ``grad_reduction`` as parsed (``"MEAN"`` and ``GradReduction.MEAN``
+    are ``"mean"``: ranks that spell one convention two ways agree), or as given where it does not parse
+    (refused inside the checks, by ``_Local``)."""
+    try:
+        reduction = GradReduction.parse(grad_reduction).value
+    except (ValueError, TypeError):
+        reduction = repr(grad_reduction)
+    return {"grad_reduction": reduction, "dp_group": dp_group is not None, **extra}
 
 
 def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, group: Any, *,
@@ -467,7 +479,7 @@ def sequence_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, plan: Plan, 
         return local.divide(sums.sum(), given)
     counts = call.over_cp(torch.zeros(b, dtype=_F64, device=device).index_add(0, seq, local.mask.reshape(-1).to(_F64)),
                           None if given is None else ("num_seqs", given))
-    labelled = counts > 0
+    labelled = (counts > 0) | counts.isnan()  # a NaN weight in a rank's mask: NaN on every rank, not dropped
     if token_reduction == "mean":
         sums = sums / torch.where(labelled, counts, torch.ones_like(counts)).to(sums.dtype)
     total = given if given is not None else call.over_dp(labelled.sum(dtype=_F64))

@@ -15,7 +15,7 @@ import torch
 
 from cpshard.base.errors import check_real, check_tensor, fail
 from cpshard.distributed.checks import validated
-from cpshard.distributed.collectives import all_gather_rows_for, joined
+from cpshard.distributed.collectives import all_gather_rows_for, backward_follows, joined
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.causal import (
     attend_blocks,
@@ -60,10 +60,12 @@ def _attend(q: Any, k: Any, v: Any, plan: Plan, group: Any, scale: float | None,
         check_plan_type(plan)
         qkv = _check_qkv(q, k, v, plan)
         # every rank alike: agreed on, and carried by the gather's header (the scale as used: None is 1/sqrt(D))
-        args = {"scale": float(1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale), "naive": naive}
+        # and whether the key/value gather's backward collective follows (k or v requiring a gradient)
+        args = {"scale": float(1.0 / math.sqrt(qkv[0].shape[-1]) if scale is None else scale), "naive": naive,
+                "requires_grad": backward_follows(qkv[1], qkv[2])}
         return (qkv, args), {"dtype": qkv[0].dtype, "row shape": tuple(qkv[0].shape[len(plan.local_shape):]), **args}
 
-    ((q, k, v), args), rank, _ = validated(plan, group, check, validate)
+    ((q, k, v), args), rank, _ = validated(plan, group, check, validate, "attention")
     rows = math.prod(plan.local_shape)
     heads, dim = q.shape[-2:]
     kv = torch.cat([k, v], -1).reshape(rows, heads, 2 * dim)

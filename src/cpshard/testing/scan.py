@@ -197,14 +197,15 @@ def _scan(a: Any, x: Any, plan: ShardPlan, group: Any, naive: bool, check: bool 
     zigzag). Every check runs inside the agreement (checks on), so that a rank that refuses its
     input or its plan makes every rank raise instead of leaving its peers waiting in the state gather."""
     from cpshard.distributed.checks import validated
-    from cpshard.distributed.collectives import gather_states_for, joined
+    from cpshard.distributed.collectives import backward_follows, gather_states_for, joined
 
     def validate() -> tuple[tuple[torch.Tensor, torch.Tensor, ShardPlan], dict[str, Any]]:
         belief = _check_kind(twin(_check_kind(plan), Layout.CONTIGUOUS)) if naive else _refuse_zigzag(plan)
         a_, x_ = _check(a, x, plan)
-        return (a_, x_, belief), {"dtype": a_.dtype, "row shape": tuple(a_.shape[1:]), "naive": belief != plan}
+        return (a_, x_, belief), {"dtype": a_.dtype, "row shape": tuple(a_.shape[1:]), "naive": belief != plan,
+                                  "requires_grad": backward_follows(a_, x_)}  # the state gather's backward
 
-    (a, x, rows_plan), rank, _ = validated(plan, group, check, validate)
+    (a, x, rows_plan), rank, _ = validated(plan, group, check, validate, "linear_scan")
     args = {"naive": rows_plan != plan}  # every rank alike: agreed on, and carried by the gather's header
     layout = scan_layout(rows_plan)
     dev = a.device

@@ -44,7 +44,7 @@ __all__ = ["TESTED_TORCH", "document_lengths", "document_mask_mod", "from_buffer
 
 
 def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None,
-                  mesh: Any = None) -> Any:
+                  mesh: Any = None, check: bool | None = None) -> Any:
     """A torch ``_LoadBalancer`` (``torch.distributed.tensor.experimental._context_parallel``) over
     one :class:`~cpshard.ShardPlan` per batch row, for ``_context_parallel_shard``,
     ``context_parallel_unshard`` and the CP block mask (``_create_cp_block_mask``).
@@ -57,12 +57,33 @@ def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | 
     checked here, and ``device`` defaults to the mesh's device type).
     Raises ``RuntimeError`` when asked for indices while torch's ring-SDPA path is on
     (:func:`ring_sdpa_active`); ``ImportError`` where the torch in use lacks the interface.
+
+    ``check``: with ``mesh=``, share every rank's plans first (one small all-gather over the mesh's
+    group, as :func:`cpshard.distributed.check_plan`), so that ranks whose plans differ, or a rank
+    that refuses its own, raise on every rank: torch's shard and unshard carry no cpshard header, and
+    ranks with other plans get other rows silently. ``None`` follows
+    :func:`cpshard.distributed.set_checks`; without ``mesh`` nothing is shared.
     """
-    balancer = balancer_class()(plans, device if device is not None or mesh is None else mesh.device_type)
-    if mesh is not None and mesh.size() != balancer.cp_size:
-        fail("mesh", f"a device mesh of {mesh.size()} ranks", f"must have the plans' cp_size={balancer.cp_size} "
-             "ranks: torch cuts each row into one piece per rank of the mesh", "build the plans with "
-             "cp_size=mesh.size(), or pass the context-parallel mesh (e.g. world_mesh['cp'])")
+    from cpshard.distributed.agree import checks_enabled
+    from cpshard.distributed.checks import agree, checks_on, plan_fingerprint
+
+    group, checked = None, False
+    if mesh is not None and check is not False and (check is not None or checks_enabled()):
+        group = mesh.get_group()  # only then: a mesh is read for its size and device type otherwise
+        checked = checks_on(check, None, group)
+    try:
+        balancer = balancer_class()(plans, device if device is not None or mesh is None else mesh.device_type)
+        if mesh is not None and mesh.size() != balancer.cp_size:
+            fail("mesh", f"a device mesh of {mesh.size()} ranks", f"must have the plans' cp_size={balancer.cp_size} "
+                 "ranks: torch cuts each row into one piece per rank of the mesh", "build the plans with "
+                 "cp_size=mesh.size(), or pass the context-parallel mesh (e.g. world_mesh['cp'])")
+    except (ValueError, TypeError) as exc:
+        if checked:  # this rank's refusal, carried by the agreement (as "no plan"): its peers raise too
+            agree(None, group, exc, {})
+        raise
+    if checked:  # every row's plan, in order: rows of other documents on another rank raise on every rank
+        agree(balancer.plans[0], group, None, {"operation": "load_balancer",
+                                               "plans": [plan_fingerprint(p).tolist() for p in balancer.plans]})
     return balancer
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard.base.errors import check_int, fail
+from cpshard.base.errors import check_int, check_real, fail
 from cpshard.base.layout import Layout, Padding, Reorder, alignment
 from cpshard.plan.values import ShardPlan
 
@@ -53,7 +53,7 @@ def _positions_array(positions: Any) -> np.ndarray:
         if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
             fail("positions", f"{positions.dtype} tensor", "must hold integers (position ids)",
                  "pass the integer position ids the model takes, e.g. positions.long()", kind=TypeError)
-        array = positions.detach().cpu().numpy()
+        array = check_real("positions", positions).detach().cpu().numpy()  # a meta tensor: refused, named
     else:
         array = np.asarray(positions)
         if array.dtype.kind not in "iu":
@@ -61,9 +61,9 @@ def _positions_array(positions: Any) -> np.ndarray:
                  "pass a (B, S) integer tensor", kind=TypeError)
     if array.ndim == 1:
         array = array[None]
-    if array.ndim != 2 or array.shape[1] == 0:
-        fail("positions", f"shape {tuple(array.shape)}", "must be (B, S) or (S,) with S >= 1",
-             "pass one row of position ids per batch row")
+    if array.ndim != 2 or 0 in array.shape:
+        fail("positions", f"shape {tuple(array.shape)}", "must be (B, S) with B >= 1, or (S,), with S >= 1",
+             "pass one row of position ids per batch row (at least one row)")
     return array.astype(np.int64, copy=False)
 
 
