@@ -269,6 +269,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
+        # gloo's init can return on one rank while a peer is still connecting to it: a rank whose fn makes
+        # no collective would then exit and close the connection under that peer ("Connection closed by
+        # peer" in connectFullMesh, seen under load). One barrier holds every rank until all are connected.
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
