@@ -28,6 +28,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from cpshard.compat._binding import MISSING
 from cpshard.compat.verl._pack import rearrange_micro_batches
 from cpshard.compat.verl import _bshd, _thd
 from cpshard.compat.verl._plans import local_padding_mask
@@ -63,7 +64,6 @@ MTP = "verl.models.mcore.mtp_patch"
 PACK_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
 DCP = "verl.utils.dynamic_cp_scheduler"
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
-MISSING = object()
 WRAPS = "__cpshard_wraps__"  # the attribute of a cpshard wrapper that holds verl's function it wraps
 
 
