@@ -114,14 +114,6 @@ def plan_cfgs(draw, *, big: bool = True, batch_max: int = 64, max_total: int | N
     return cfg
 
 
-def lcm(*xs: int) -> int:
-    """Closed-form least common multiple (the reference keeps its own, deliberately naive, one)."""
-    out = 1
-    for x in xs:
-        out = out * x // math.gcd(out, x)
-    return out
-
-
 def round_up(n: int, a: int) -> int:
     """Closed-form smallest multiple of ``a`` that is >= ``n``."""
     return -(-n // a) * a
@@ -132,13 +124,13 @@ def closed_form_padding(cfg: PlanCfg) -> list[int]:
     a = ref_alignment(cfg.cp, cfg.tp, cfg.layout, False)
     u = ref_alignment(cfg.cp, cfg.tp, cfg.layout, cfg.fp8, cfg.padding)
     F = a * 128 if cfg.fp8 else 1
-    K = lcm(u, F, cfg.cp * cfg.tp)  # every total keeps the per-sequence unit and cp shares of a multiple of tp
+    K = math.lcm(u, F, cfg.cp * cfg.tp)  # every total keeps the per-sequence unit and cp shares of a multiple of tp
     P = [round_up(n, u) for n in cfg.seqlens]
     T = round_up(sum(P), K)
     if cfg.min_local_rows is not None:
         T = max(T, round_up(cfg.min_local_rows * cfg.cp, K))
     if cfg.length_bucket is not None:
-        T = round_up(T, lcm(cfg.length_bucket, cfg.cp, K))
+        T = round_up(T, math.lcm(cfg.length_bucket, cfg.cp, K))
     P[-1] += T - sum(P)
     return P
 

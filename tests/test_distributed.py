@@ -16,6 +16,7 @@ import torch.distributed as dist
 from cpshard import BshdPlan, Layout, ShardPlan, shard, shift_exchange, unshard
 from cpshard.distributed import check_plan, gather, gather_tokens, shift_sharded, shift_sharded_multi
 from cpshard.spawn import CollectiveCounter, run_ranks
+from rank_suites import run_suite
 
 GATHER, ALL_TO_ALL = "allgather_base", "alltoall_base"  # the c10d ops behind all_gather_single, all_to_all_single
 
@@ -343,21 +344,13 @@ _PLAN = {
 }
 
 
-def _suite(rank, world, names):
-    out = {}
-    for name in names:
-        out[name] = globals()[name](rank, world)
-        dist.barrier()
-    return out
-
-
 @pytest.fixture(scope="module")
 def suites():
     cache = {}
 
     def get(world):
         if world not in cache:
-            cache[world] = run_ranks(_suite, world, _PLAN[world], timeout=400, collective_timeout=60)
+            cache[world] = run_suite(__name__, _PLAN[world], world, timeout=400, collective_timeout=60)
         return cache[world]
     return get
 

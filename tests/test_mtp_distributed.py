@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpshard import Layout, ShardPlan, shard
-from cpshard.spawn import CollectiveCounter, run_ranks
+from cpshard.spawn import CollectiveCounter
+from rank_suites import run_suite
 from test_mtp import megatron_loop
 
 F64 = torch.float64
@@ -238,18 +239,9 @@ _PLAN = {
 }
 
 
-def _suite(rank, world, names):
-    """Every sub-case planned for ``world`` in one spawned group (starting processes is the slow part)."""
-    results = {}
-    for name in names:
-        results[name] = globals()[name](rank, world)
-        dist.barrier()
-    return results
-
-
 @functools.cache
 def suites(world):
-    return run_ranks(_suite, world, _PLAN[world], timeout=400, collective_timeout=120)
+    return run_suite(__name__, _PLAN[world], world, timeout=400, collective_timeout=120)
 
 
 SUBCASES = len(BATCHES) * 2 * 2 * 2 * 2 * 2

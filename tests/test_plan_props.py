@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -15,7 +17,7 @@ from reference import (
     ref_rank_rows,
     ref_row_info,
 )
-from strategies import PlanCfg, closed_form_padding, lcm, plan_cfgs, props, round_up, seqlens_as
+from strategies import PlanCfg, closed_form_padding, plan_cfgs, props, round_up, seqlens_as
 
 # the per-row tests walk every row of every rank through the naive oracle: keep T moderate
 ROW_TESTS_MAX_TOTAL = 30000
@@ -194,7 +196,7 @@ def test_plan_invariants(cfg: PlanCfg):
     if cfg.min_local_rows is not None:
         assert L >= cfg.min_local_rows
     if cfg.length_bucket is not None:
-        assert T % lcm(cfg.length_bucket, cp) == 0
+        assert T % math.lcm(cfg.length_bucket, cp) == 0
 
 
 @given(plan_cfgs(), st.booleans())

@@ -82,6 +82,22 @@ def _explicit(world: int, layout: str, total: int | None = None):
     return [ShardPlan.build(r, **kw, total_len=S) for r in rows], rows
 
 
+def _search(world: int, examples: int, layout: str, check, total: int | None = None, longest: int = 12) -> int:
+    """Run ``check(plans, seed)`` on the explicit batch of ``layout`` and on drawn batches (``examples``
+    in all, the same on every rank); ``seed`` counts the batches checked before. Returns how many ran."""
+    seen = []
+
+    @_settings(examples)
+    @given(torch_cp_batches(cps=(world,), total=total, longest=longest))
+    @example(_explicit(world, layout, total))
+    def search(batch):
+        check(batch[0], len(seen))
+        seen.append(len(batch[0]))
+
+    search()
+    return len(seen)
+
+
 # -- sub-cases -----------------------------------------------------------------------------------
 
 
@@ -137,25 +153,18 @@ def flex(rank: int, world: int) -> int:
     mesh = _mesh(world)
     _eager_block_masks()
     S = 128 * world  # torch's CP block mask needs S % (cp * 128) == 0
-    seen = []
 
-    @_settings(2)
-    @given(torch_cp_batches(cps=(world,), total=S, longest=S // 3))
-    @example(_explicit(world, "contiguous", S))
-    def check(batch):
-        plans, _ = batch
+    def check(plans, seed):
         B, H, D = len(plans), 2, 4
-        g = torch.Generator().manual_seed(len(seen))
+        g = torch.Generator().manual_seed(seed)
         q, k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(3))
         full = cp_flex_attention(q, k, v, plans, mesh)
         tokens = _token_rows(plans)
         expected = _per_document(q, k, v, plans)
         got, want = full.transpose(1, 2)[tokens], expected.transpose(1, 2)[tokens]
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
-        seen.append(B)
 
-    check()
-    return len(seen)
+    return _search(world, 2, "contiguous", check, total=S, longest=S // 3)
 
 
 def sdpa_grads(rank: int, world: int) -> int:
@@ -165,15 +174,10 @@ def sdpa_grads(rank: int, world: int) -> int:
     gradients, restored by torch's unshard, and the summed loss equal per-document attention at cp = 1."""
     names = torch_cp.torch_names()
     mesh = _mesh(world)
-    seen = []
 
-    @_settings(4)
-    @given(torch_cp_batches(cps=(world,), longest=24))
-    @example(_explicit(world, "zigzag"))
-    def check(batch):
-        plans, _ = batch
+    def check(plans, seed):
         B, H, D, S = len(plans), 2, 4, plans[0].total_len
-        g = torch.Generator().manual_seed(len(seen))
+        g = torch.Generator().manual_seed(seed)
         q, k, v, w = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(4))
         w = w * _token_rows(plans)[:, None, :, None]  # the loss reads token rows only
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -193,10 +197,8 @@ def sdpa_grads(rank: int, world: int) -> int:
         grads = names.context_parallel_unshard(mesh, [lq.grad, lk.grad, lv.grad], [2, 2, 2], load_balancer=balancer)
         for name, got, want in zip("qkv", grads, (t.grad for t in ref)):
             assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (name, (got - want).abs().max())
-        seen.append(B)
 
-    check()
-    return len(seen)
+    return _search(world, 4, "zigzag", check, longest=24)
 
 
 def ring_sdpa(rank: int, world: int) -> bool:
@@ -260,14 +262,9 @@ def llama(rank: int, world: int) -> int:
     mesh = _mesh(world)
     _GROUP["name"] = mesh.get_group().group_name
     base = _llama()
-    seen = []
 
-    @_settings(2)
-    @given(torch_cp_batches(cps=(world,), longest=20))
-    @example(_explicit(world, "contiguous"))
-    def check(batch):
-        plans, _ = batch
-        docs = torch_cp_documents(plans, high=64, seed=len(seen))
+    def check(plans, seed):
+        docs = torch_cp_documents(plans, high=64, seed=seed)
         labels_of = [[torch.cat([d[1:], torch.full((min(len(d), 1),), -100)]) for d in row] for row in docs]
         count = sum(max(len(d) - 1, 0) for row in docs for d in row)
 
@@ -302,10 +299,8 @@ def llama(rank: int, world: int) -> int:
             grad = p.grad.clone()
             dist.all_reduce(grad)  # the CP reduction: the ranks' losses add up to the batch's
             assert torch.allclose(grad, q.grad, rtol=1e-9, atol=1e-12), (name, (grad - q.grad).abs().max())
-        seen.append(len(plans))
 
-    check()
-    return len(seen)
+    return _search(world, 2, "contiguous", check, longest=20)
 
 
 def plans_differ(rank: int, world: int) -> list[tuple]:

@@ -19,10 +19,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from types import CodeType, FrameType, ModuleType, TracebackType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 from cpshard.base.errors import fail
+from cpshard.compat._binding import Bindings, rebind
 from cpshard.compat.torchtitan import _titan
 from cpshard.compat.torchtitan._shard import KINDS, shard
 
@@ -31,12 +32,10 @@ __all__ = ["LOCK", "WRAPS", "TitanPatch", "activate", "active", "patch", "proces
 logger = logging.getLogger("cpshard.compat.torchtitan")
 LOCK = threading.RLock()
 WRAPS = "__cpshard_wraps__"  # the attribute of the replacement that holds torchtitan's cp_shard
-_MISSING = object()
-_TOP: list[TitanPatch | None] = [None]  # the patch whose bindings are in place
 _PROCESS: list[TitanPatch | None] = [None]  # activate()'s
 
 
-class TitanPatch:
+class TitanPatch(Bindings):
     """What :func:`patch` bound, and its undo (or leaving the ``with`` block).
 
     Attributes:
@@ -48,13 +47,13 @@ class TitanPatch:
             another holds them: it binds nothing).
     """
 
+    _framework = "torchtitan"
+    _lock = LOCK
+
     def __init__(self, version: str | None) -> None:
+        super().__init__()
         self.torchtitan_version = version
         self.kinds = tuple(KINDS)
-        self.bound: list[str] = []
-        self.skipped: dict[str, str] = {}
-        self.active = False
-        self._saved: list[tuple[ModuleType, str, Any, Any]] = []
         self._original: Callable[..., Any] | None = None
         self._replacement: Callable[..., Any] | None = None
 
@@ -69,58 +68,25 @@ class TitanPatch:
         return self._original
 
     def _bind(self, module: ModuleType, name: str, new: Any) -> None:
-        self._saved.append((module, name, vars(module).get(name, _MISSING), new))
-        setattr(module, name, new)
+        self._save(module, name, new)
         self.bound.append(f"{module.__name__}.{name}")
 
     def undo(self) -> None:
         """Put torchtitan's ``cp_shard`` back at every site, and wherever a ``torchtitan.*`` module
         imported while the patch was on took the replacement by name. A second call does nothing."""
-        with LOCK:
-            if not self.active:
-                return
-            for module, name, old, new in reversed(self._saved):
-                if vars(module).get(name, _MISSING) is not new:  # leave alone what someone patched over us
-                    continue
-                if old is _MISSING:
-                    delattr(module, name)
-                else:
-                    setattr(module, name, old)
-            taken = _rebind(self._replacement, self._original)
-            self.active = False
-            if _TOP[0] is self:
-                _TOP[0] = None
-            logger.info("cpshard.compat.torchtitan: restored torchtitan's cp_shard at %d sites%s", len(self.bound),
-                        f" and {len(taken)} taken meanwhile" if taken else "")
+        super().undo()
 
-    def __enter__(self) -> TitanPatch:
-        return self
+    def _taken(self) -> dict[int, tuple[Any, Any]]:
+        return {} if self._replacement is None else {id(self._replacement): (self._replacement, self._original)}
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.undo()
-
-
-def _torchtitan_modules() -> list[ModuleType]:
-    return [m for n, m in list(sys.modules.items())
-            if isinstance(m, ModuleType) and (n == "torchtitan" or n.startswith("torchtitan."))]
-
-
-def _rebind(old: Any, new: Any) -> list[str]:
-    """Set every ``torchtitan.*`` module attribute that is ``old`` to ``new``; the sites, as ``module.name``."""
-    done = []
-    for module in _torchtitan_modules():
-        for name, value in list(vars(module).items()):
-            if value is old and old is not None:
-                setattr(module, name, new)
-                done.append(f"{module.__name__}.{name}")
-    return done
+    def _restored(self, taken: list[str]) -> None:
+        logger.info("cpshard.compat.torchtitan: restored torchtitan's cp_shard at %d sites%s", len(self.bound),
+                    f" and {len(taken)} taken meanwhile" if taken else "")
 
 
 def active() -> TitanPatch | None:
     """The patch whose bindings are in place in this process, else None."""
-    top = _TOP[0]
-    return top if top is not None and top.active else None
+    return TitanPatch.in_force()
 
 
 def _positions_of(frame: FrameType | None, prepare: CodeType) -> Any:
@@ -175,14 +141,13 @@ def patch() -> TitanPatch:
         new = replacement(original, api.prepare_context_parallel_input.__code__)
         result._original, result._replacement = original, new
         result._bind(api, "cp_shard", new)
-        for site in _rebind(original, new):
+        for site in rebind("torchtitan", {id(original): (original, new)}):
             if site not in result.bound:
                 result.bound.append(site)
                 result._saved.append((sys.modules[site.rsplit(".", 1)[0]], site.rsplit(".", 1)[1], original, new))
         if f"{_titan.PACKAGE}.cp_shard" not in result.bound:
             result.skipped[f"{_titan.PACKAGE}.cp_shard"] = "the package does not bind torchtitan's cp_shard here"
-        result.active = True
-        _TOP[0] = result
+        result._hold()
         logger.info("cpshard.compat.torchtitan: torchtitan %s's cp_shard takes load_balancer_type %s at %d sites "
                     "(pid %d): %s", result.torchtitan_version, " / ".join(map(repr, KINDS)), len(result.bound),
                     os.getpid(), ", ".join(result.bound))

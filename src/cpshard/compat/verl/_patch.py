@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 import threading
 from collections import Counter
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 from cpshard.base.errors import fail
 from cpshard.base.layout import Layout
+from cpshard.compat._binding import MISSING, Bindings
 from cpshard.compat.verl import _layout
 from cpshard.compat.verl._mtp import SITE as MTP_SITE
 from cpshard.compat.verl._mtp import mtp_module, route_mtp_loss
@@ -25,7 +25,6 @@ from cpshard.compat.verl._plans import WRITTEN_FOR, verl_version
 from cpshard.compat.verl.sites import (
     BINDERS,
     DROP_INS,
-    MISSING,
     REQUIRED,
     UTIL,
     WRAPS,
@@ -42,11 +41,10 @@ logger = logging.getLogger("cpshard.compat.verl")
 
 #: held while a patch binds or undoes, and while cpshard is switched on for the process
 LOCK = threading.RLock()
-_TOP: list[VerlPatch | None] = [None]  # the patch whose bindings are in place
 _LOGGED = [False]
 
 
-class VerlPatch:
+class VerlPatch(Bindings):
     """What :func:`patch` did, and its undo (or leaving the ``with`` block).
 
     Attributes:
@@ -62,15 +60,15 @@ class VerlPatch:
             another holds them: it binds nothing, and its ``undo()`` only restores the layout it set).
     """
 
+    _framework = "verl"
+    _lock = LOCK
+
     def __init__(self, version: str, layout: str) -> None:
+        super().__init__()
         self.verl_version = version
         self.layout = layout
-        self.bound: list[str] = []
-        self.skipped: dict[str, str] = {}
         self.refused: dict[str, str] = {}
         self.replaced: list[str] = []
-        self.active = False
-        self._saved: list[tuple[Any, str, Any, Any]] = []
         self._verls: dict[int, tuple[Any, Any]] = {}  # id(drop-in) -> (drop-in, verl's function)
         self._at: dict[str, int] = {}  # site -> its entry in _saved
         self._previous: _layout.Setting | None = None
@@ -80,8 +78,7 @@ class VerlPatch:
                 f"bound, {len(self.skipped)} skipped, {len(self.refused)} refused)")
 
     def _replace(self, owner: Any, name: str, new: Any, site: str | None) -> None:
-        self._saved.append((owner, name, vars(owner).get(name, MISSING), new))
-        setattr(owner, name, new)
+        self._save(owner, name, new)
         self.replaced.append(f"{_name(owner)}.{name}")
         if site is not None:
             self._at[site] = len(self._saved) - 1
@@ -102,57 +99,29 @@ class VerlPatch:
         """Restore every binding this patch made, and those that modules imported while it was on took
         by ``from ... import`` (any ``verl.*`` module attribute that is a drop-in gets verl's function
         back); then the layout setting it replaced. A second call does nothing."""
-        with LOCK:
-            if self._previous is not None:
-                _layout.switch(self._previous)
-                self._previous = None
-            if not self.active:
-                return
-            for owner, name, old, new in reversed(self._saved):
-                if vars(owner).get(name, MISSING) is new:  # leave alone what someone patched over us
-                    if old is MISSING:
-                        delattr(owner, name)
-                    else:
-                        setattr(owner, name, old)
-            taken = _restore_taken(self._verls)
-            self.active = False
-            if _TOP[0] is self:
-                _TOP[0] = None
-            logger.info("cpshard.compat.verl: restored verl's functions at %d sites%s", len(self.bound),
-                        f" and {taken} bindings that modules imported meanwhile took" if taken else "")
+        super().undo()
 
-    def __enter__(self) -> VerlPatch:
-        return self
+    def _release(self) -> None:
+        if self._previous is not None:
+            _layout.switch(self._previous)
+            self._previous = None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.undo()
+    def _taken(self) -> dict[int, tuple[Any, Any]]:
+        return self._verls
+
+    def _restored(self, taken: list[str]) -> None:
+        logger.info("cpshard.compat.verl: restored verl's functions at %d sites%s", len(self.bound),
+                    f" and {len(taken)} bindings that modules imported meanwhile took" if taken else "")
 
 
 def _name(owner: Any) -> str:
     return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
 
 
-def _restore_taken(verls: dict[int, tuple[Any, Any]]) -> int:
-    """Put verl's functions back wherever a ``verl.*`` module holds a drop-in (a module imported while
-    the patch was on bound it by ``from ... import``). Returns how many."""
-    count = 0
-    for name, module in list(sys.modules.items()):
-        if not isinstance(module, ModuleType) or not (name == "verl" or name.startswith("verl.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            pair = verls.get(id(value))
-            if pair is not None and value is pair[0]:
-                setattr(module, attr, pair[1])
-                count += 1
-    return count
-
-
 def active() -> VerlPatch | None:
     """The patch whose bindings are in place in this process (``cpshard.compat.verl.enable``'s, or a
     ``with patch():`` block's), else None."""
-    top = _TOP[0]
-    return top if top is not None and top.active else None
+    return VerlPatch.in_force()
 
 
 def patch(layout: Layout | str | None = None) -> VerlPatch:
@@ -241,8 +210,7 @@ def _patch(layout: Layout | str | None, scope: str) -> VerlPatch:
             result.undo()
             raise
         result._previous = _layout.switch(setting)
-        result.active = True
-        _TOP[0] = result
+        result._hold()
         _log(result, scope)
         return result
 

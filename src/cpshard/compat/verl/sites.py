@@ -28,8 +28,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from cpshard.compat._binding import MISSING
 from cpshard.compat.verl._pack import rearrange_micro_batches
-from cpshard.compat.verl import _bshd, _thd
+from cpshard.compat.verl import _drop_ins
 from cpshard.compat.verl._plans import local_padding_mask
 
 __all__ = ["BINDERS", "DCP", "DROP_INS", "ENGINE", "MISSING", "MTP", "PACK_SITES", "REQUIRED", "UTIL", "OptionalSite",
@@ -37,7 +38,7 @@ __all__ = ["BINDERS", "DCP", "DROP_INS", "ENGINE", "MISSING", "MTP", "PACK_SITES
 
 #: verl's eight helpers in ``verl.models.mcore.util``, by name -> the drop-ins
 DROP_INS: dict[str, Callable[..., Any]] = {
-    name: getattr(_thd if name in _thd.__all__ else _bshd, name)
+    name: getattr(_drop_ins, name)
     for name in ("preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
                  "preprocess_packed_seqs", "postprocess_packed_seqs", "build_vlm_attn_mask_thd",
                  "build_vlm_attn_mask_bshd")
@@ -63,7 +64,6 @@ MTP = "verl.models.mcore.mtp_patch"
 PACK_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
 DCP = "verl.utils.dynamic_cp_scheduler"
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
-MISSING = object()
 WRAPS = "__cpshard_wraps__"  # the attribute of a cpshard wrapper that holds verl's function it wraps
 
 
