@@ -23,7 +23,7 @@ lists those rows:
   (:mod:`cpshard.compat.verl._layout`).
 
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
-``_drop_ins`` (the eight drop-ins, one module as verl's util), ``_layout`` (the layout of a site verl passes none),
+``_thd`` and ``_bshd`` (the drop-ins), ``_layout`` (the layout of a site verl passes none),
 ``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
 ``_rows`` (verl's per-row rules over the plan's segments), ``_pack`` (the packing drop-in
 :func:`rearrange_micro_batches`, and verl's own partition), ``_patch`` (:func:`patch`,
@@ -39,20 +39,22 @@ from __future__ import annotations
 
 from cpshard.compat.verl._pack import rearrange_micro_batches
 from cpshard.compat.verl._activation import activate, process_patch
-from cpshard.compat.verl._drop_ins import (
+from cpshard.compat.verl._bshd import (
     build_vlm_attn_mask_bshd,
     build_vlm_attn_mask_thd,
     postprocess_bshd_engine,
-    postprocess_packed_seqs,
-    postprocess_thd_engine,
     preprocess_bshd_engine,
-    preprocess_packed_seqs,
-    preprocess_thd_engine,
 )
 from cpshard.compat.verl._layout import ENV as LAYOUT_ENV
 from cpshard.compat.verl._patch import VerlPatch, active, patch
 from cpshard.compat.verl._plans import bshd_plan, local_padding_mask, thd_plan
 from cpshard.compat.verl.sites import DROP_INS as DROP_INS  # verl's eight helpers -> the drop-ins patch() binds
+from cpshard.compat.verl._thd import (
+    postprocess_packed_seqs,
+    postprocess_thd_engine,
+    preprocess_packed_seqs,
+    preprocess_thd_engine,
+)
 
 __all__ = [
     "LAYOUT_ENV",

@@ -30,7 +30,7 @@ from typing import Any
 
 from cpshard.compat._binding import MISSING
 from cpshard.compat.verl._pack import rearrange_micro_batches
-from cpshard.compat.verl import _drop_ins
+from cpshard.compat.verl import _bshd, _thd
 from cpshard.compat.verl._plans import local_padding_mask
 
 __all__ = ["BINDERS", "DCP", "DROP_INS", "ENGINE", "MISSING", "MTP", "PACK_SITES", "REQUIRED", "UTIL", "OptionalSite",
@@ -38,7 +38,7 @@ __all__ = ["BINDERS", "DCP", "DROP_INS", "ENGINE", "MISSING", "MTP", "PACK_SITES
 
 #: verl's eight helpers in ``verl.models.mcore.util``, by name -> the drop-ins
 DROP_INS: dict[str, Callable[..., Any]] = {
-    name: getattr(_drop_ins, name)
+    name: getattr(_thd if name in _thd.__all__ else _bshd, name)
     for name in ("preprocess_thd_engine", "postprocess_thd_engine", "preprocess_bshd_engine", "postprocess_bshd_engine",
                  "preprocess_packed_seqs", "postprocess_packed_seqs", "build_vlm_attn_mask_thd",
                  "build_vlm_attn_mask_bshd")
