@@ -1,8 +1,8 @@
 """The house rules of ``docs/ARCHITECTURE.md``, read from the source's AST (function-level and
 ``TYPE_CHECKING`` imports included): the import graph has no circle and follows the layers, only the
-communication layer calls collectives, no private name or attribute crosses a subpackage, the architecture page names every module, and no module
-grows past its size. Each rule is shown failing on a deliberate violation, so that a rule that can no
-longer fail is noticed."""
+communication layer calls collectives, no private name or attribute crosses a subpackage, the architecture
+page names every module, and no module grows past its size. Each rule is shown failing on a deliberate
+violation, so that a rule that can no longer fail is noticed."""
 
 from __future__ import annotations
 
@@ -236,7 +236,8 @@ def private_members(trees: dict[str, ast.AST]) -> dict[str, set[str]]:
                         and n.value.id in ("self", "cls")):
                     names.add(n.attr)
                 elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "__setattr__"
-                      and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)):
+                      and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant)
+                      and isinstance(n.args[1].value, str)):
                     names.add(n.args[1].value)
             for name in filter(_is_private, names):
                 out.setdefault(name, set()).add(subpackage(me))
@@ -388,7 +389,8 @@ def test_a_private_crossing_is_found():
     tree = ast.parse("from cpshard.plan.indices import _segments_per_token\nfrom cpshard.plan import values\n"
                      "values._cumsum\nfrom cpshard.megatron import _import\n")
     assert private_crossings({"cpshard.ops.sharding": tree, "cpshard.plan.bshd": tree}, set(GRAPH)) == {
-        "cpshard.ops.sharding: cpshard.plan.indices._segments_per_token", "cpshard.ops.sharding: cpshard.plan.values._cumsum",
+        "cpshard.ops.sharding: cpshard.plan.indices._segments_per_token",
+        "cpshard.ops.sharding: cpshard.plan.values._cumsum",
         "cpshard.ops.sharding: cpshard.megatron._import", "cpshard.plan.bshd: cpshard.megatron._import"}
 
 

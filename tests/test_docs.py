@@ -22,7 +22,8 @@ PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob
 BLOCK = re.compile(r"(?:<!-- excerpt: (?P<excerpt>\S+) -->\n)?```python\n(?P<code>.*?)```", re.S)
 # the files that the suite runs, and where (a block may be an excerpt of these only)
 RUN_BY_THE_SUITE = {"examples/train_step.py": "tests/test_readme.py::test_the_training_step_example_runs",
-                    "tests/torch_cp_ranks.py": "tests/test_torch_cp_distributed.py::test_flex_attention_under_cp_equals_cp1"}
+                    "tests/torch_cp_ranks.py":
+                        "tests/test_torch_cp_distributed.py::test_flex_attention_under_cp_equals_cp1"}
 # packages some blocks need that scripts/setup.sh can be told to skip (CPSHARD_MEGATRON=0, CPSHARD_NO_VERL=1,
 # CPSHARD_NO_TORCHTITAN=1)
 OPTIONAL = {"cpshard.megatron": "megatron", "cpshard.compat": "megatron", "verl": "verl",

@@ -137,7 +137,8 @@ def test_input_forms_identical(cfg: PlanCfg, d: DataCfg, data):
 
 
 @given(plan_cfgs(max_total=MAX_TOTAL), st.sampled_from([(), (2,), (3,)]),
-       st.sampled_from([torch.int64, torch.float32, torch.bfloat16, torch.int8]), st.sampled_from(["runs", "index", "ranks"]))
+       st.sampled_from([torch.int64, torch.float32, torch.bfloat16, torch.int8]),
+       st.sampled_from(["runs", "index", "ranks"]))
 @example(PlanCfg([3000, 7, 2500], 2, 1, "contiguous"), (), torch.float32, "auto")  # the default: runs
 @example(PlanCfg([0], 1, 1, "zigzag", min_local_rows=1), (), torch.float32, "runs")  # no tokens, a pad row
 @props(100)

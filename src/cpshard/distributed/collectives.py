@@ -45,7 +45,8 @@ from cpshard.plan.twins import check_twins, relayout_route
 from cpshard.plan.values import Plan
 
 __all__ = ["all_gather_rows", "all_gather_rows_for", "backward_follows", "gather", "gather_states",
-           "gather_states_for", "gather_tokens", "joined", "relayout", "shift_sharded", "shift_sharded_multi", "shift_sharded_multi_for"]
+           "gather_states_for", "gather_tokens", "joined", "relayout", "shift_sharded", "shift_sharded_multi",
+           "shift_sharded_multi_for"]
 
 
 class _AllGatherOwnGrad(torch.autograd.Function):

@@ -124,7 +124,8 @@ class Report:
     tolerance: float
     seconds: float
     model: str = "decoder"  # or "hybrid" (cpshard.tools.hybrid: attention on zigzag, a scan on its contiguous twin)
-    naive_skipped: str = ""  # why the naive check was not run: no cp > 1, or the batch cannot show it (naive_skip_reason)
+    # why the naive check was not run: no cp > 1, or the batch cannot show it (naive_skip_reason)
+    naive_skipped: str = ""
 
     @property
     def naive_kernel_caught(self) -> bool:

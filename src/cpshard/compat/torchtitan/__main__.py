@@ -58,7 +58,8 @@ def _text(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return report_main(argv, "python -m cpshard.compat.torchtitan", __doc__, status, _text, lambda report: bool(report["error"]))
+    return report_main(argv, "python -m cpshard.compat.torchtitan", __doc__, status, _text,
+                       lambda report: bool(report["error"]))
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def _text(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return report_main(argv, "python -m cpshard.compat.verl", __doc__, status, _text, lambda report: bool(report["error"] or report["refused"]))
+    return report_main(argv, "python -m cpshard.compat.verl", __doc__, status, _text,
+                       lambda report: bool(report["error"] or report["refused"]))
 
 
 if __name__ == "__main__":
