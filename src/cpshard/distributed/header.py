@@ -68,7 +68,7 @@ DATA, CHECK = 1, 2
 _KINDS = {DATA: "a data collective", CHECK: "the agreement check of check=True (or CPSHARD_CHECK=1)"}
 OPS = {"gather": 1, "all_gather_rows": 2, "gather_states": 3, "shift_sharded": 4,
        "shift_sharded backward": 5, "shift_sharded_multi": 6, "relayout": 7, "relayout backward": 8,
-       "check": 9}
+       "check": 9, "exchange_dims": 10, "exchange_dims backward": 11, "all_gather_dim": 12}
 _OP_NAMES = {v: k for k, v in OPS.items()}
 _FIELDS = ("kind", "operation", "rank", "check setting", "plan", "dtype", "row shape",
            "shift, pad and fill values or the calling operation's arguments")
