@@ -27,4 +27,5 @@ from cpshard.distributed.ulysses import all_gather_dim, exchange_dims
 
 __all__ = ["all_gather_dim", "all_gather_rows", "check_plan", "checks_enabled", "exchange_dims", "gather",
            "gather_states", "gather_tokens", "group_rank", "group_size", "initialized", "joined", "max_over",
-           "plan_fingerprint", "read_group", "relayout", "set_checks", "shift_sharded", "shift_sharded_multi", "sum_over", "sum_over_group"]
+           "plan_fingerprint", "read_group", "relayout", "set_checks", "shift_sharded", "shift_sharded_multi",
+           "sum_over", "sum_over_group"]
