@@ -17,7 +17,8 @@ from cpshard.base.types import Group
 from cpshard.ops.sharding import check_plan_type
 from cpshard.plan.values import Plan
 
-__all__ = ["collective_device", "group_rank", "group_size", "initialized", "read_group", "require_group", "solo"]
+__all__ = ["collective_device", "group_rank", "group_ranks", "group_size", "initialized", "read_group", "require_group",
+           "solo"]
 
 
 def require_group(group: Any) -> None:
@@ -42,6 +43,13 @@ def _group_ranks(group: Any) -> Any:
         return dist.get_process_group_ranks(group)
     except Exception:  # noqa: BLE001 - only for the message
         return "(unknown)"
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks ``group`` holds, in group-rank order (torch's ``get_process_group_ranks``), after
+    checking it holds this process. No communication; what an adapter reads to refuse overlapping groups."""
+    require_group(group)
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def solo(plan: Plan, group: Group) -> bool:

@@ -1,0 +1,111 @@
+"""A packed row as Hugging Face's padding-free collators give it, cut for ``R`` ring ranks times ``U``
+Ulysses ranks: the documents read from the position ids, the plan, this rank's rows and the way back.
+
+Note [The two-axis layout]
+--------------------------
+One plan describes every rank's rows: ``ShardPlan.build(lengths, cp_size=R, tp_size=U,
+padding="minimal")`` (contiguous: with ``reorder="balanced"``). Ring rank ``r`` holds the plan's
+``L = local_len`` rows, the ones ``cpshard.shard(x, plan, r)`` gives; the plan's ``tp_size`` keeps
+``L`` divisible by ``U``, and Ulysses rank ``u`` of that ring rank holds the ``u``-th of ``U``
+consecutive equal pieces, rows ``u * L / U .. (u + 1) * L / U - 1``: Megatron's sequence-parallel
+split of a CP rank, which is what ``tp_size`` already means for the plan. So no second plan kind is
+needed: a rank's rows are a slice of its ring rank's, every guarantee of ``shard``, the shifts,
+``unshard`` and the losses holds for the ring rank's rows, and the Ulysses all-to-all of attention
+puts exactly those rows back together (its group ranks are the pieces, in order). A two-axis plan type
+would repeat the ring plan's index service for the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cpshard.base.errors import check_tensor, fail
+from cpshard.plan.values import ShardPlan
+
+__all__ = ["SequenceBatch", "build_plan", "document_lengths", "piece"]
+
+
+def _row(name: str, x: Any, integer: bool = True) -> torch.Tensor:
+    """``x`` as the packed row's ``(T,)``: HF's ``(1, T)`` (or ``(T,)``)."""
+    x = check_tensor(name, x)
+    if x.is_nested or x.dim() not in (1, 2) or (x.dim() == 2 and x.shape[0] != 1):
+        fail(name, f"tensor of shape {tuple(x.shape)}", "must be one packed row (1, T), as a padding-free "
+             "collator gives it (DataCollatorWithFlattening)", f"pass {name} of shape (1, T): the documents "
+             "packed one after another")
+    if integer and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        fail(name, f"a {x.dtype} tensor", "must hold integers", f"pass {name} as int64", kind=TypeError)
+    return x.reshape(-1)
+
+
+def document_lengths(position_ids: Any) -> list[int]:
+    """The documents' lengths of a packed row ``(1, T)``, read from its position ids: a document starts
+    where the position id is 0 and counts ``0, 1, ..., n - 1`` (HF's ``DataCollatorWithFlattening``,
+    ``return_position_ids=True``). ``ValueError`` naming the first row that breaks this."""
+    pos = _row("position_ids", position_ids)
+    if pos.numel() == 0:
+        fail("position_ids", "an empty row", "must hold at least one token", "pass a non-empty packed row")
+    host = pos.detach().cpu()
+    starts = host == 0
+    expected = torch.cat([host.new_zeros(1), host[:-1] + 1])
+    bad = ~(starts | (host == expected))
+    bad[0] = host[0] != 0
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        shown = host[max(i - 2, 0):i + 3].tolist()
+        fail("position_ids", f"a row with {host[i].item()} at index {i} (around it: {shown})",
+             "must be runs 0, 1, ..., n - 1, one per packed document (a document starts where the id is 0)",
+             "pass the position ids of a padding-free collator (transformers' DataCollatorWithFlattening), "
+             "or torch.cat([torch.arange(n) for n in lengths])[None]")
+    cut = starts.nonzero().flatten().tolist() + [host.numel()]
+    return [b - a for a, b in zip(cut[:-1], cut[1:])]
+
+
+def build_plan(lengths: list[int], ring: int, ulysses: int, layout: str) -> ShardPlan:
+    """The ring plan of Note [The two-axis layout]."""
+    reorder = "balanced" if layout == "contiguous" else None
+    return ShardPlan.build(lengths, cp_size=ring, tp_size=ulysses, layout=layout, padding="minimal",
+                           reorder=reorder)
+
+
+def piece(rows: torch.Tensor, plan: ShardPlan, ulysses_rank: int) -> torch.Tensor:
+    """Ulysses rank ``u``'s consecutive piece of its ring rank's ``(L, ...)`` rows, as ``(1, L / U, ...)``."""
+    size = plan.local_len // plan.tp_size
+    return rows[ulysses_rank * size:(ulysses_rank + 1) * size].unsqueeze(0)
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceBatch:
+    """This rank's rows of one packed micro-batch (what :meth:`SequenceParallel.shard` returns).
+
+    ``input_ids``, ``position_ids``, ``labels``: ``(1, L / U)``. ``position_ids`` is each token's
+    position in its document (RoPE); ``labels`` the shifted label of each row (the next token's label
+    in the same document, ``-100`` at each document's last token and on pad rows: transformers'
+    ``shift_labels``), ``None`` without labels. ``plan`` is the ring plan (Note [The two-axis
+    layout]); ``ring_rank`` and ``ulysses_rank`` place this rank.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor | None
+    plan: ShardPlan
+    ring_rank: int
+    ulysses_rank: int
+    sp: Any = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the packed row, ``T``."""
+        return self.plan.num_tokens
+
+    def token_mask(self) -> torch.Tensor:
+        """``(1, L / U)`` bool: True on this rank's token rows, False on pad rows."""
+        return piece(self.plan.token_mask(self.ring_rank), self.plan, self.ulysses_rank)
+
+    def restore(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``(1, L / U, ...)`` rows back to the packed row ``(1, T, ...)``, in the caller's
+        order, pad rows dropped, on every rank (the logits, hidden states, per-token values). One
+        all-gather over the Ulysses group, one over the ring group (cpshard's ``gather_tokens``)."""
+        return self.sp.restore(x, self)

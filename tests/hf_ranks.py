@@ -1,0 +1,274 @@
+"""The gloo ranks of tests/test_hf_distributed.py: transformers' Llama (grouped-query heads, one key/value
+head) and Qwen2 (full and sliding-window layers) in float64 under ``cpshard.compat.hf.SequenceParallel``
+for ``(R, U)`` in (2, 1), (1, 2), (2, 2), (3, 1), (1, 4), both layouts, against one process running
+each document alone: the loss, every parameter gradient averaged over the ``R x U`` ranks, and
+``batch.restore(logits)``.
+
+One spawned world of 5 ranks serves every sub-case; the sequence-parallel ranks are global ranks 1..4 (or
+a part of them), so no group starts at global rank 0, and rank 0 only joins the group creation. Each
+sub-case returns per rank what it checked (an assertion raises on its rank and ``run_ranks`` reports it).
+
+Facts this relies on (transformers 5.10.4, torch 2.13): the models' RMSNorm takes its mean in float32
+(``hidden_states.to(torch.float32)``), about 2e-7 off between row splits; ``_exact_norms`` makes it
+float64 in every process (the reference too). The reference runs ``attn_implementation="sdpa"`` (eager
+takes its softmax in float32).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+import cpshard.compat.hf as hf
+
+SP_RANKS = [1, 2, 3, 4]
+SHAPES = [(2, 1), (1, 2), (2, 2), (3, 1), (1, 4)]
+WINDOW = 4
+#: the explicit rows: one-token documents, odd lengths, documents longer than the window
+ROWS = [[1, 7, 13, 3, 1, 9], [11], [2, 1, 5]]
+
+
+def _exact_norms() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    LlamaRMSNorm.forward = forward
+    Qwen2RMSNorm.forward = forward
+
+
+@functools.cache
+def model(kind: str):
+    """A tiny float64 model, the same on every rank (seeded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    _exact_norms()
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  max_position_embeddings=256, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        config = Qwen2Config(num_hidden_layers=3, num_key_value_heads=2, use_sliding_window=True,
+                             sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                                 "sliding_attention"], **common)
+        return Qwen2ForCausalLM(config).double()
+    heads = {"llama": 2, "llama_1kv": 1, "llama_6h": 3}[kind]
+    if kind == "llama_6h":
+        common["num_attention_heads"] = 6
+        common["hidden_size"] = 36
+    config = LlamaConfig(num_hidden_layers=2, num_key_value_heads=heads, **common)
+    return LlamaForCausalLM(config).double()
+
+
+def row(lengths: list[int], seed: int) -> tuple[torch.Tensor, ...]:
+    """A packed row ``(1, T)``: token ids, position ids, unshifted labels (some ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (sum(lengths),), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    labels = ids.clone()
+    labels[torch.rand(len(ids), generator=g) < 0.2] = -100
+    return ids[None], pos[None], labels[None]
+
+
+@functools.cache
+def reference(kind: str, lengths: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """One process, each document alone: the token-mean loss, the logits ``(T, V)``, every gradient."""
+    ids, pos, labels = row(list(lengths), seed)
+    ref = copy.deepcopy(model(kind))
+    count = 0
+    parts, sums = [], []
+    start = 0
+    for n in lengths:
+        doc, lab = ids[:, start:start + n], labels[0, start:start + n]
+        logits = ref(input_ids=doc, position_ids=torch.arange(n)[None]).logits[0]
+        target = torch.cat([lab[1:], torch.tensor([-100])])  # the next token of the same document
+        sums.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
+        count += int((target != -100).sum())
+        parts.append(logits.detach())
+        start += n
+    loss = sum(sums) / max(count, 1) + sum((p * 0).sum() for p in ref.parameters())
+    loss.backward()
+    return loss.detach(), torch.cat(parts), [p.grad.clone() for p in ref.parameters()]
+
+
+def groups(shape: tuple[int, int], members: tuple[int, ...]):
+    """This rank's groups of an ``R x U`` layout of ``members`` (None off them); every layout's groups are
+    made first, on every rank in one order (``dist.new_group`` is a collective of the world)."""
+    return _every_group()[(shape, members)]
+
+
+@functools.cache
+def _every_group() -> dict:
+    return {(shape, _members(shape)): _groups(shape, _members(shape)) for shape in SHAPES}
+
+
+def _groups(shape: tuple[int, int], members: tuple[int, ...]):
+    """Every rank creates every group of an ``R x U`` layout of ``members`` (rank ``(r, u)`` is
+    ``members[r * U + u]``), in one order; returns this rank's ring group, Ulysses group and the group of
+    all ``members`` (None where this rank is not in it)."""
+    R, U = shape
+    me = dist.get_rank()
+    ring = ulysses = None
+    for u in range(U):
+        ranks = [members[r * U + u] for r in range(R)]
+        g = dist.new_group(ranks) if R > 1 else None
+        ring = g if me in ranks else ring
+    for r in range(R):
+        ranks = [members[r * U + u] for u in range(U)]
+        g = dist.new_group(ranks) if U > 1 else None
+        ulysses = g if me in ranks else ulysses
+    every = dist.new_group(list(members))
+    return (ring, ulysses, every) if me in members else None
+
+
+def step(kind: str, shape: tuple[int, int], members: tuple[int, ...], layout: str, lengths: list[int], seed: int,
+         kernel: str = "sdpa", broken: str | None = None) -> dict | None:
+    """One step under ``R x U`` ranks; returns the largest differences from one process (None off the group)."""
+    made = groups(shape, members)
+    if made is None:
+        return None
+    ring, ulysses, every = made
+    R, U = shape
+    sp = hf.SequenceParallel(ring, ulysses, layout=layout, kernel=kernel)
+    ids, pos, labels = row(lengths, seed)
+    batch = sp.shard(ids, pos, labels)
+    if broken == "ulysses":  # this rank takes its Ulysses peer's rows: a layout that breaks on purpose
+        batch = _peer_piece(batch, ids, pos, labels)
+    net = copy.deepcopy(model(kind))
+    net.set_attn_implementation("cpshard")
+    with sp.attend(batch):
+        logits = net(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    loss = sp.loss(logits, batch)
+    loss = loss + sum((p * 0).sum() for p in net.parameters())
+    loss.backward()  # outside attend
+    ref_loss, ref_logits, ref_grads = reference(kind, tuple(lengths), seed)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=every)
+    mean /= R * U
+    grad_err = 0.0
+    for p, q in zip(net.parameters(), ref_grads, strict=True):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=every)
+        grad_err = max(grad_err, float(((g / (R * U)) - q).abs().max() / (q.abs().max() + 1e-30)))
+    restored = batch.restore(logits.detach())
+    return {"loss": float((mean - ref_loss).abs()), "grad": grad_err,
+            "logits": float((restored[0] - ref_logits).abs().max()) if restored.shape[1] == ref_logits.shape[0]
+            else float("inf")}
+
+
+def _peer_piece(batch, ids, pos, labels):
+    """The batch with the Ulysses pieces in reverse order (rank u holds piece U - 1 - u)."""
+    from cpshard import shard
+
+    plan, U = batch.plan, batch.plan.tp_size
+    size = plan.local_len // U
+    u = U - 1 - batch.ulysses_rank
+    cut = slice(u * size, (u + 1) * size)
+    r = batch.ring_rank
+    return dataclasses.replace(
+        batch, input_ids=shard(ids[0], plan, r)[cut][None], position_ids=shard(pos[0], plan, r)[cut][None],
+        labels=shard(labels[0], plan, r, shift=1, fill=-100)[cut][None])
+
+
+def _members(shape: tuple[int, int]) -> tuple[int, ...]:
+    return tuple(SP_RANKS[:shape[0] * shape[1]]) if shape != (3, 1) else (2, 3, 4)
+
+
+def _settings(n: int):
+    return settings(max_examples=n, derandomize=True, database=None, deadline=None,
+                    phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+
+
+# -- the sub-cases (each returns per rank what the test asserts on) ------------------------------------
+
+
+def shapes(rank: int, world: int) -> dict:
+    """Llama and Qwen2 at every (R, U), both layouts, the explicit rows."""
+    out = {}
+    for kind in ("llama", "qwen2"):
+        for shape in SHAPES:
+            for layout in ("zigzag", "contiguous"):
+                for seed, lengths in enumerate(ROWS):
+                    got = step(kind, shape, _members(shape), layout, lengths, seed)
+                    if got is not None:
+                        out[(kind, shape, layout, seed)] = got
+    return out
+
+
+def drawn(rank: int, world: int) -> dict:
+    """Qwen2 at (2, 2) and (3, 1) on drawn document lengths (every rank draws the same, derandomized)."""
+    out = {}
+
+    @_settings(4)
+    @given(st.lists(st.integers(1, 12), min_size=1, max_size=5), st.sampled_from(["zigzag", "contiguous"]))
+    def check(lengths, layout):
+        for shape in ((2, 2), (3, 1)):
+            got = step("qwen2", shape, _members(shape), layout, lengths, len(out))
+            if got is not None:
+                out[(tuple(lengths), layout, shape)] = got
+
+    check()
+    return out
+
+
+def one_kv_head(rank: int, world: int) -> dict:
+    """Llama with one key/value head at U = 2 (repeated to 2 before the exchange) and U = 4."""
+    out = {}
+    for shape in ((1, 2), (2, 2), (1, 4)):
+        got = step("llama_1kv", shape, _members(shape), "zigzag", ROWS[0], 0)
+        if got is not None:
+            out[shape] = got
+    return out
+
+
+def flex(rank: int, world: int) -> dict:
+    """The flex kernel (a BlockMask from the plan) at (2, 2), Qwen2's windows."""
+    got = step("qwen2", (2, 2), _members((2, 2)), "zigzag", ROWS[0], 0, kernel="flex")
+    return {} if got is None else {"flex": got}
+
+
+def broken(rank: int, world: int) -> dict:
+    """The Ulysses pieces in the wrong order: the comparison must see it."""
+    got = step("llama", (2, 2), _members((2, 2)), "zigzag", ROWS[0], 0, broken="ulysses")
+    return {} if got is None else {"broken": got}
+
+
+def refusals(rank: int, world: int) -> dict:
+    """Bad configurations raise on every rank before any collective; with checks on, documents that differ
+    on one rank raise on every rank, naming it."""
+    made = groups((2, 2), _members((2, 2)))
+    if made is None:
+        return {}
+    ring, ulysses, _ = made
+    out = {}
+    try:
+        hf.SequenceParallel(ring, ring)
+    except ValueError as exc:
+        out["same"] = str(exc)
+    sp = hf.SequenceParallel(ring, ulysses)
+    ids, pos, labels = row(ROWS[0], 0)
+    if dist.get_rank() == 3:  # one document cut in two on this rank
+        pos = pos.clone()
+        pos[0, 10] = 0
+    try:
+        sp.shard(ids, pos, labels, check=True)
+    except ValueError as exc:
+        out["differ"] = str(exc)
+    sp = hf.SequenceParallel(*groups((1, 4), _members((1, 4)))[:2])
+    batch = sp.shard(*row(ROWS[0], 0))
+    net = copy.deepcopy(model("llama_6h"))
+    net.set_attn_implementation("cpshard")
+    try:
+        with sp.attend(batch):
+            net(input_ids=batch.input_ids, position_ids=batch.position_ids)
+    except ValueError as exc:
+        out["heads"] = str(exc)
+    return out

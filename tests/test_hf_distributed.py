@@ -1,0 +1,75 @@
+"""``cpshard.compat.hf`` on gloo ranks (issue 42, item 3): transformers' Llama and Qwen2 in float64 under
+``R`` ring ranks times ``U`` Ulysses ranks equal one process running each document alone: the loss to
+1e-10, every parameter gradient averaged over the ranks, and the restored logits. The sub-cases run in
+tests/hf_ranks.py, in one world of 5 gloo ranks whose sequence-parallel ranks are global ranks 1..4."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rank_suites import run_suite  # noqa: E402
+
+LOSS, GRAD, LOGITS = 1e-10, 1e-9, 1e-10
+
+
+@functools.cache
+def _suite(*names: str) -> list[dict]:
+    return run_suite("hf_ranks", names, 5, timeout=1200, collective_timeout=600)
+
+
+def _all(name: str) -> dict:
+    merged = {}
+    for rank, got in enumerate(_suite("shapes", "drawn", "one_kv_head", "flex", "broken", "refusals")):
+        for key, value in got[name].items():
+            merged[(rank, key)] = value
+    return merged
+
+
+def _exact(results: dict) -> None:
+    assert results
+    for key, got in results.items():
+        assert got["loss"] <= LOSS and got["grad"] <= GRAD and got["logits"] <= LOGITS, (key, got)
+
+
+def test_llama_and_qwen2_at_every_shape_and_layout_equal_one_process():
+    results = _all("shapes")
+    seen = {key[1][:3] for key in results}
+    assert len(seen) == 2 * 5 * 2  # two models, five (R, U), two layouts
+    _exact(results)
+
+
+def test_drawn_documents_equal_one_process():
+    _exact(_all("drawn"))
+
+
+def test_one_key_value_head_at_two_and_four_ulysses_ranks():
+    results = _all("one_kv_head")
+    assert {key[1] for key in results} == {(1, 2), (2, 2), (1, 4)}
+    _exact(results)
+
+
+def test_flex_kernel_equals_one_process():
+    _exact(_all("flex"))
+
+
+def test_a_broken_layout_is_caught():
+    results = _all("broken")
+    assert len(results) == 4
+    assert all(got["loss"] > 1e-6 for got in results.values()), results
+
+
+def test_bad_configurations_raise_on_every_rank():
+    results = _all("refusals")
+    ranks = {key[0] for key in results}
+    assert ranks == {1, 2, 3, 4}
+    for (rank, what), message in results.items():
+        if what == "same":
+            assert "must meet the ring group in this rank only" in message
+        if what == "heads":
+            assert "num_attention_heads=6" in message and "ring axis" in message
+    differ = [m for (rank, what), m in results.items() if what == "differ"]
+    assert len(differ) == 4, results
