@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import cpshard.compat.hf as hf
+from reference import ref_cumsum, ref_two_axis_rows
 
 SP_RANKS = [1, 2, 3, 4]
 SHAPES = [(2, 1), (1, 2), (2, 2), (3, 1), (1, 4)]
@@ -130,8 +131,9 @@ def _groups(shape: tuple[int, int], members: tuple[int, ...]):
 
 
 def step(kind: str, shape: tuple[int, int], members: tuple[int, ...], layout: str, lengths: list[int], seed: int,
-         kernel: str = "sdpa", broken: str | None = None) -> dict | None:
-    """One step under ``R x U`` ranks; returns the largest differences from one process (None off the group)."""
+         kernel: str = "sdpa", broken: str | None = None, grad: bool = True) -> dict | None:
+    """One step under ``R x U`` ranks; returns the largest differences from one process (None off the group).
+    ``grad=False``: forward only (torch's flex attention has no backward on the CPU)."""
     made = groups(shape, members)
     if made is None:
         return None
@@ -140,21 +142,23 @@ def step(kind: str, shape: tuple[int, int], members: tuple[int, ...], layout: st
     sp = hf.SequenceParallel(ring, ulysses, layout=layout, kernel=kernel)
     ids, pos, labels = row(lengths, seed)
     batch = sp.shard(ids, pos, labels)
+    _rows_are_the_reference(batch, ids, pos, labels, lengths, layout)
     if broken == "ulysses":  # this rank takes its Ulysses peer's rows: a layout that breaks on purpose
         batch = _peer_piece(batch, ids, pos, labels)
     net = copy.deepcopy(model(kind))
     net.set_attn_implementation("cpshard")
-    with sp.attend(batch):
+    with torch.set_grad_enabled(grad), sp.attend(batch):
         logits = net(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
     loss = sp.loss(logits, batch)
-    loss = loss + sum((p * 0).sum() for p in net.parameters())
-    loss.backward()  # outside attend
+    if grad:
+        loss = loss + sum((p * 0).sum() for p in net.parameters())
+        loss.backward()  # outside attend
     ref_loss, ref_logits, ref_grads = reference(kind, tuple(lengths), seed)
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=every)
     mean /= R * U
     grad_err = 0.0
-    for p, q in zip(net.parameters(), ref_grads, strict=True):
+    for p, q in zip(net.parameters(), ref_grads if grad else (), strict=grad):
         g = p.grad.clone()
         dist.all_reduce(g, group=every)
         grad_err = max(grad_err, float(((g / (R * U)) - q).abs().max() / (q.abs().max() + 1e-30)))
@@ -162,6 +166,17 @@ def step(kind: str, shape: tuple[int, int], members: tuple[int, ...], layout: st
     return {"loss": float((mean - ref_loss).abs()), "grad": grad_err,
             "logits": float((restored[0] - ref_logits).abs().max()) if restored.shape[1] == ref_logits.shape[0]
             else float("inf")}
+
+
+def _rows_are_the_reference(batch, ids, pos, labels, lengths, layout) -> None:
+    """This rank's token ids, positions and shifted labels equal the naive reference, exactly."""
+    cut = ref_cumsum(lengths)
+    docs = [(ids[0, a:b], pos[0, a:b], labels[0, a:b]) for a, b in zip(cut[:-1], cut[1:])]
+    R, U, r, u, order = batch.plan.cp_size, batch.plan.tp_size, batch.ring_rank, batch.ulysses_rank, batch.plan.order
+    for got, which, shift, fill in ((batch.input_ids, 0, 0, 0), (batch.position_ids, 1, 0, 0),
+                                    (batch.labels, 2, 1, -100)):
+        want = ref_two_axis_rows([d[which] for d in docs], R, U, layout, r, u, order=order, shift=shift, fill=fill)
+        assert torch.equal(got[0], want), (which, got, want)
 
 
 def _peer_piece(batch, ids, pos, labels):
@@ -205,13 +220,14 @@ def shapes(rank: int, world: int) -> dict:
 
 def drawn(rank: int, world: int) -> dict:
     """Qwen2 at (2, 2) and (3, 1) on drawn document lengths (every rank draws the same, derandomized)."""
-    out = {}
+    out, drawn = {}, []
 
     @_settings(4)
     @given(st.lists(st.integers(1, 12), min_size=1, max_size=5), st.sampled_from(["zigzag", "contiguous"]))
     def check(lengths, layout):
+        drawn.append(lengths)  # the seed: the same on every rank, whichever groups it belongs to
         for shape in ((2, 2), (3, 1)):
-            got = step("qwen2", shape, _members(shape), layout, lengths, len(out))
+            got = step("qwen2", shape, _members(shape), layout, lengths, len(drawn))
             if got is not None:
                 out[(tuple(lengths), layout, shape)] = got
 
@@ -230,8 +246,9 @@ def one_kv_head(rank: int, world: int) -> dict:
 
 
 def flex(rank: int, world: int) -> dict:
-    """The flex kernel (a BlockMask from the plan) at (2, 2), Qwen2's windows."""
-    got = step("qwen2", (2, 2), _members((2, 2)), "zigzag", ROWS[0], 0, kernel="flex")
+    """The flex kernel (a BlockMask from the plan) at (2, 2), Qwen2's windows: forward only (torch 2.13's
+    flex attention has no backward on the CPU)."""
+    got = step("qwen2", (2, 2), _members((2, 2)), "zigzag", ROWS[0], 0, kernel="flex", grad=False)
     return {} if got is None else {"flex": got}
 
 
@@ -255,13 +272,30 @@ def refusals(rank: int, world: int) -> dict:
         out["same"] = str(exc)
     sp = hf.SequenceParallel(ring, ulysses)
     ids, pos, labels = row(ROWS[0], 0)
-    if dist.get_rank() == 3:  # one document cut in two on this rank
+    if dist.get_rank() == 3:  # the document of 13 tokens cut into 2 + 11 on this rank
         pos = pos.clone()
-        pos[0, 10] = 0
+        pos[0, 10:21] = torch.arange(11)
     try:
         sp.shard(ids, pos, labels, check=True)
     except ValueError as exc:
         out["differ"] = str(exc)
+    if dist.get_rank() == 2:  # the same documents, another token: the tokens' digest differs
+        ids = ids.clone()
+        ids[0, 0] += 1
+    try:
+        sp.shard(ids, *row(ROWS[0], 0)[1:], check=True)
+    except ValueError as exc:
+        out["tokens"] = str(exc)
+    if dist.get_rank() == 4:  # a bad row on one rank: its own error there, every other rank names it
+        try:
+            sp.shard(ids, pos[:, 1:], labels, check=True)
+        except ValueError as exc:
+            out["refused"] = str(exc)
+    else:
+        try:
+            sp.shard(*row(ROWS[0], 0), check=True)
+        except ValueError as exc:
+            out["refused"] = str(exc)
     sp = hf.SequenceParallel(*groups((1, 4), _members((1, 4)))[:2])
     batch = sp.shard(*row(ROWS[0], 0))
     net = copy.deepcopy(model("llama_6h"))

@@ -550,3 +550,30 @@ def ref_document_mask(seqlens_caller, padded_caller) -> list:
                 line.append(kv == q)
         mask.append(line)
     return mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face models under ring x Ulysses (SPEC "Hugging Face models: ring x Ulysses")
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_document_lengths(position_ids) -> list:
+    """The runs of a packed row's position ids, one token at a time: a document starts at each 0."""
+    lengths = []
+    for p in [int(v) for v in position_ids]:
+        if p == 0:
+            lengths.append(1)
+        else:
+            assert lengths and p == lengths[-1], "not a run 0, 1, ..., n - 1"
+            lengths[-1] += 1
+    return lengths
+
+
+def ref_two_axis_rows(seqs, R: int, U: int, layout, r: int, u: int, order=None, shift: int = 0, fill=0):
+    """Rank ``(r, u)``'s rows: ring rank ``r``'s rows of the minimal-padding plan (``tp = U``), cut into ``U``
+    consecutive equal pieces, piece ``u``; pad rows 0 (``fill`` when shifted)."""
+    rows = ref_shard(seqs, [len(s) for s in seqs], R, U, layout, r, shift=shift, fill=fill, order=order,
+                     padding="minimal")
+    size = rows.shape[0] // U
+    assert size * U == rows.shape[0]
+    return rows[u * size:(u + 1) * size]

@@ -27,7 +27,7 @@ RUN_BY_THE_SUITE = {"examples/train_step.py": "tests/test_readme.py::test_the_tr
 # packages some blocks need that scripts/setup.sh can be told to skip (CPSHARD_MEGATRON=0, CPSHARD_NO_VERL=1,
 # CPSHARD_NO_TORCHTITAN=1)
 OPTIONAL = {"cpshard.megatron": "megatron", "cpshard.compat": "megatron", "verl": "verl",
-            "torchtitan": "torchtitan"}
+            "torchtitan": "torchtitan", "transformers": "transformers"}
 
 
 def _blocks() -> list[tuple[str, str, str | None]]:

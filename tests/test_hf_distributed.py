@@ -71,5 +71,11 @@ def test_bad_configurations_raise_on_every_rank():
             assert "must meet the ring group in this rank only" in message
         if what == "heads":
             assert "num_attention_heads=6" in message and "ring axis" in message
-    differ = [m for (rank, what), m in results.items() if what == "differ"]
-    assert len(differ) == 4, results
+    for what in ("differ", "tokens", "refused"):
+        seen = {rank: m for (rank, w), m in results.items() if w == what}
+        assert set(seen) == {1, 2, 3, 4}, (what, results)
+        for rank, message in seen.items():
+            if what == "refused" and rank == 4:  # its own error, naming the argument
+                assert message.startswith("position_ids="), message
+            else:
+                assert "differ across the sequence-parallel ranks" in message and "global ranks" in message, message

@@ -145,22 +145,35 @@ class SequenceParallel:
 
     def _agree(self, plan: ShardPlan | None, rows: Any, error: Exception | None) -> None:
         """The agreement of ``check=True`` over both groups (ring, then Ulysses, each rank carrying the
-        other's verdict into the second), so that every rank raises or none."""
+        ring's verdict into the second), so that every rank raises or none; the error names the global
+        ranks of both groups, and a rank's own refusal is raised as it is."""
         call: dict[str, Any] = {"operation": "hf.shard"}
         if error is None:
             call["tokens"] = zlib.crc32(b"".join(t.detach().cpu().numpy().tobytes() for t in rows if t is not None))
+        own, found = error, None
         if self.cp_group is not None:
             try:
                 agree(plan, self.cp_group, error, call)
             except (ValueError, TypeError) as exc:
-                error = exc
+                error = found = exc
         if self.ulysses_group is not None:
             # the same documents give the same plan of cp_size U: what the Ulysses peers compare
             twin = None if plan is None else ShardPlan.build(plan.input_seqlens_py, cp_size=self.ulysses_size,
                                                              layout="contiguous", padding="minimal")
-            agree(twin, self.ulysses_group, error, call if error is None else {})
-        elif error is not None:
-            raise error
+            try:
+                agree(twin, self.ulysses_group, error, call if error is None else {})
+            except (ValueError, TypeError) as exc:
+                found = found or exc
+        if own is not None:
+            raise own
+        if found is not None:
+            ring = None if self.cp_group is None else list(group_ranks(self.cp_group))
+            ulysses = None if self.ulysses_group is None else list(group_ranks(self.ulysses_group))
+            raise ValueError(
+                f"sp.shard(check=True): the packed rows (documents or tokens) differ across the sequence-parallel "
+                f"ranks, or a rank refused its own (this is ring rank {self.ring_rank}, Ulysses rank "
+                f"{self.ulysses_rank}; ring group = global ranks {ring}, Ulysses group = global ranks {ulysses}; "
+                f"the ranks below are group ranks): {found}") from found
 
     def _check_batch(self, batch: Any) -> SequenceBatch:
         if not isinstance(batch, SequenceBatch):

@@ -1,0 +1,149 @@
+"""``cpshard.compat.hf`` in one process: the documents of a packed row from its position ids against the
+naive reference, one rank's rows (R = U = 1) exactly, the ``"cpshard"`` attention's refusals, and a model
+whose every kernel equals each document run alone. The ``R x U`` proofs run on gloo ranks
+(tests/test_hf_distributed.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("transformers")
+
+import cpshard.compat.hf as hf  # noqa: E402
+from reference import ref_document_lengths, ref_two_axis_rows  # noqa: E402
+
+LENGTHS = st.lists(st.integers(1, 9), min_size=1, max_size=6)
+
+
+def _positions(lengths):
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+@settings(max_examples=40, deadline=None)
+@given(LENGTHS)
+def test_document_lengths_are_the_runs_of_the_position_ids(lengths):
+    pos = _positions(lengths)
+    assert hf.document_lengths(pos) == ref_document_lengths(pos[0]) == lengths
+
+
+@pytest.mark.parametrize(("pos", "rule"), [
+    ([[1, 2, 3]], "at index 0"),
+    ([[0, 1, 3]], "with 3 at index 2"),
+    ([[0, 1, 1]], "with 1 at index 2"),
+    ([[0, 1], [0, 1]], "must be one packed row"),
+])
+def test_position_ids_that_are_not_runs_are_refused(pos, rule):
+    with pytest.raises(ValueError, match="position_ids=") as info:
+        hf.document_lengths(torch.tensor(pos))
+    assert rule in str(info.value)
+
+
+def test_float_position_ids_are_refused():
+    with pytest.raises(TypeError, match="position_ids=a torch.float32 tensor: must hold integers"):
+        hf.document_lengths(torch.zeros(1, 3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(LENGTHS, st.sampled_from(["zigzag", "contiguous"]), st.integers(0, 2**16))
+def test_one_rank_holds_the_whole_row_shifted_labels_included(lengths, layout, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (1, sum(lengths)), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=g) < 0.3] = -100
+    batch = hf.SequenceParallel(layout=layout).shard(ids, _positions(lengths), labels)
+    cut = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    docs = [slice(a, b) for a, b in zip(cut[:-1], cut[1:])]
+    for got, x, shift, fill in ((batch.input_ids, ids, 0, 0), (batch.position_ids, _positions(lengths), 0, 0),
+                                (batch.labels, labels, 1, -100)):
+        want = ref_two_axis_rows([x[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=fill)
+        assert torch.equal(got[0], want)
+    assert torch.equal(batch.restore(batch.input_ids[..., None])[0, :, 0], ids[0])
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="kernel='ring': must be one of"):
+        hf.SequenceParallel(kernel="ring")
+    with pytest.raises(ValueError, match="layout="):
+        hf.SequenceParallel(layout="striped")
+    sp = hf.SequenceParallel()
+    with pytest.raises(ValueError, match="labels=4 labels: must match input_ids' 3 tokens"):
+        sp.shard(torch.arange(3)[None], _positions([3]), torch.arange(4)[None])
+    batch = sp.shard(torch.arange(3)[None], _positions([3]))
+    with pytest.raises(ValueError, match="batch=a batch sharded without labels"):
+        sp.loss(torch.zeros(1, 3, 5), batch)
+    with pytest.raises(TypeError, match="batch=a dict: must be what sp.shard returned"):
+        sp.attend({})
+
+
+def _attend(**kwargs):
+    sp = hf.SequenceParallel(kernel="sdpa")
+    batch = sp.shard(torch.arange(4)[None], _positions([4]))
+    q = torch.zeros(1, 2, 4, 8)
+    with sp.attend(batch):
+        return hf.attention_forward(torch.nn.Module(), q, q, q, kwargs.pop("attention_mask", None), **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"softcap": 30.0}, "softcap=30.0: a logit soft-cap"),
+    ({"s_aux": torch.zeros(2)}, "s_aux=.*attention sinks"),
+    ({"dropout": 0.1}, "dropout=0.1: attention dropout is not supported"),
+    ({"attention_mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}, "attention_mask=a Tensor: must be None"),
+    ({"output_attentions": True}, "output_attentions=True"),
+    ({"sliding_window": 0}, "sliding_window=0: must be a window of >= 1 tokens"),
+])
+def test_what_would_change_the_result_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _attend(**kwargs)
+
+
+def test_the_attention_outside_attend_raises():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="runs only inside `with sp.attend"):
+        hf.attention_forward(torch.nn.Module(), q, q, q, None)
+    assert _attend()[0].shape == (1, 4, 2, 8)
+
+
+def test_a_padding_mask_with_masked_tokens_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="cpshard")
+    model = LlamaForCausalLM(config)
+    sp = hf.SequenceParallel()
+    batch = sp.shard(torch.arange(4)[None], _positions([4]))
+    with sp.attend(batch), pytest.raises(ValueError, match="attention_mask=a padding mask"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+              attention_mask=torch.tensor([[1, 1, 1, 0]]))
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
+def test_every_kernel_equals_each_document_alone(kernel):
+    """Qwen2 with a sliding-window layer (window 3) on documents of 1, 6 and 4 tokens, R = U = 1."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=3,
+                         layer_types=["sliding_attention", "full_attention"], attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(config).double()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("cpshard")
+    lengths = [1, 6, 4]
+    ids = torch.randint(0, 32, (1, sum(lengths)))
+    sp = hf.SequenceParallel(layout="zigzag", kernel=kernel)
+    batch = sp.shard(ids, _positions(lengths), ids)
+    with torch.no_grad(), sp.attend(batch):
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0]
+                          for d in ids[0].split(lengths)])
+    assert torch.allclose(batch.restore(logits)[0], want, rtol=0, atol=1e-12)
+    loss = sp.loss(logits, batch)
+    targets = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in ids[0].split(lengths)])
+    assert torch.allclose(loss, F.cross_entropy(want, targets, ignore_index=-100), rtol=1e-12)
