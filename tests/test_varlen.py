@@ -45,8 +45,8 @@ def _plan(lens, cp, tp, layout, padding="minimal"):
 
 
 def _ref_mask(plan, r, window) -> torch.Tensor:
-    return torch.tensor(ref_varlen_mask(plan.seqlens_py, plan.padded_seqlens_py, plan.cp_size, plan.layout, r,
-                                        window), dtype=torch.bool).reshape(plan.local_len, plan.cp_size * plan.local_len)
+    mask = ref_varlen_mask(plan.seqlens_py, plan.padded_seqlens_py, plan.cp_size, plan.layout, r, window)
+    return torch.tensor(mask, dtype=torch.bool).reshape(plan.local_len, plan.cp_size * plan.local_len)
 
 
 def _segments(m: VarlenMetadata):
