@@ -47,12 +47,12 @@ import importlib.util
 import math
 import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
+from _timing import least_ms
 
 from cpshard import ShardPlan, shard, varlen_metadata
 from cpshard.index.balance import work_lower_bound
@@ -159,17 +159,6 @@ def sp_shard_pure() -> Callable[..., Any] | None:
     if importlib.util.find_spec("cpshard.compat.hf") is None:
         return None
     return None  # HOOK: bind cpshard.compat.hf's pure preparation here when its API is settled
-
-
-def least_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """The least wall time of ``fn()`` in ms over ``repeats`` calls (after one warm-up)."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return 1e3 * best
 
 
 def main() -> None:
