@@ -34,7 +34,8 @@ reduce-scatter the same; a ring pass instead (ring attention: ``R - 1`` K/V bloc
 their gradients, ``2 (R - 1)`` blocks, backward). ``kv MiB``: the gathered keys and values a rank holds
 (``R L`` rows), which the ring's one block at a time avoids.
 
-**Host time** of one rank's preparation (least of ``--repeats``, a fresh plan each run; exp rows):
+**Host time** of one rank's preparation (least of ``--repeats``, a fresh plan each run; one row per
+distribution):
 the lengths from the ``(1, S)`` position ids, ``ShardPlan.build``, ``cpshard.shard`` of the input
 ids, the positions and the shifted labels for one rank, and ``varlen_metadata`` for that rank (the
 flash kernel's arguments). Target: 10 ms at ``S = 128k``, ``R = 8``, ``U = 8``.
@@ -217,24 +218,33 @@ def main() -> None:
     print()
 
     hook = sp_shard_pure()
-    print(f"host ms of one rank's preparation (least of {repeats}; exp rows; rank R-1): lengths from positions + "
-          "ShardPlan.build + shard of ids, positions, labels + varlen_metadata; "
+    print(f"host ms of one rank's preparation (least of {repeats}; rank R-1): lengths from positions + "
+          "ShardPlan.build + shard of ids, positions, labels + varlen_metadata, for each layout and length "
+          "distribution; 'order': the contiguous plan's build alone (its balanced order's search); "
           + ("sp.shard's pure part" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
-    header = f"{'S':>7} {'R':>2} {'U':>2} {'zigzag':>9} {'contig':>9}" + (f" {'sp.shard':>9}" if hook else "")
+    cols = [f"{layout[:6]} {dist[:3]}" for dist in DISTS for layout in ("zigzag", "contig", "order")]
+    header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{c:>10}" for c in [*cols, *(["sp.shard"] if hook else [])])
     print(header)
     print("-" * len(header))
     for size in sizes:
-        lens = lengths(random.Random(size), "exp", size)
-        pos = positions_of(lens)
-        ids = torch.randint(0, 32000, (1, size), generator=torch.Generator().manual_seed(size))
+        inputs = []
+        for dist in DISTS:
+            lens = lengths(random.Random(size), dist, size)
+            ids = torch.randint(0, 32000, (1, size), generator=torch.Generator().manual_seed(size))
+            inputs.append((lens, ids, positions_of(lens)))
         for ring in rings:
             for ulysses in ulyss:
-                times = [least_ms(lambda: prepare(ids, pos, ring, ulysses, layout, ring - 1), repeats)
-                         for layout in ("zigzag", "contiguous")]
+                times = []
+                for lens, ids, pos in inputs:
+                    times += [least_ms(lambda: prepare(ids, pos, ring, ulysses, layout, ring - 1), repeats)
+                              for layout in ("zigzag", "contiguous")]
+                    times.append(least_ms(lambda: ShardPlan.build(lens, cp_size=ring, tp_size=ulysses,
+                                                                  layout="contiguous", padding="minimal",
+                                                                  reorder="balanced"), repeats))
                 if hook:
+                    lens, ids, pos = inputs[0]
                     times.append(least_ms(lambda: hook(ids, pos, ids, ring, ulysses, "zigzag", ring - 1), repeats))
-                print(f"{size:>7} {ring:>2} {ulysses:>2} " + " ".join(f"{t:>9.2f}" for t in times))
-
+                print(f"{size:>7} {ring:>2} {ulysses:>2} " + " ".join(f"{t:>10.2f}" for t in times))
 
 if __name__ == "__main__":
     main()
