@@ -34,8 +34,8 @@ reduce-scatter the same; a ring pass instead (ring attention: ``R - 1`` K/V bloc
 their gradients, ``2 (R - 1)`` blocks, backward). ``kv MiB``: the gathered keys and values a rank holds
 (``R L`` rows), which the ring's one block at a time avoids.
 
-**Host time** of one rank's preparation (least of ``--repeats``, a fresh plan each run; one row per
-distribution):
+**Host time** of one rank's preparation (least of ``--repeats``, a fresh plan each run; the slowest of
+the rows):
 the lengths from the ``(1, S)`` position ids, ``ShardPlan.build``, ``cpshard.shard`` of the input
 ids, the positions and the shifted labels for one rank, and ``varlen_metadata`` for that rank (the
 flash kernel's arguments). Target: 10 ms at ``S = 128k``, ``R = 8``, ``U = 8``.
@@ -218,7 +218,8 @@ def main() -> None:
     print()
 
     hook = sp_shard_pure()
-    print(f"host ms of one rank's preparation (least of {repeats}; rank R-1): lengths from positions + "
+    print(f"host ms of one rank's preparation (least of {repeats}, the slowest of the {n_rows} rows; rank R-1): "
+          "lengths from positions + "
           "ShardPlan.build + shard of ids, positions, labels + varlen_metadata, for each layout and length "
           "distribution; 'order': the contiguous plan's build alone (its balanced order's search); "
           + ("sp.shard's pure part" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
@@ -227,23 +228,26 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for size in sizes:
-        inputs = []
+        inputs = {dist: [] for dist in DISTS}  # the work table's rows
         for dist in DISTS:
-            lens = lengths(random.Random(size), dist, size)
-            ids = torch.randint(0, 32000, (1, size), generator=torch.Generator().manual_seed(size))
-            inputs.append((lens, ids, positions_of(lens)))
+            for seed in range(n_rows):
+                lens = lengths(random.Random(1000 * seed + size), dist, size)
+                ids = torch.randint(0, 32000, (1, size), generator=torch.Generator().manual_seed(seed))
+                inputs[dist].append((lens, ids, positions_of(lens)))
         for ring in rings:
             for ulysses in ulyss:
                 times = []
-                for lens, ids, pos in inputs:
-                    times += [least_ms(lambda: prepare(ids, pos, ring, ulysses, layout, ring - 1), repeats)
-                              for layout in ("zigzag", "contiguous")]
-                    times.append(least_ms(lambda: ShardPlan.build(lens, cp_size=ring, tp_size=ulysses,
-                                                                  layout="contiguous", padding="minimal",
-                                                                  reorder="balanced"), repeats))
+                for dist in DISTS:
+                    for layout in ("zigzag", "contiguous"):
+                        times.append(max(least_ms(lambda: prepare(ids, pos, ring, ulysses, layout, ring - 1), repeats)
+                                         for _, ids, pos in inputs[dist]))
+                    times.append(max(least_ms(lambda: ShardPlan.build(lens, cp_size=ring, tp_size=ulysses,
+                                                                      layout="contiguous", padding="minimal",
+                                                                      reorder="balanced"), repeats)
+                                     for lens, _, _ in inputs[dist]))
                 if hook:
-                    lens, ids, pos = inputs[0]
-                    times.append(least_ms(lambda: hook(ids, pos, ids, ring, ulysses, "zigzag", ring - 1), repeats))
+                    times.append(max(least_ms(lambda: hook(ids, pos, ids, ring, ulysses, "zigzag", ring - 1), repeats)
+                                     for _, ids, pos in inputs["exp"]))
                 print(f"{size:>7} {ring:>2} {ulysses:>2} " + " ".join(f"{t:>10.2f}" for t in times))
 
 if __name__ == "__main__":
