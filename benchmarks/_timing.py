@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 import time
 import warnings
@@ -26,6 +27,17 @@ def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None =
         sync()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
+
+
+def least_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """The least wall time of ``fn()`` in ms over ``repeats`` calls (after one warm-up)."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
 
 
 def gc_off_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:

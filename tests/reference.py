@@ -553,6 +553,37 @@ def ref_document_mask(seqlens_caller, padded_caller) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
+# Varlen attention metadata (SPEC "Varlen attention metadata")
+# --------------------------------------------------------------------------------------------------
+
+
+def ref_varlen_mask(seqlens, padded, cp: int, layout, rank: int, window=None) -> list:
+    """``mask[q][k]``: may local row ``q`` of ``rank`` attend to row ``k`` of the gathered key buffer (every
+    rank's local rows, rank 0's first)? Both are tokens of the same document (``seqlens``, ``padded``:
+    buffer order), the key at the query's position or before, and, with a ``window`` of ``w``, fewer
+    than ``w`` positions before it. One pair at a time."""
+    queries = ref_row_info(seqlens, padded, cp, layout, rank)
+    keys = [row for r in range(cp) for row in ref_row_info(seqlens, padded, cp, layout, r)]
+    mask = []
+    for _, i, p, token in queries:
+        line = []
+        for _, i2, p2, token2 in keys:
+            line.append(token and token2 and i2 == i and p2 <= p and (window is None or p - p2 < window))
+        mask.append(line)
+    return mask
+
+
+def ref_flash_pairs(nq: int, nk: int, window_size) -> list:
+    """The (query, key) pairs flash-attn's ``causal=True`` scores in one segment of ``nq`` queries and
+    ``nk`` keys, its mask aligned to the bottom-right corner (flash-attn >= 2.1): key ``j`` for query
+    ``i`` iff ``j <= i + nk - nq``, and, with ``window_size = (left, right)``, ``left >= 0``, also
+    ``j >= i + nk - nq - left``. One pair at a time."""
+    left = window_size[0]
+    return [(i, j) for i in range(nq) for j in range(nk)
+            if j <= i + nk - nq and (left < 0 or j >= i + nk - nq - left)]
+
+
+# --------------------------------------------------------------------------------------------------
 # Hugging Face models under ring x Ulysses (SPEC "Hugging Face models: ring x Ulysses")
 # --------------------------------------------------------------------------------------------------
 
