@@ -252,6 +252,22 @@ def flex(rank: int, world: int) -> dict:
     return {} if got is None else {"flex": got}
 
 
+def flash(rank: int, world: int) -> dict:
+    """The flash kernel's wiring (``varlen_metadata``'s segments, GQA heads, pad rows, gradients) at (2, 2)
+    and (3, 1), both layouts, Qwen2's windows, through tests/fake_flash_attn.py (flash-attn's documented
+    semantics on SDPA: the CUDA kernel itself is not run here)."""
+    import fake_flash_attn
+
+    fake_flash_attn.install()
+    out = {}
+    for shape in ((2, 2), (3, 1)):
+        for layout in ("zigzag", "contiguous"):
+            got = step("qwen2", shape, _members(shape), layout, ROWS[0], 0, kernel="flash")
+            if got is not None:
+                out[(shape, layout)] = got
+    return out
+
+
 def broken(rank: int, world: int) -> dict:
     """The Ulysses pieces in the wrong order: the comparison must see it."""
     got = step("llama", (2, 2), _members((2, 2)), "zigzag", ROWS[0], 0, broken="ulysses")

@@ -6,6 +6,7 @@ whose every kernel equals each document run alone. The ``R x U`` proofs run on g
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -122,10 +123,30 @@ def test_a_padding_mask_with_masked_tokens_is_refused():
               attention_mask=torch.tensor([[1, 1, 1, 0]]))
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "flex"])
-def test_every_kernel_equals_each_document_alone(kernel):
-    """Qwen2 with a sliding-window layer (window 3) on documents of 1, 6 and 4 tokens, R = U = 1."""
+def test_chunked_attention_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="cpshard")
+    config.attention_chunk_size = 8
+    model = LlamaForCausalLM(config)
+    sp = hf.SequenceParallel()
+    batch = sp.shard(torch.arange(4)[None], _positions([4]))
+    with sp.attend(batch), pytest.raises(ValueError, match="attention_chunk_size=8: chunked attention"):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "flash"])
+def test_every_kernel_equals_each_document_alone(kernel, monkeypatch):
+    """Qwen2 with a sliding-window layer (window 3) on documents of 1, 6 and 4 tokens, R = U = 1. ``"flash"``
+    runs on flash-attn's documented semantics (tests/fake_flash_attn.py): the kernel itself is not run here."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if kernel == "flash":
+        import fake_flash_attn
+
+        monkeypatch.setitem(sys.modules, "flash_attn", None)
+        fake_flash_attn.install()
 
     config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=3,

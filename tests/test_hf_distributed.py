@@ -23,7 +23,7 @@ def _suite(*names: str) -> list[dict]:
 
 def _all(name: str) -> dict:
     merged = {}
-    for rank, got in enumerate(_suite("shapes", "drawn", "one_kv_head", "flex", "broken", "refusals")):
+    for rank, got in enumerate(_suite("shapes", "drawn", "one_kv_head", "flex", "flash", "broken", "refusals")):
         for key, value in got[name].items():
             merged[(rank, key)] = value
     return merged
@@ -54,6 +54,13 @@ def test_one_key_value_head_at_two_and_four_ulysses_ranks():
 
 def test_flex_kernel_equals_one_process():
     _exact(_all("flex"))
+
+
+def test_flash_kernel_wiring_equals_one_process():
+    results = _all("flash")
+    assert {key[1] for key in results} == {((2, 2), "zigzag"), ((2, 2), "contiguous"), ((3, 1), "zigzag"),
+                                          ((3, 1), "contiguous")}
+    _exact(results)
 
 
 def test_a_broken_layout_is_caught():

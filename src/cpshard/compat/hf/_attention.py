@@ -210,9 +210,11 @@ def _flash(ctx: Attending, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
              "pip install flash-attn on a GPU machine, or pass kernel='sdpa' or 'flex'", kind=ImportError)
     meta = ctx.varlen(window, q.device)
     rows_q, rows_k, rows_v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # (rows, heads, D)
-    part = flash_attn_varlen_func(rows_q[meta.q_index], rows_k[meta.k_index], rows_v[meta.k_index],
-                                  meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                                  dropout_p=0.0, softmax_scale=scale, causal=True, window_size=meta.window_size)
+    part = rows_q[meta.q_index]  # a rank without a token calls no kernel (its graph still reads q, as its peers')
+    if meta.num_segments:
+        part = flash_attn_varlen_func(part, rows_k[meta.k_index], rows_v[meta.k_index], meta.cu_seqlens_q,
+                                      meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k, dropout_p=0.0,
+                                      softmax_scale=scale, causal=True, window_size=meta.window_size)
     out = rows_q.new_zeros(rows_q.shape).index_copy(0, meta.q_index, part)  # pad rows: zeros
     return out.transpose(0, 1).unsqueeze(0)
 

@@ -20,8 +20,21 @@ NAME = "cpshard"
 TESTED_TRANSFORMERS = "5.10.4"
 
 
-def _no_mask(*args: Any, attention_mask: Any = None, **kwargs: Any) -> None:
-    """transformers' mask interface for ``"cpshard"``: no mask (the plan is the mask)."""
+def _no_mask(*args: Any, attention_mask: Any = None, config: Any = None, use_vmap: bool = False,
+             **kwargs: Any) -> None:
+    """transformers' mask interface for ``"cpshard"``: no mask (the plan is the mask). Refuses what the plan
+    cannot say: chunked attention (``attention_chunk_size``, Llama 4) and a mask overlay the model adds to
+    its causal mask (``and_mask_function`` / ``or_mask_function``, e.g. Gemma 3's bidirectional image
+    tokens: transformers then asks for ``use_vmap``)."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        fail("attention_chunk_size", repr(chunk), "chunked attention is not supported by the 'cpshard' attention "
+             "(its mask is the documents' causal one, with the layer's sliding window)",
+             "train this model with another attention, or without chunked layers")
+    if use_vmap:
+        fail("attn_implementation", "'cpshard'", "cannot add the mask overlay this model puts on its causal mask "
+             "(an and_mask_function / or_mask_function, e.g. bidirectional image tokens)",
+             "train this model with another attention")
     if attention_mask is not None and not bool(attention_mask.all()):
         fail("attention_mask", f"a padding mask of shape {tuple(attention_mask.shape)} with masked tokens",
              "is not read by the 'cpshard' attention (the packed documents come from position_ids)",
