@@ -73,7 +73,7 @@ def test_bad_configurations_raise_on_every_rank():
     results = _all("refusals")
     ranks = {key[0] for key in results}
     assert ranks == {1, 2, 3, 4}
-    for (rank, what), message in results.items():
+    for (_, what), message in results.items():
         if what == "same":
             assert "must meet the ring group in this rank only" in message
         if what == "heads":
