@@ -177,6 +177,11 @@ def _rows_are_the_reference(batch, ids, pos, labels, lengths, layout) -> None:
                                     (batch.labels, 2, 1, -100)):
         want = ref_two_axis_rows([d[which] for d in docs], R, U, layout, r, u, order=order, shift=shift, fill=fill)
         assert torch.equal(got[0], want), (which, got, want)
+    weights = torch.arange(ids.shape[1], dtype=torch.float64)[None, :, None].expand(1, -1, 3)
+    for shift in (0, 2, -1):
+        want = ref_two_axis_rows([weights[0, a:b] for a, b in zip(cut[:-1], cut[1:])], R, U, layout, r, u,
+                                 order=order, shift=shift, fill=-1.0)
+        assert torch.equal(batch.shard(weights, shift=shift, fill=-1.0)[0], want)
 
 
 def _peer_piece(batch, ids, pos, labels):

@@ -65,6 +65,12 @@ def test_one_rank_holds_the_whole_row_shifted_labels_included(lengths, layout, s
         want = ref_two_axis_rows([x[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=fill)
         assert torch.equal(got[0], want)
     assert torch.equal(batch.restore(batch.input_ids[..., None])[0, :, 0], ids[0])
+    weights = torch.rand(1, sum(lengths), 2, generator=g)
+    for shift in (0, 1, -2):
+        want = ref_two_axis_rows([weights[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=7.0)
+        assert torch.equal(batch.shard(weights, shift=shift, fill=7.0)[0], want)
+    with pytest.raises(ValueError, match="x=tensor of shape"):
+        batch.shard(weights[:, 1:])
 
 
 def test_bad_arguments_are_refused():

@@ -104,6 +104,20 @@ class SequenceBatch:
         """``(1, L / U)`` bool: True on this rank's token rows, False on pad rows."""
         return piece(self.plan.token_mask(self.ring_rank), self.plan, self.ulysses_rank)
 
+    def shard(self, x: torch.Tensor, *, shift: int = 0, pad_value: Any = None, fill: Any = 0) -> torch.Tensor:
+        """This rank's ``(1, L / U, ...)`` rows of any per-token tensor of the packed row ``(1, T, ...)`` (loss
+        weights, advantages, a second label): ``cpshard.shard`` on the ring plan, optionally shifted inside
+        each document (``shift``, ``fill``, ``pad_value`` as there), cut to this rank's Ulysses piece. No
+        communication."""
+        from cpshard.ops.sharding import shard
+
+        x = check_tensor("x", x)
+        if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != self.plan.num_tokens:
+            fail("x", f"tensor of shape {tuple(x.shape)}", f"must be the packed row (1, T, ...) with T = "
+                 f"{self.plan.num_tokens}", "pass a tensor of the row given to sp.shard")
+        rows = shard(x[0], self.plan, self.ring_rank, shift=shift, pad_value=pad_value, fill=fill)
+        return piece(rows, self.plan, self.ulysses_rank)
+
     def restore(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``(1, L / U, ...)`` rows back to the packed row ``(1, T, ...)``, in the caller's
         order, pad rows dropped, on every rank (the logits, hidden states, per-token values). One

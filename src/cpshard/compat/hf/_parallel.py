@@ -124,8 +124,8 @@ class SequenceParallel:
         ids, pos, lab = rows
         r, u = self.ring_rank, self.ulysses_rank
         return SequenceBatch(
-            input_ids=piece(shard(ids, plan, r, pad_value=0), plan, u),
-            position_ids=piece(shard(pos, plan, r, pad_value=0), plan, u),
+            input_ids=piece(shard(ids, plan, r), plan, u),
+            position_ids=piece(shard(pos, plan, r), plan, u),
             labels=None if lab is None else piece(shard(lab, plan, r, shift=1, fill=-100), plan, u),
             plan=plan, ring_rank=r, ulysses_rank=u, sp=self)
 
