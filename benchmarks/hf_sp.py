@@ -48,6 +48,7 @@ import importlib.util
 import math
 import random
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -170,6 +171,8 @@ def main() -> None:
     parser.add_argument("--ulysses", type=int, nargs="+", default=None, help="Ulysses sizes U (default 1 2 4 8)")
     parser.add_argument("--rows", type=int, default=None, help="rows (seeds) per configuration (default 4)")
     parser.add_argument("--repeats", type=int, default=None, help="timing repeats, least kept (default 9)")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="time the preparation in CPU time (time.process_time): steadier on a shared machine")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -181,6 +184,7 @@ def main() -> None:
     n_rows = args.rows or (2 if args.quick else 4)
     repeats = args.repeats or (3 if args.quick else 9)
     torch.set_num_threads(1)
+    clock = time.process_time if args.cpu_clock else time.perf_counter
 
     print(f"document-causal work over the ring ranks, max/mean (mean over {n_rows} rows / worst row; 1.00 is "
           "perfect) and pad rows / S (mean); bound: what no order of the contiguous layout beats")
@@ -218,10 +222,10 @@ def main() -> None:
     print()
 
     hook = sp_shard_pure()
-    print(f"host ms of one rank's preparation (least of {repeats}, the slowest of the {n_rows} rows; rank R-1): "
-          "lengths from positions + "
-          "ShardPlan.build + shard of ids, positions, labels + varlen_metadata, for each layout and length "
-          "distribution; 'order': the contiguous plan's build alone (its balanced order's search); "
+    print(f"host ms ({'CPU' if args.cpu_clock else 'wall'}) of one rank's preparation (least of {repeats}, the "
+          f"slowest of the {n_rows} rows; rank R-1): lengths from positions + ShardPlan.build + shard of ids, "
+          "positions, labels + varlen_metadata, for each layout and length distribution; 'order': the contiguous "
+          "plan's build alone (its balanced order's search); "
           + ("sp.shard's pure part" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
     cols = [f"{layout[:6]} {dist[:3]}" for dist in DISTS for layout in ("zigzag", "contig", "order")]
     header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{c:>10}" for c in [*cols, *(["sp.shard"] if hook else [])])
@@ -236,19 +240,20 @@ def main() -> None:
                 inputs[dist].append((lens, ids, positions_of(lens)))
         for ring in rings:
             for ulysses in ulyss:
+                def slowest(fn: Callable[..., Any], dist: str) -> float:
+                    return max(least_ms(lambda: fn(*row), repeats, clock) for row in inputs[dist])
                 times = []
                 for dist in DISTS:
-                    for layout in ("zigzag", "contiguous"):
-                        times.append(max(least_ms(lambda: prepare(ids, pos, ring, ulysses, layout, ring - 1), repeats)
-                                         for _, ids, pos in inputs[dist]))
-                    times.append(max(least_ms(lambda: ShardPlan.build(lens, cp_size=ring, tp_size=ulysses,
-                                                                      layout="contiguous", padding="minimal",
-                                                                      reorder="balanced"), repeats)
-                                     for lens, _, _ in inputs[dist]))
+                    times += [slowest(lambda _, ids, pos: prepare(ids, pos, ring, ulysses, layout, ring - 1), dist)
+                              for layout in ("zigzag", "contiguous")]
+                    times.append(slowest(lambda lens, *_: ShardPlan.build(
+                        lens, cp_size=ring, tp_size=ulysses, layout="contiguous", padding="minimal",
+                        reorder="balanced"), dist))
                 if hook:
-                    times.append(max(least_ms(lambda: hook(ids, pos, ids, ring, ulysses, "zigzag", ring - 1), repeats)
-                                     for _, ids, pos in inputs["exp"]))
+                    times.append(slowest(lambda _, ids, pos: hook(ids, pos, ids, ring, ulysses, "zigzag", ring - 1),
+                                         "exp"))
                 print(f"{size:>7} {ring:>2} {ulysses:>2} " + " ".join(f"{t:>10.2f}" for t in times))
+
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ CASES = [
     ("verl_activation.py", ["--quick"], ["import verl + verl.models.mcore.model_forward", "on - off"]),
     ("torch_cp.py", ["--quick"], ["perdoc-ht", "cp-contig", "refused", "host ms to build"]),
     ("hf_sp.py", ["--quick", "--rows", "1", "--repeats", "1"], ["row-zigzag", "doc-2UR", "MiB each rank sends",
-                                                                "host ms of one rank's preparation"]),
+                                                                "of one rank's preparation"]),
 ]
 
 

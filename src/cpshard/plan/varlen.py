@@ -70,10 +70,9 @@ class VarlenMetadata:
 
     def to(self, device: torch.device | str) -> VarlenMetadata:
         """The same metadata with its tensors on ``device`` (through pinned memory to CUDA)."""
-        device = torch.device(device)
-        move = (lambda t: _index.to_device(t, device))
-        return VarlenMetadata(move(self.q_index), move(self.k_index), move(self.cu_seqlens_q),
-                              move(self.cu_seqlens_k), self.max_seqlen_q, self.max_seqlen_k, self.window_size)
+        q, k, cq, ck = (_index.to_device(t, torch.device(device))
+                        for t in (self.q_index, self.k_index, self.cu_seqlens_q, self.cu_seqlens_k))
+        return VarlenMetadata(q, k, cq, ck, self.max_seqlen_q, self.max_seqlen_k, self.window_size)
 
 
 def varlen_metadata(plan: Plan, cp_rank: int, *, window: int | None = None,
