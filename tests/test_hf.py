@@ -73,6 +73,27 @@ def test_one_rank_holds_the_whole_row_shifted_labels_included(lengths, layout, s
         batch.shard(weights[:, 1:])
 
 
+@settings(max_examples=15, deadline=None)
+@given(LENGTHS, st.integers(1, 3), st.sampled_from([1, 2, 4]), st.sampled_from(["zigzag", "contiguous"]))
+def test_shard_row_gives_every_rank_its_rows_without_groups(lengths, R, U, layout):
+    ids = torch.arange(100, 100 + sum(lengths))[None]
+    pos = _positions(lengths)
+    cut = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for r in range(R):
+        for u in range(U):
+            batch = hf.shard_row(ids, pos, ids, ring_size=R, ulysses_size=U, ring_rank=r, ulysses_rank=u,
+                                 layout=layout)
+            docs = [ids[0, a:b] for a, b in zip(cut[:-1], cut[1:])]
+            order = batch.plan.order
+            assert torch.equal(batch.input_ids[0], ref_two_axis_rows(docs, R, U, layout, r, u, order=order))
+            assert torch.equal(batch.labels[0], ref_two_axis_rows(docs, R, U, layout, r, u, order=order, shift=1,
+                                                                  fill=-100))
+    with pytest.raises(ValueError, match="batch=a batch from shard_row"):
+        batch.restore(batch.input_ids)
+    with pytest.raises(ValueError, match="ring_rank=3: must be <= 2"):
+        hf.shard_row(ids, pos, ring_size=3, ring_rank=3)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="kernel='ring': must be one of"):
         hf.SequenceParallel(kernel="ring")

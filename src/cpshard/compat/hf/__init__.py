@@ -13,7 +13,8 @@ Importing this module registers ``attn_implementation="cpshard"`` with transform
   ``shard``, ``attend``, ``loss``, ``restore``.
 - :class:`SequenceBatch`: this rank's ``input_ids``, ``position_ids``, shifted ``labels``, the ``plan``
   and ``restore``.
-- :func:`document_lengths`: the documents of a packed row, from its position ids.
+- :func:`document_lengths`: the documents of a packed row, from its position ids; :func:`shard_row`: a
+  rank's batch without process groups (a data loader's workers).
 - :func:`varlen_metadata` (from ``cpshard.plan.varlen``, on first use): flash-attn's varlen arguments of
   a ring rank, for users of ring-flash-attn's llama3 path.
 
@@ -31,12 +32,12 @@ from __future__ import annotations
 from typing import Any
 
 from cpshard.compat.hf._attention import KERNELS, attention_forward
-from cpshard.compat.hf._batch import SequenceBatch, document_lengths
+from cpshard.compat.hf._batch import SequenceBatch, document_lengths, shard_row
 from cpshard.compat.hf._parallel import SequenceParallel
 from cpshard.compat.hf._transformers import NAME, TESTED_TRANSFORMERS, register
 
 __all__ = ["KERNELS", "NAME", "TESTED_TRANSFORMERS", "SequenceBatch", "SequenceParallel", "attention_forward",
-           "document_lengths", "register", "varlen_metadata"]
+           "document_lengths", "register", "shard_row", "varlen_metadata"]
 
 register()
 

@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.errors import check_int, check_tensor, fail
+from cpshard.base.layout import Layout
 from cpshard.plan.values import ShardPlan
 
-__all__ = ["SequenceBatch", "build_plan", "document_lengths", "piece"]
+__all__ = ["SequenceBatch", "build_plan", "check_layout", "document_lengths", "packed_rows", "piece", "rank_batch",
+           "shard_row"]
 
 
 def _row(name: str, x: Any, integer: bool = True) -> torch.Tensor:
@@ -63,11 +65,63 @@ def document_lengths(position_ids: Any) -> list[int]:
     return [b - a for a, b in zip(cut[:-1], cut[1:])]
 
 
+def check_layout(layout: Any) -> Layout:
+    """``"zigzag"`` or ``"contiguous"`` (with the balanced order), as a :class:`~cpshard.Layout`."""
+    layout = Layout.parse(layout)
+    if layout not in (Layout.ZIGZAG, Layout.CONTIGUOUS):
+        fail("layout", repr(layout.value), "must be 'zigzag' or 'contiguous'", "pass one of them")
+    return layout
+
+
 def build_plan(lengths: list[int], ring: int, ulysses: int, layout: str) -> ShardPlan:
     """The ring plan of Note [The two-axis layout]."""
     reorder = "balanced" if layout == "contiguous" else None
     return ShardPlan.build(lengths, cp_size=ring, tp_size=ulysses, layout=layout, padding="minimal",
                            reorder=reorder)
+
+
+def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulysses: int,
+                layout: str) -> tuple[ShardPlan, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The ring plan of a packed row and its ``(T,)`` token ids, positions and labels, checked. No communication."""
+    ids = _row("input_ids", input_ids)
+    pos = _row("position_ids", position_ids)
+    if ids.shape != pos.shape:
+        fail("position_ids", f"{pos.numel()} positions", f"must match input_ids' {ids.numel()} tokens",
+             "pass the position ids of the same packed row")
+    lab = None
+    if labels is not None:
+        lab = _row("labels", labels)
+        if lab.shape != ids.shape:
+            fail("labels", f"{lab.numel()} labels", f"must match input_ids' {ids.numel()} tokens (unshifted: "
+                 "transformers' labels, -100 where ignored)", "pass the labels of the same packed row")
+    return build_plan(document_lengths(pos), ring, ulysses, layout), (ids, pos.to(ids.dtype), lab)
+
+
+def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ring_rank: int,
+               ulysses_rank: int, sp: Any) -> SequenceBatch:
+    """Rank ``(r, u)``'s :class:`SequenceBatch` of the checked rows (Note [The two-axis layout])."""
+    from cpshard.ops.sharding import shard
+
+    ids, pos, lab = rows
+    r, u = ring_rank, ulysses_rank
+    return SequenceBatch(
+        input_ids=piece(shard(ids, plan, r), plan, u), position_ids=piece(shard(pos, plan, r), plan, u),
+        labels=None if lab is None else piece(shard(lab, plan, r, shift=1, fill=-100), plan, u),
+        plan=plan, ring_rank=r, ulysses_rank=u, sp=sp)
+
+
+def shard_row(input_ids: Any, position_ids: Any, labels: Any = None, *, ring_size: int, ulysses_size: int = 1,
+              ring_rank: int, ulysses_rank: int = 0, layout: str = "zigzag") -> SequenceBatch:
+    """Rank ``(ring_rank, ulysses_rank)``'s :class:`SequenceBatch` of a packed row, without process groups:
+    what :meth:`SequenceParallel.shard` computes, for a data loader's workers or a host-side benchmark.
+    No communication. The batch serves ``sp.attend`` and ``sp.loss`` of the matching ``SequenceParallel``;
+    its ``restore`` needs the groups: call ``sp.restore(x, batch)``."""
+    ring_size = check_int("ring_size", ring_size, minimum=1)
+    ulysses_size = check_int("ulysses_size", ulysses_size, minimum=1)
+    ring_rank = check_int("ring_rank", ring_rank, minimum=0, maximum=ring_size - 1)
+    ulysses_rank = check_int("ulysses_rank", ulysses_rank, minimum=0, maximum=ulysses_size - 1)
+    plan, rows = packed_rows(input_ids, position_ids, labels, ring_size, ulysses_size, check_layout(layout).value)
+    return rank_batch(plan, rows, ring_rank, ulysses_rank, None)
 
 
 def piece(rows: torch.Tensor, plan: ShardPlan, ulysses_rank: int) -> torch.Tensor:
@@ -122,4 +176,7 @@ class SequenceBatch:
         """Every rank's ``(1, L / U, ...)`` rows back to the packed row ``(1, T, ...)``, in the caller's
         order, pad rows dropped, on every rank (the logits, hidden states, per-token values). One
         all-gather over the Ulysses group, one over the ring group (cpshard's ``gather_tokens``)."""
+        if self.sp is None:
+            fail("batch", "a batch from shard_row (no process groups)", "cannot restore by itself",
+                 "call sp.restore(x, batch) with the SequenceParallel that holds the groups")
         return self.sp.restore(x, self)

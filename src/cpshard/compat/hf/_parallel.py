@@ -14,13 +14,12 @@ from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import Layout
 from cpshard.compat.hf._attention import KERNELS, Attending
-from cpshard.compat.hf._batch import SequenceBatch, _row, build_plan, document_lengths, piece
+from cpshard.compat.hf._batch import SequenceBatch, build_plan, check_layout, packed_rows, rank_batch
 from cpshard.distributed.agree import checks_enabled
 from cpshard.distributed.checks import agree
 from cpshard.distributed.collectives import gather_tokens
 from cpshard.distributed.groups import group_ranks, group_size, read_group
 from cpshard.loss.reductions import token_mean
-from cpshard.ops.sharding import shard
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["SequenceParallel"]
@@ -72,9 +71,7 @@ class SequenceParallel:
                 fail("cp_group", f"a DeviceMesh with dimensions {mesh.mesh_dim_names}", "must name a 'cp' (or "
                      "'ring') or 'ulysses' (or 'sp') dimension", "name the mesh's dimensions with "
                      "init_device_mesh(..., mesh_dim_names=('cp', 'ulysses'))")
-        layout = Layout.parse(layout)
-        if layout not in (Layout.ZIGZAG, Layout.CONTIGUOUS):
-            fail("layout", repr(layout.value), "must be 'zigzag' or 'contiguous'", "pass one of them")
+        layout = check_layout(layout)
         if kernel not in KERNELS:
             fail("kernel", repr(kernel), f"must be one of {KERNELS}", "pass kernel='sdpa' on any device")
         self.layout, self.kernel = layout, kernel
@@ -114,34 +111,15 @@ class SequenceParallel:
         """
         error, plan, rows = None, None, None
         try:
-            plan, rows = self._local(input_ids, position_ids, labels)
+            plan, rows = packed_rows(input_ids, position_ids, labels, self.ring_size, self.ulysses_size,
+                                     self.layout.value)
         except (ValueError, TypeError) as exc:
             error = exc
         if (check if check is not None else checks_enabled()) and (self.cp_group or self.ulysses_group):
             self._agree(plan, rows, error)
         if error is not None:
             raise error
-        ids, pos, lab = rows
-        r, u = self.ring_rank, self.ulysses_rank
-        return SequenceBatch(
-            input_ids=piece(shard(ids, plan, r), plan, u),
-            position_ids=piece(shard(pos, plan, r), plan, u),
-            labels=None if lab is None else piece(shard(lab, plan, r, shift=1, fill=-100), plan, u),
-            plan=plan, ring_rank=r, ulysses_rank=u, sp=self)
-
-    def _local(self, input_ids: Any, position_ids: Any, labels: Any) -> tuple[ShardPlan, tuple[Any, ...]]:
-        ids = _row("input_ids", input_ids)
-        pos = _row("position_ids", position_ids)
-        if ids.shape != pos.shape:
-            fail("position_ids", f"{pos.numel()} positions", f"must match input_ids' {ids.numel()} tokens",
-                 "pass the position ids of the same packed row")
-        lab = None
-        if labels is not None:
-            lab = _row("labels", labels)
-            if lab.shape != ids.shape:
-                fail("labels", f"{lab.numel()} labels", f"must match input_ids' {ids.numel()} tokens (unshifted: "
-                     "transformers' labels, -100 where ignored)", "pass the labels of the same packed row")
-        return self.plan(document_lengths(pos)), (ids, pos.to(ids.dtype), lab)
+        return rank_batch(plan, rows, self.ring_rank, self.ulysses_rank, self)
 
     def _agree(self, plan: ShardPlan | None, rows: Any, error: Exception | None) -> None:
         """The agreement of ``check=True`` over both groups (ring, then Ulysses, each rank carrying the
