@@ -163,7 +163,7 @@ def test_chunked_attention_is_refused():
         model(input_ids=batch.input_ids, position_ids=batch.position_ids)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "flex", "flash"])
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "flash", "auto"])
 def test_every_kernel_equals_each_document_alone(kernel, monkeypatch):
     """Qwen2 with a sliding-window layer (window 3) on documents of 1, 6 and 4 tokens, R = U = 1. ``"flash"``
     runs on flash-attn's documented semantics (tests/fake_flash_attn.py): the kernel itself is not run here."""

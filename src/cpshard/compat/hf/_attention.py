@@ -154,7 +154,9 @@ class Attending:
     def kernel_for(self, q: torch.Tensor) -> str:
         if self.kernel != "auto":
             return self.kernel
-        return "flash" if q.is_cuda and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+        if not q.is_cuda:
+            return "sdpa"
+        return "flash" if importlib.util.find_spec("flash_attn") is not None else "flex"
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
                window: int | None) -> torch.Tensor:
@@ -194,11 +196,24 @@ def _sdpa(ctx: Attending, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
 
 def _flex(ctx: Attending, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
           window: int | None) -> torch.Tensor:
+    mask, empty = ctx.block_mask(window, q.device)
+    out = _flex_kernel(q.is_cuda)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return out.masked_fill(empty[:, None], 0)
+
+
+_COMPILED: list[Any] = []
+
+
+def _flex_kernel(cuda: bool) -> Any:
+    """torch's ``flex_attention``: compiled once on CUDA (its fused kernel; uncompiled it materializes every
+    score, as transformers' flex integration also compiles it), eager elsewhere (the CPU: forward only)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask, empty = ctx.block_mask(window, q.device)
-    out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return out.masked_fill(empty[:, None], 0)
+    if not cuda:
+        return flex_attention
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED[0]
 
 
 def _flash(ctx: Attending, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -55,8 +55,8 @@ class SequenceParallel:
             groups meet in this rank only: rank ``(r, u)`` is group rank ``r`` of its ring group and
             ``u`` of its Ulysses group.
         layout: ``"zigzag"`` (default) or ``"contiguous"`` (with the balanced order of documents).
-        kernel: ``"auto"`` (flash-attn's varlen kernel on CUDA where it is installed, else ``"sdpa"``),
-            ``"sdpa"``, ``"flex"`` or ``"flash"``.
+        kernel: ``"auto"`` (on CUDA flash-attn's varlen kernel where it is installed, else ``"flex"``; elsewhere
+            ``"sdpa"``), ``"sdpa"``, ``"flex"`` or ``"flash"``.
     """
 
     def __init__(self, cp_group: Any = None, ulysses_group: Any = None, *, layout: Layout | str = "zigzag",
