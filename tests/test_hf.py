@@ -94,6 +94,14 @@ def test_shard_row_gives_every_rank_its_rows_without_groups(lengths, R, U, layou
         hf.shard_row(ids, pos, ring_size=3, ring_rank=3)
 
 
+def test_a_batch_for_other_sizes_is_refused():
+    sp = hf.SequenceParallel()
+    batch = hf.shard_row(torch.arange(4)[None], _positions([4]), ring_size=2, ring_rank=1)
+    with pytest.raises(ValueError, match=r"batch=a batch for R=2, U=1 at rank \(1, 0\): must be sharded for this "
+                                         r"SequenceParallel's R=1, U=1"):
+        sp.attend(batch)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="kernel='ring': must be one of"):
         hf.SequenceParallel(kernel="ring")
