@@ -203,3 +203,31 @@ def test_every_kernel_equals_each_document_alone(kernel, monkeypatch):
     loss = sp.loss(logits, batch)
     targets = torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in ids[0].split(lengths)])
     assert torch.allclose(loss, F.cross_entropy(want, targets, ignore_index=-100), rtol=1e-12)
+
+
+def test_gradient_checkpointing_runs_its_backward_inside_attend():
+    """The recomputed forward of gradient checkpointing needs the context: backward inside ``attend`` gives the
+    gradients of a plain step; outside it, the clear error."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="cpshard")
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(config).double()
+    saved = copy.deepcopy(plain)
+    saved.gradient_checkpointing_enable()
+    saved.train()
+    plain.train()
+    lengths = [3, 5]
+    ids = torch.randint(0, 16, (1, 8), generator=torch.Generator().manual_seed(0))
+    sp = hf.SequenceParallel()
+    batch = sp.shard(ids, _positions(lengths), ids)
+    with sp.attend(batch):
+        sp.loss(plain(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch).backward()
+        sp.loss(saved(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch).backward()
+    for p, q in zip(plain.parameters(), saved.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+    with sp.attend(batch):
+        loss = sp.loss(saved(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch)
+    with pytest.raises(RuntimeError, match="gradient checkpointing"):
+        loss.backward()

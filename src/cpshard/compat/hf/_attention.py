@@ -253,7 +253,9 @@ def attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value
         raise RuntimeError("attn_implementation='cpshard' runs only inside `with sp.attend(batch):` (cpshard.compat"
                            ".hf.SequenceParallel): outside it this rank holds a piece of the packed row and a local "
                            "attention would be silently wrong. Fix: wrap the forward in `with sp.attend(batch):`, "
-                           "or set another attn_implementation for a model run on whole documents.")
+                           "or set another attn_implementation for a model run on whole documents. Under gradient "
+                           "checkpointing the backward recomputes the forward: call loss.backward() inside the "
+                           "`with sp.attend(batch):` block.")
     for name, what in _REFUSED.items():
         if kwargs.get(name) is not None:
             fail(name, repr(kwargs[name]), f"{what} is not supported by the 'cpshard' attention",
