@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
@@ -49,20 +50,18 @@ def document_lengths(position_ids: Any) -> list[int]:
     pos = _row("position_ids", position_ids)
     if pos.numel() == 0:
         fail("position_ids", "an empty row", "must hold at least one token", "pass a non-empty packed row")
-    host = pos.detach().cpu()
-    starts = host == 0
-    expected = torch.cat([host.new_zeros(1), host[:-1] + 1])
-    bad = ~(starts | (host == expected))
-    bad[0] = host[0] != 0
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        shown = host[max(i - 2, 0):i + 3].tolist()
-        fail("position_ids", f"a row with {host[i].item()} at index {i} (around it: {shown})",
+    host = pos.detach().cpu().numpy()  # NumPy: a few passes over T int64, tens of microseconds at 128k
+    starts = np.flatnonzero(host == 0)
+    bad = np.flatnonzero(np.diff(host) != 1)  # where a run does not go on ...
+    bad = bad[host[bad + 1] != 0] + 1  # ... and no document starts
+    first = 0 if host[0] != 0 else (int(bad[0]) if bad.size else -1)
+    if first >= 0:
+        shown = host[max(first - 2, 0):first + 3].tolist()
+        fail("position_ids", f"a row with {host[first]} at index {first} (around it: {shown})",
              "must be runs 0, 1, ..., n - 1, one per packed document (a document starts where the id is 0)",
              "pass the position ids of a padding-free collator (transformers' DataCollatorWithFlattening), "
              "or torch.cat([torch.arange(n) for n in lengths])[None]")
-    cut = starts.nonzero().flatten().tolist() + [host.numel()]
-    return [b - a for a, b in zip(cut[:-1], cut[1:])]
+    return np.diff(np.append(starts, host.size)).tolist()
 
 
 def check_layout(layout: Any) -> Layout:
