@@ -61,7 +61,7 @@ def repeat_factor(heads: int, kv_heads: int, ulysses: int) -> int:
         fail("ulysses_group", f"a group of {ulysses} ranks", f"must divide the model's attention heads "
              f"(num_attention_heads={heads}, key/value heads {kv_heads}): the Ulysses exchange gives each rank "
              f"H / U heads", "move ranks from the Ulysses axis to the ring axis (cp_group), e.g. U = "
-             f"{math.gcd(heads, ulysses)}, R x {ulysses // math.gcd(heads, ulysses)}")
+             f"{math.gcd(heads, ulysses)} and a ring axis {ulysses // math.gcd(heads, ulysses)} times larger")
     if kv_heads < 1 or heads % kv_heads:
         fail("key", f"{kv_heads} key/value heads", f"must divide the {heads} query heads (grouped-query attention)",
              "pass the model's key and value states as its attention computes them")
