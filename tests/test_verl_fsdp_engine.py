@@ -42,7 +42,10 @@ def _both_degrees(rank, world, path):
     import verl_fsdp_engine as E
 
     E.install_cpu_platform()
-    return {sp: E.step(E.build(path, sp=sp), LENGTHS, _weights()) for sp in (1, 2)}
+    out = {sp: E.step(E.build(path, sp=sp), LENGTHS, _weights()) for sp in (1, 2)}
+    with E.drop_ins_bound():
+        out["sp 2, drop-ins"] = E.step(E.build(path, sp=2), LENGTHS, _weights())
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +62,21 @@ def _gap(a, b):
     if isinstance(a, torch.Tensor):
         return (a - b).abs().max().item()
     return abs(a - b)
+
+
+def _equal(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_engine_with_the_ulysses_drop_ins_equals_plain_verl_bit_for_bit(runs):
+    """verl's engine at sp 2 with cpshard's drop-ins where it binds verl's Ulysses helpers (pad and slice
+    of ids, positions, rolled labels and temperature; the gather of log-probs and entropy, and its
+    gradient): every log-prob, entropy, gradient and the grad norm equal plain verl's exactly."""
+    _, ranks = runs
+    for r in ranks:
+        assert _equal(r["sp 2, drop-ins"], r[2])
 
 
 def test_engine_at_sp1_equals_one_process(runs):

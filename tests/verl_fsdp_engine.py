@@ -231,6 +231,34 @@ def step(engine: Any, lengths: list[int], weights: torch.Tensor, *, seed: int = 
     return flat
 
 
+#: the modules of verl 0.9.1's FSDP path that bind verl's Ulysses helpers by name, and the names each binds
+ULYSSES_BINDERS = {
+    "verl.utils.ulysses": ("ulysses_pad", "ulysses_pad_and_slice_inputs", "slice_input_tensor",
+                           "gather_outputs_and_unpad", "gather_seq_scatter_heads", "gather_heads_scatter_seq"),
+    "verl.workers.engine.fsdp.transformer_impl": ("gather_outputs_and_unpad", "ulysses_pad",
+                                                  "ulysses_pad_and_slice_inputs"),
+}
+
+
+@contextlib.contextmanager
+def drop_ins_bound():
+    """cpshard's Ulysses drop-ins bound by hand where the FSDP engine's path takes verl's (a test's
+    binding: ``cpshard.compat.verl.patch()`` does not bind them yet), restored on exit."""
+    from cpshard.compat import verl as cv
+
+    saved = []
+    try:
+        for module_name, names in ULYSSES_BINDERS.items():
+            module = importlib.import_module(module_name)
+            for name in names:
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, cv.ULYSSES_DROP_INS[name])
+        yield
+    finally:
+        for module, name, fn in reversed(saved):
+            setattr(module, name, fn)
+
+
 def full_grads(engine: Any) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient (FSDP2 shards it: one all-gather each, on every rank)."""
     out = {}
