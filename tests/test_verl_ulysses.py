@@ -325,7 +325,7 @@ def gloo():
 def test_drop_ins_match_verl_on_gloo(gloo, world):
     for rank, res in enumerate(gloo(world)):
         assert res["differ"] == [], (rank, res["differ"][:5])
-        assert res["compared"] >= (60 if world == 2 else 180), res["compared"]
+        assert res["compared"] == (69 if world == 2 else 236), res["compared"]  # the grid is seeded
 
 
 @pytest.mark.parametrize("world", [2, 4])
