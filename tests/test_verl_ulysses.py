@@ -184,7 +184,6 @@ def _suite(rank, world):
     """Every case on every group this world offers, with verl's group set / given / none; returns the
     labels of the cases that differ, the count of cases compared, and the mutants' results."""
     import torch.distributed as dist
-
     import verl.utils.ulysses as vu
 
     groups = [("world", dist.group.WORLD)]
@@ -200,13 +199,13 @@ def _suite(rank, world):
         modes = [("set", group, None), ("given", None, group)]
         if label != "world":
             modes.append(("given over set", dist.group.WORLD, group))
-        for mode, set_group, given in modes:
+        for mode, set_group, given_group in modes:
             vu.set_ulysses_sequence_parallel_group(set_group)
-            for i, (kind, name, args, kwargs, x) in enumerate(_cases(rng, n, rank, 40)):
-                if given is not None:
+            for i, (_kind, name, args, kwargs, x) in enumerate(_cases(rng, n, rank, 40)):
+                if given_group is not None:
                     if name in ("ulysses_pad_and_slice_inputs", "slice_input_tensor"):
                         continue  # no group parameter / verl's rank from the set group: asserted apart
-                    kwargs = {**kwargs, "group": given}
+                    kwargs = {**kwargs, "group": given_group}
                 want, got, gw, gg = _both(name, args, kwargs, x, seed=7 * i + rank)
                 compared += 1
                 if not (_equal_outputs(want, got) and _same(gg, gw)):
@@ -223,8 +222,8 @@ def _given_group(rank, world, group):
     """``slice_input_tensor(x, group=g)``: verl slices at its set group's rank (0 where none is set),
     the drop-in at this rank's place in ``g``."""
     import torch.distributed as dist
-
     import verl.utils.ulysses as vu
+
     from cpshard.compat import verl as cv
 
     n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -237,6 +236,7 @@ def _given_group(rank, world, group):
 def _none_set(rank, world):
     """None set, none given: both slice by the world group's size at rank 0, pad and all."""
     import verl.utils.ulysses as vu
+
     from cpshard.compat import verl as cv
 
     x = torch.arange(2 * (world + 1), dtype=torch.float32).view(2, world + 1).requires_grad_(True)
@@ -253,8 +253,8 @@ def _none_set(rank, world):
 def _mutants(rank, world):
     """Drop-ins broken on purpose (the gradient scale, the unpad, the slice's rank): each must differ."""
     import torch.distributed as dist
-
     import verl.utils.ulysses as vu
+
     from cpshard.compat import verl as cv
 
     vu.set_ulysses_sequence_parallel_group(dist.group.WORLD)

@@ -23,8 +23,8 @@ lists those rows:
   (:mod:`cpshard.compat.verl._layout`).
 
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
-``_thd`` and ``_bshd`` (the drop-ins),
-``_ulysses`` (the FSDP backend's six Ulysses helpers of ``verl/utils/ulysses.py``, at one ring rank), ``_layout`` (the layout of a site verl passes none),
+``_thd`` and ``_bshd`` (the drop-ins), ``_ulysses`` (the FSDP backend's six Ulysses helpers of
+``verl/utils/ulysses.py``, at one ring rank), ``_layout`` (the layout of a site verl passes none),
 ``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
 ``_rows`` (verl's per-row rules over the plan's segments), ``_pack`` (the packing drop-in
 :func:`rearrange_micro_batches`, and verl's own partition), ``_patch`` (:func:`patch`,
