@@ -82,7 +82,9 @@ def _check_indices(plan, r, window):
         docs_pos = [info[q][:2] for q in qi]
         assert docs_pos == [(docs_pos[0][0], docs_pos[0][1] + i) for i in range(len(qi))]  # one run of one document
         runs.append((docs_pos[0], docs_pos[-1]))
-        for i, j in ref_flash_pairs(len(qi), len(ki), m.window_size):
+        scored = ref_flash_pairs(len(qi), len(ki), m.window_size)
+        assert {j for _, j in scored} == set(range(len(ki))), "a key no query of the segment sees"
+        for i, j in scored:
             pairs[qi[i], ki[j]] += 1
     for (_, (doc, last)), ((doc2, first), _) in zip(runs, runs[1:]):
         assert not (doc == doc2 and first == last + 1), "a run split in two segments"
