@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import statistics
 import time
 import warnings
@@ -26,6 +27,18 @@ def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None =
         sync()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
+
+
+def least_ms(fn: Callable[[], Any], repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The least time of ``fn()`` in ms over ``repeats`` calls (after one warm-up): wall time, or with
+    ``clock=time.process_time`` the process's CPU time (steadier on a machine shared with other jobs)."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = clock()
+        fn()
+        best = min(best, clock() - t)
+    return 1e3 * best
 
 
 def gc_off_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:

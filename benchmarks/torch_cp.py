@@ -45,11 +45,11 @@ import argparse
 import math
 import random
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from _timing import least_ms
 
 from cpshard import ShardPlan
 from cpshard.compat import torch_cp
@@ -146,17 +146,6 @@ def scores(indices: torch.Tensor, cost: torch.Tensor, cp: int) -> list[float]:
     """Each row's ``max / mean`` of its ranks' work, from the indices (rank ``r``: the ``r``-th part)."""
     work = cost.gather(1, indices).view(indices.shape[0], cp, -1).sum(-1).double()
     return (work.max(1).values / work.mean(1)).tolist()
-
-
-def least_ms(fn: Callable[[], Any], repeats: int) -> float:
-    """The least wall time of ``fn()`` in ms over ``repeats`` calls (after one warm-up)."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return 1e3 * best
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> float | str:

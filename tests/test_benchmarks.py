@@ -29,6 +29,8 @@ CASES = [
     ("scale.py", ["--sizes", "64", "--repeats", "1", "--only", "index", "--only", "pack"], ["unshard cold", "/verl"]),
     ("verl_activation.py", ["--quick"], ["import verl + verl.models.mcore.model_forward", "on - off"]),
     ("torch_cp.py", ["--quick"], ["perdoc-ht", "cp-contig", "refused", "host ms to build"]),
+    ("hf_sp.py", ["--quick", "--rows", "1", "--repeats", "1"], ["row-zigzag", "doc-2UR", "MiB each rank sends",
+                                                                "of one rank's preparation"]),
 ]
 
 

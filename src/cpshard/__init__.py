@@ -10,6 +10,9 @@ Public API (documented in docs/ and the README):
 - :func:`shift_exchange` / :func:`halo_exchange`: the pure index math behind
   ``cpshard.distributed.shift_sharded`` / ``shift_sharded_multi`` (:class:`ShiftExchange`,
   :class:`HaloExchange`), callable for every rank in one process.
+- :func:`varlen_metadata` / :class:`VarlenMetadata`: a rank's ``flash_attn_varlen_func`` arguments
+  (query rows, gathered key rows, ``cu_seqlens``, window) for document-causal attention over
+  all-gathered keys.
 - :func:`twin_plan`: a plan's twin under another layout or order (``cpshard.distributed.relayout``).
 - :func:`from_padded` / :func:`to_padded`: padded batch + attention mask <-> jagged nested tensor.
 - :class:`GradReduction`: the gradient convention of ``cpshard.loss`` and ``cpshard.mtp``.
@@ -42,6 +45,7 @@ from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.exchanges import halo_exchange, shift_exchange
 from cpshard.plan.twins import twin_plan
 from cpshard.plan.values import DeviceTensors, Plan, ShardPlan
+from cpshard.plan.varlen import VarlenMetadata, varlen_metadata
 from cpshard.policy.layouts import layout_for, register_layout_rule, unregister_layout_rule
 
 __version__ = "0.2.0"
@@ -76,6 +80,7 @@ __all__ = [
     "ShardPlan",
     "ShiftExchange",
     "TwinOrder",
+    "VarlenMetadata",
     "alignment",
     "describe_bshd",
     "describe_plan",
@@ -92,4 +97,5 @@ __all__ = [
     "twin_plan",
     "unregister_layout_rule",
     "unshard",
+    "varlen_metadata",
 ]

@@ -35,9 +35,10 @@ route           :class:`~cpshard.index.route.Route`;             the twin, rank,
 blocks          the reference attention's query blocks           rank, device, block size
 scan            the reference scan's segments                    (one)
 unpadded        the plan of the tokens alone (for ``shift``)     (one)
+varlen          a rank's varlen kernel metadata                  rank, window, device
 ==============  ===============================================  ==========================
 
-The last three are built by the modules that use them (``causal``, ``scan``, ``values``), through
+The last four are built by the modules that use them (``causal``, ``scan``, ``values``, ``varlen``), through
 :meth:`kept_for`.
 
 Not part of the plan's value: equality, hashing and pickling ignore it. Safe to share between
@@ -72,7 +73,7 @@ __all__ = ["DeviceTensors", "PlanIndices", "ROWS_PER_RUN"]
 _T = TypeVar("_T")
 _E = TypeVar("_E", _exchange.ShiftExchange, _halo.HaloExchange)  # what an exchange method keeps
 _I32 = torch.int32
-_ABOVE = frozenset({"blocks", "scan", "unpadded"})  # kinds built by modules above the service (kept_for)
+_ABOVE = frozenset({"blocks", "scan", "unpadded", "varlen"})  # kinds built by modules above the service (kept_for)
 _BOUND = 64  # entries kept per kind (shifts, row strides and devices a program uses; a step needs a few)
 
 ROWS_PER_RUN = 512
