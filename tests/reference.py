@@ -557,17 +557,28 @@ def ref_document_mask(seqlens_caller, padded_caller) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
-def ref_varlen_mask(seqlens, padded, cp: int, layout, rank: int, window=None) -> list:
+def ref_varlen_rows(seqlens, padded, cp: int, layout) -> list:
+    """Per rank, per local row (flattened): ``(document, position, is_token)`` of a THD plan (``seqlens``,
+    ``padded``: buffer order)."""
+    return [[(i, p, token) for _, i, p, token in ref_row_info(seqlens, padded, cp, layout, r)] for r in range(cp)]
+
+
+def ref_bshd_varlen_rows(seqlens, M: int, cp: int, layout) -> list:
+    """The same for a BSHD plan: batch row ``b``'s columns of the rank (SPEC, BSHD), row by row."""
+    return [[(b, col, col < int(n)) for b, n in enumerate(seqlens) for col in ref_bshd_columns(M, cp, layout, r)]
+            for r in range(cp)]
+
+
+def ref_varlen_mask(rows, rank: int, window=None) -> list:
     """``mask[q][k]``: may local row ``q`` of ``rank`` attend to row ``k`` of the gathered key buffer (every
-    rank's local rows, rank 0's first)? Both are tokens of the same document (``seqlens``, ``padded``:
-    buffer order), the key at the query's position or before, and, with a ``window`` of ``w``, fewer
-    than ``w`` positions before it. One pair at a time."""
-    queries = ref_row_info(seqlens, padded, cp, layout, rank)
-    keys = [row for r in range(cp) for row in ref_row_info(seqlens, padded, cp, layout, r)]
+    rank's local rows, rank 0's first)? ``rows``: :func:`ref_varlen_rows` or :func:`ref_bshd_varlen_rows`.
+    Both are tokens of the same document, the key at the query's position or before, and, with a
+    ``window`` of ``w``, fewer than ``w`` positions before it. One pair at a time."""
+    keys = [row for r in range(len(rows)) for row in rows[r]]
     mask = []
-    for _, i, p, token in queries:
+    for i, p, token in rows[rank]:
         line = []
-        for _, i2, p2, token2 in keys:
+        for i2, p2, token2 in keys:
             line.append(token and token2 and i2 == i and p2 <= p and (window is None or p - p2 < window))
         mask.append(line)
     return mask

@@ -9,6 +9,7 @@ outputs back and compares with a dense masked SDPA over the rank's queries and e
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpshard import ShardPlan, VarlenMetadata, shard, varlen_metadata
-from reference import ref_flash_pairs, ref_row_info, ref_varlen_mask
+from cpshard import BshdPlan, ShardPlan, VarlenMetadata, shard, varlen_metadata
+from reference import ref_bshd_varlen_rows, ref_flash_pairs, ref_varlen_mask, ref_varlen_rows
 from strategies import props
 
 F64 = torch.float64
@@ -30,7 +31,7 @@ WINDOWS = [None, 1, 2, 5, 10**6]  # 10**6: longer than any document
 def cases(draw):
     cp = draw(st.integers(1, 4))
     tp = draw(st.integers(1, 4))
-    layout = draw(st.sampled_from(["zigzag", "contiguous", "balanced"]))
+    layout = draw(st.sampled_from(["zigzag", "contiguous", "balanced", "bshd-zigzag", "bshd-contiguous"]))
     padding = draw(st.sampled_from(["minimal", "aligned"]))
     one = st.sampled_from([0, 1, 2, 3, 7]) | st.integers(0, 40)
     lens = draw(st.lists(one, min_size=1, max_size=6))
@@ -39,14 +40,23 @@ def cases(draw):
 
 
 def _plan(lens, cp, tp, layout, padding="minimal"):
+    if layout.startswith("bshd-"):
+        return BshdPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout.removeprefix("bshd-"))
     kw = dict(reorder="balanced") if layout == "balanced" else {}
     return ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout="contiguous" if layout == "balanced" else layout,
                            padding=padding, **kw)
 
 
+def _rows(plan) -> list:
+    """Per rank, per flattened local row: (document, position, is_token), from the reference."""
+    if isinstance(plan, BshdPlan):
+        return ref_bshd_varlen_rows(plan.seqlens_py, plan.max_seqlen, plan.cp_size, plan.layout)
+    return ref_varlen_rows(plan.seqlens_py, plan.padded_seqlens_py, plan.cp_size, plan.layout)
+
+
 def _ref_mask(plan, r, window) -> torch.Tensor:
-    mask = ref_varlen_mask(plan.seqlens_py, plan.padded_seqlens_py, plan.cp_size, plan.layout, r, window)
-    return torch.tensor(mask, dtype=torch.bool).reshape(plan.local_len, plan.cp_size * plan.local_len)
+    local = math.prod(plan.local_shape)
+    return torch.tensor(ref_varlen_mask(_rows(plan), r, window), dtype=torch.bool).reshape(local, plan.cp_size * local)
 
 
 def _segments(m: VarlenMetadata):
@@ -57,11 +67,11 @@ def _segments(m: VarlenMetadata):
 
 def _check_indices(plan, r, window):
     m = varlen_metadata(plan, r, window=window)
-    info = ref_row_info(plan.seqlens_py, plan.padded_seqlens_py, plan.cp_size, plan.layout, r)
+    info = _rows(plan)[r]
     assert m.q_index.dtype == m.k_index.dtype == torch.int64
     assert m.cu_seqlens_q.dtype == m.cu_seqlens_k.dtype == torch.int32
     assert m.window_size == ((-1, -1) if window is None else (window - 1, 0))
-    assert m.q_index.tolist() == [q for q, (_, _, _, token) in enumerate(info) if token]
+    assert m.q_index.tolist() == [q for q, (_, _, token) in enumerate(info) if token]
     qlens = (m.cu_seqlens_q[1:] - m.cu_seqlens_q[:-1]).tolist()
     klens = (m.cu_seqlens_k[1:] - m.cu_seqlens_k[:-1]).tolist()
     assert m.max_seqlen_q == max(qlens, default=0) and m.max_seqlen_k == max(klens, default=0)
@@ -69,10 +79,12 @@ def _check_indices(plan, r, window):
     runs = []
     for qi, ki in _segments(m):
         qi, ki = qi.tolist(), ki.tolist()
-        docs_pos = [info[q][1:3] for q in qi]
+        docs_pos = [info[q][:2] for q in qi]
         assert docs_pos == [(docs_pos[0][0], docs_pos[0][1] + i) for i in range(len(qi))]  # one run of one document
         runs.append((docs_pos[0], docs_pos[-1]))
-        for i, j in ref_flash_pairs(len(qi), len(ki), m.window_size):
+        scored = ref_flash_pairs(len(qi), len(ki), m.window_size)
+        assert {j for _, j in scored} == set(range(len(ki))), "a key no query of the segment sees"
+        for i, j in scored:
             pairs[qi[i], ki[j]] += 1
     for (_, (doc, last)), ((doc2, first), _) in zip(runs, runs[1:]):
         assert not (doc == doc2 and first == last + 1), "a run split in two segments"
@@ -84,10 +96,14 @@ def _check_indices(plan, r, window):
 def _outputs(plan, r, window, *, top_left=False):
     """Rank ``r``'s attention two ways: the segments through SDPA, and the dense masked SDPA."""
     g = torch.Generator().manual_seed(plan.num_tokens + 7 * r)
-    q, k, v = (torch.randn(plan.num_tokens, H, D, generator=g, dtype=F64) for _ in range(3))
-    q_local = shard(q, plan, r)
-    k_all = torch.cat([shard(k, plan, s) for s in range(plan.cp_size)])
-    v_all = torch.cat([shard(v, plan, s) for s in range(plan.cp_size)])
+    q, k, v = (list(torch.randn(plan.num_tokens, H, D, generator=g, dtype=F64).split(plan.input_seqlens_py))
+               for _ in range(3))
+
+    def local(x, s):  # rank s's rows, flattened (a BSHD rank holds (B, M / cp) of them)
+        return shard(x, plan, s).reshape(-1, H, D)
+    q_local = local(q, r)
+    k_all = torch.cat([local(k, s) for s in range(plan.cp_size)])
+    v_all = torch.cat([local(v, s) for s in range(plan.cp_size)])
     m = varlen_metadata(plan, r, window=window)
     out = torch.zeros_like(q_local)
     for qi, ki in _segments(m):
@@ -125,10 +141,11 @@ def test_segments_through_sdpa_equal_the_masked_attention(case):
         torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "balanced"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "balanced", "bshd-zigzag", "bshd-contiguous"])
 @pytest.mark.parametrize("window", WINDOWS)
 def test_pinned_batches(layout, window):
-    """Empty and one-token documents, lengths divisible by nothing, a document over several ranks."""
+    """Empty and one-token documents, lengths divisible by nothing, a document over several ranks (and
+    BSHD rows: each rank's ``(B, M / cp)`` rows flattened)."""
     for lens, cp, tp in [([0, 1, 13, 0, 2], 3, 2), ([29], 4, 1), ([1, 1, 1], 2, 3), ([0], 2, 1)]:
         plan = _plan(lens, cp, tp, layout)
         for r in range(cp):

@@ -51,8 +51,9 @@ class VarlenMetadata:
     ``flash_attn_varlen_func(q[q_index], k[k_index], v[k_index], cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, causal=True, window_size=window_size)`` with ``q`` the rank's ``L``
     local rows and ``k``, ``v`` the gathered ``R * L`` rows (ring-rank order) returns the attention
-    of the rows ``q_index``; the rank's other rows are pad rows, which the caller fills (zeros).
-    Kept by the plan's index service: shared, not to be edited in place.
+    of the rows ``q_index`` (a :class:`~cpshard.BshdPlan`'s rank holds ``L = B * M / cp`` rows,
+    flattened); the rank's other rows are pad rows, which the caller fills (zeros). Kept by the plan's
+    index service: shared, not to be edited in place.
     """
 
     q_index: torch.Tensor  # (Nq,) int64: the rank's token rows, segment by segment

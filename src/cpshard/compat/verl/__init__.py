@@ -23,7 +23,8 @@ lists those rows:
   (:mod:`cpshard.compat.verl._layout`).
 
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
-``_thd`` and ``_bshd`` (the drop-ins), ``_layout`` (the layout of a site verl passes none),
+``_thd`` and ``_bshd`` (the drop-ins), ``_ulysses`` (the FSDP backend's six Ulysses helpers of
+``verl/utils/ulysses.py``, at one ring rank), ``_layout`` (the layout of a site verl passes none),
 ``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
 ``_rows`` (verl's per-row rules over the plan's segments), ``_pack`` (the packing drop-in
 :func:`rearrange_micro_batches`, and verl's own partition), ``_patch`` (:func:`patch`,
@@ -49,6 +50,15 @@ from cpshard.compat.verl._layout import ENV as LAYOUT_ENV
 from cpshard.compat.verl._patch import VerlPatch, active, patch
 from cpshard.compat.verl._plans import bshd_plan, local_padding_mask, thd_plan
 from cpshard.compat.verl.sites import DROP_INS as DROP_INS  # verl's eight helpers -> the drop-ins patch() binds
+from cpshard.compat.verl._ulysses import (
+    ULYSSES_DROP_INS,
+    gather_heads_scatter_seq,
+    gather_outputs_and_unpad,
+    gather_seq_scatter_heads,
+    slice_input_tensor,
+    ulysses_pad,
+    ulysses_pad_and_slice_inputs,
+)
 from cpshard.compat.verl._thd import (
     postprocess_packed_seqs,
     postprocess_thd_engine,
@@ -58,12 +68,16 @@ from cpshard.compat.verl._thd import (
 
 __all__ = [
     "LAYOUT_ENV",
+    "ULYSSES_DROP_INS",
     "VerlPatch",
     "activate",
     "active",
     "bshd_plan",
     "build_vlm_attn_mask_bshd",
     "build_vlm_attn_mask_thd",
+    "gather_heads_scatter_seq",
+    "gather_outputs_and_unpad",
+    "gather_seq_scatter_heads",
     "local_padding_mask",
     "patch",
     "postprocess_bshd_engine",
@@ -74,5 +88,8 @@ __all__ = [
     "preprocess_thd_engine",
     "process_patch",
     "rearrange_micro_batches",
+    "slice_input_tensor",
     "thd_plan",
+    "ulysses_pad",
+    "ulysses_pad_and_slice_inputs",
 ]
