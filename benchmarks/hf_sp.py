@@ -158,9 +158,18 @@ def sp_shard_pure() -> Callable[..., Any] | None:
     """HOOK: ``SequenceParallel.shard``'s pure part (no collective) from ``cpshard.compat.hf``, once it lands
     (its own branch): return a function of ``(input_ids, position_ids, labels, ring, ulysses, layout, rank)``
     and the host-time table gains its column. None until then."""
-    if importlib.util.find_spec("cpshard.compat.hf") is None:
+    if importlib.util.find_spec("cpshard.compat.hf") is None or importlib.util.find_spec("transformers") is None:
         return None
-    return None  # HOOK: bind cpshard.compat.hf's pure preparation here when its API is settled
+    from cpshard.compat.hf import shard_row
+
+    def pure(input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor, ring: int, ulysses: int,
+             layout: str, rank: int) -> Any:
+        # what sp.shard computes on rank (rank, U - 1) without its groups, and the flash kernel's metadata
+        batch = shard_row(input_ids, position_ids, labels, ring_size=ring, ulysses_size=ulysses, ring_rank=rank,
+                          ulysses_rank=ulysses - 1, layout=layout)
+        return batch, varlen_metadata(batch.plan, rank)
+
+    return pure
 
 
 def main() -> None:
@@ -226,7 +235,8 @@ def main() -> None:
           f"slowest of the {n_rows} rows; rank R-1): lengths from positions + ShardPlan.build + shard of ids, "
           "positions, labels + varlen_metadata, for each layout and length distribution; 'order': the contiguous "
           "plan's build alone (its balanced order's search); "
-          + ("sp.shard's pure part" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
+          + ("'sp.shard': cpshard.compat.hf.shard_row (what sp.shard computes, rank (R-1, U-1)) + varlen_metadata, "
+             "zigzag, exponential lengths" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
     cols = [f"{layout[:6]} {dist[:3]}" for dist in DISTS for layout in ("zigzag", "contig", "order")]
     header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{c:>10}" for c in [*cols, *(["sp.shard"] if hook else [])])
     print(header)
