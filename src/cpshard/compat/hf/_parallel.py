@@ -115,7 +115,8 @@ class SequenceParallel:
                                      self.layout.value)
         except (ValueError, TypeError) as exc:
             error = exc
-        if (check if check is not None else checks_enabled()) and (self.cp_group or self.ulysses_group):
+        grouped = self.cp_group is not None or self.ulysses_group is not None
+        if grouped and (check if check is not None else checks_enabled()):
             self._agree(plan, rows, error)
         if error is not None:
             raise error
