@@ -327,3 +327,27 @@ def refusals(rank: int, world: int) -> dict:
     except ValueError as exc:
         out["heads"] = str(exc)
     return out
+
+
+def unchecked(rank: int, world: int) -> dict:
+    """Checks off, rank 2's packed row holds other documents (same tokens, one document cut in two) at (1, 2):
+    each rank's shard succeeds alone, and the first Ulysses exchange of the first layer raises on both ranks
+    (the plan's header differs) instead of mixing rows."""
+    made = groups((1, 2), _members((1, 2)))
+    if made is None:
+        return {}
+    _, ulysses, _ = made
+    ids, pos, labels = row(ROWS[0], 0)
+    if dist.get_rank() == 2:
+        pos = pos.clone()
+        pos[0, 10:21] = torch.arange(11)
+    sp = hf.SequenceParallel(None, ulysses)
+    batch = sp.shard(ids, pos, labels, check=False)
+    net = copy.deepcopy(model("llama"))
+    net.set_attn_implementation("cpshard")
+    try:
+        with sp.attend(batch):
+            net(input_ids=batch.input_ids, position_ids=batch.position_ids)
+    except ValueError as exc:
+        return {"raised": str(exc)}
+    return {"returned": True}

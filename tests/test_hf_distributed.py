@@ -23,7 +23,7 @@ def _suite(*names: str) -> list[dict]:
 
 def _all(name: str) -> dict:
     merged = {}
-    for rank, got in enumerate(_suite("shapes", "drawn", "one_kv_head", "flex", "flash", "broken", "refusals")):
+    for rank, got in enumerate(_suite("shapes", "drawn", "one_kv_head", "flex", "flash", "broken", "refusals", "unchecked")):
         for key, value in got[name].items():
             merged[(rank, key)] = value
     return merged
@@ -86,3 +86,8 @@ def test_bad_configurations_raise_on_every_rank():
                 assert message.startswith("position_ids="), message
             else:
                 assert "differ across the sequence-parallel ranks" in message and "global ranks" in message, message
+
+
+def test_documents_that_differ_raise_in_the_first_exchange_with_checks_off():
+    results = _all("unchecked")
+    assert set(results) == {(1, "raised"), (2, "raised")}, results
