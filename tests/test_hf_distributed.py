@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from rank_suites import run_suite  # noqa: E402
 
+SUBCASES = ("shapes", "drawn", "one_kv_head", "flex", "flash", "broken", "refusals", "unchecked")
 LOSS, GRAD, LOGITS = 1e-10, 1e-12, 1e-12  # loss absolute; gradients relative to each one's largest
 
 
@@ -23,7 +24,7 @@ def _suite(*names: str) -> list[dict]:
 
 def _all(name: str) -> dict:
     merged = {}
-    for rank, got in enumerate(_suite("shapes", "drawn", "one_kv_head", "flex", "flash", "broken", "refusals", "unchecked")):
+    for rank, got in enumerate(_suite(*SUBCASES)):
         for key, value in got[name].items():
             merged[(rank, key)] = value
     return merged
