@@ -186,7 +186,7 @@ def test_plan_invariants(cfg: PlanCfg):
     for i, (p_i, n_i) in enumerate(zip(P, n)):
         assert p_i >= n_i
         assert p_i % a == 0, (i, p_i, a)
-        if cfg.layout == "zigzag":
+        if cfg.layout == "zigzag" and cfg.padding != "none":
             assert p_i % (2 * cp) == 0 or cp == 1
         # only the last sequence may carry more than the minimal padding
         if i < len(P) - 1:
@@ -232,7 +232,7 @@ def test_global_rows_partition(cfg: PlanCfg):
         assert rows.tolist() == ref_rank_rows(P, cfg.cp, cfg.layout, r)
         every += rows.tolist()
     assert sorted(every) == list(range(T))
-    if cfg.layout == "zigzag":
+    if cfg.layout == "zigzag" and cfg.padding != "none":
         # sequence i starts at local row S_i / cp on every rank
         S = ref_cumsum(P)
         for r in range(cfg.cp):

@@ -496,7 +496,8 @@ class PlanIndices:
                 return self.relayout(dst, cp_rank, torch.device("cpu")).to(device)
             plan, rows = self.plan, math.prod(self.plan.local_shape)
             (padded, alone), (dst_padded, dst_alone) = self.split(), dst.indices().split()
-            if not (alone or dst_alone):  # THD twins: this rank's rows, by closed forms (plan.closed)
+            if not (alone or dst_alone or self.unequal_chunks() or dst.indices().unequal_chunks()):
+                # THD twins of equal zigzag chunks: this rank's rows, by closed forms (index/closed.py)
                 moved = self._kept("route", ("moved", dst), lambda: _closed.thd_moved(plan, dst, (padded, dst_padded)))
                 return _route.rank_route(_closed.thd_rows(dst, self.canonical(cp_rank), dst_padded),
                                          _closed.thd_rows(plan, dst.indices().canonical(cp_rank), padded),
@@ -511,12 +512,19 @@ class PlanIndices:
         rows, then rank 1's, ...), and ``restore`` its inverse. What a load balancer that rearranges
         the caller's buffer before cutting it into ``cp`` equal pieces hands its framework
         (``cpshard.compat.torch_cp``). Over the rows at once, by the closed forms of
-        ``index/closed.py`` (no rank's segments)."""
+        ``index/closed.py`` (no rank's segments), or, for zigzag chunks of unequal sizes, from every
+        rank's :meth:`canonical` rows (which are ``rearrange`` itself)."""
         def make() -> tuple[np.ndarray, np.ndarray]:
             total = self.plan.total_len
-            restore = _closed.thd_rows(self.plan, np.arange(total, dtype=np.int64), self.split()[0])
+            every = np.arange(total, dtype=np.int64)
+            if self.unequal_chunks():
+                rearrange = np.concatenate([self.canonical(r) for r in range(self.plan.cp_size)])
+                restore = np.empty(total, dtype=np.int64)
+                restore[rearrange] = every
+                return rearrange, restore
+            restore = _closed.thd_rows(self.plan, every, self.split()[0])
             rearrange = np.empty(total, dtype=np.int64)
-            rearrange[restore] = np.arange(total, dtype=np.int64)
+            rearrange[restore] = every
             return rearrange, restore
         return self._kept("host", "rank_order", make)
 
@@ -525,6 +533,15 @@ class PlanIndices:
         is split over the ranks on its own (a BSHD row) rather than the buffer as a whole (THD): what
         the closed forms of the exchanges read (the plan kind's ``_split``)."""
         return self._kept("host", "split", self.plan._split)
+
+    def unequal_chunks(self) -> bool:
+        """Whether some zigzag sequence's chunks differ in size (``padding="none"``; Note [Zigzag chunks
+        of any length] in ``index/segments.py``): the closed forms of ``index/closed.py`` then do not
+        apply."""
+        def make() -> bool:
+            padded, alone = self.split()
+            return not alone and _index.unequal_chunks(padded, self.plan.cp_size, self.plan.layout)
+        return self._kept("host", "unequal", make)
 
     def near(self, cp_rank: int, span: int) -> _index.AllSegments:
         """The segments of ``cp_rank`` and of every rank holding a row within ``span`` positions of one
