@@ -186,6 +186,7 @@ def _build(plan: ShardPlan, *, device: torch.device | str | None = None, cp_grou
     if not isinstance(plan, ShardPlan):
         fail("plan", type(plan).__name__, "must be a THD ShardPlan (PackedSeqParams describes packed sequences)",
              "build one with ShardPlan.build", kind=TypeError)
+    plan.require_equal_chunks("Megatron's PackedSeqParams (TransformerEngine's THD zigzag)")
     cls = packed_seq_params_class()
     extra: dict[str, Any] = {}
     if supports_cp_partition_mode(cls):
