@@ -468,6 +468,11 @@ class PlanIndices:
         out in the caller's order (Note [Twin plans and their route] in ``twins.py``): a row at padded
         position ``p`` of caller's sequence ``i`` is ``cu_padded_caller[i] + p``. Not kept: the
         permutation built from it is."""
+        segs = self.segments(cp_rank)
+        return segs.expand(self._caller_starts()[segs.seq] + segs.pos)
+
+    def _caller_starts(self) -> np.ndarray:
+        """Per buffer sequence, its first row in the caller's padded buffer (:meth:`canonical`'s numbering)."""
         plan = self.plan
         cu = _index.int64_array(plan._cu_padded_py())  # buffer order
         start = cu[:-1]
@@ -476,8 +481,7 @@ class PlanIndices:
             caller = np.empty_like(start)
             caller[order] = np.diff(cu)
             start = np.concatenate([[0], np.cumsum(caller)])[order]
-        segs = self.segments(cp_rank)
-        return segs.expand(start[segs.seq] + segs.pos)
+        return start
 
     def permutation(self, dst: Plan) -> tuple[np.ndarray, np.ndarray, int]:
         """Where every rank's rows go under the twin ``dst`` (``route.permutation``): two
@@ -517,8 +521,12 @@ class PlanIndices:
         def make() -> tuple[np.ndarray, np.ndarray]:
             total = self.plan.total_len
             every = np.arange(total, dtype=np.int64)
-            if self.unequal_chunks():
-                rearrange = np.concatenate([self.canonical(r) for r in range(self.plan.cp_size)])
+            if self.unequal_chunks():  # every rank's canonical rows at once: chunks r, 2 cp - 1 - r of each sequence
+                cp = self.plan.cp_size
+                bounds = _index.zigzag_bounds(self.split()[0], cp)
+                held = np.stack([np.arange(cp), 2 * cp - 1 - np.arange(cp)], 1)  # (cp, 2): rank r's chunks
+                first = (self._caller_starts()[:, None] + bounds[:, :-1])[:, held].transpose(1, 0, 2)
+                rearrange = _index.expand_np(first.ravel(), np.diff(bounds, axis=1)[:, held].transpose(1, 0, 2).ravel())
                 restore = np.empty(total, dtype=np.int64)
                 restore[rearrange] = every
                 return rearrange, restore
