@@ -516,20 +516,17 @@ class PlanIndices:
         rows, then rank 1's, ...), and ``restore`` its inverse. What a load balancer that rearranges
         the caller's buffer before cutting it into ``cp`` equal pieces hands its framework
         (``cpshard.compat.torch_cp``). Over the rows at once, by the closed forms of
-        ``index/closed.py`` (no rank's segments), or, for zigzag chunks of unequal sizes, from every
-        rank's :meth:`canonical` rows (which are ``rearrange`` itself)."""
+        ``index/closed.py`` (no rank's segments); for zigzag chunks of unequal sizes, their bounds."""
         def make() -> tuple[np.ndarray, np.ndarray]:
             total = self.plan.total_len
             every = np.arange(total, dtype=np.int64)
-            if self.unequal_chunks():  # every rank's canonical rows at once: chunks r, 2 cp - 1 - r of each sequence
+            if self.unequal_chunks():  # every rank's chunks r and 2 cp - 1 - r at once, from their bounds
                 cp = self.plan.cp_size
                 bounds = _index.zigzag_bounds(self.split()[0], cp)
                 held = np.stack([np.arange(cp), 2 * cp - 1 - np.arange(cp)], 1)  # (cp, 2): rank r's chunks
                 first = (self._caller_starts()[:, None] + bounds[:, :-1])[:, held].transpose(1, 0, 2)
                 rearrange = _index.expand_np(first.ravel(), np.diff(bounds, axis=1)[:, held].transpose(1, 0, 2).ravel())
-                restore = np.empty(total, dtype=np.int64)
-                restore[rearrange] = every
-                return rearrange, restore
+                return rearrange, np.argsort(rearrange, kind="stable")
             restore = _closed.thd_rows(self.plan, every, self.split()[0])
             rearrange = np.empty(total, dtype=np.int64)
             rearrange[restore] = every
@@ -543,9 +540,7 @@ class PlanIndices:
         return self._kept("host", "split", self.plan._split)
 
     def unequal_chunks(self) -> bool:
-        """Whether some zigzag sequence's chunks differ in size (``padding="none"``; Note [Zigzag chunks
-        of any length] in ``index/segments.py``): the closed forms of ``index/closed.py`` then do not
-        apply."""
+        """Whether some zigzag chunks differ in size (``padding="none"``): ``index/closed.py`` then does not apply."""
         def make() -> bool:
             padded, alone = self.split()
             return not alone and _index.unequal_chunks(padded, self.plan.cp_size, self.plan.layout)

@@ -118,18 +118,9 @@ class Plan:
 
     @property
     def equal_chunks(self) -> bool:
-        """Whether every zigzag sequence is cut into ``2 * cp`` equal chunks, as attention kernels that
-        take zigzag THD rows need (Megatron's ``PackedSeqParams``, TransformerEngine): False for a
-        zigzag plan at ``cp > 1`` built with ``padding="none"``, whose chunks may differ by one row
-        (SPEC.md, "Zigzag without padding"), whatever its lengths; True for every other plan."""
+        """Whether zigzag's chunks are equal, as Megatron's ``PackedSeqParams`` and TransformerEngine need: False
+        for a zigzag plan at ``cp > 1`` with ``padding="none"``, whatever its lengths (SPEC.md)."""
         return not (self.layout is Layout.ZIGZAG and self.cp_size > 1 and self.padding is Padding.NONE)
-
-    def require_equal_chunks(self, user: str, name: str = "plan") -> None:
-        """A ``ValueError`` naming ``user`` (what needs equal chunks) unless :attr:`equal_chunks`."""
-        if not self.equal_chunks:
-            fail(name, repr(self), f"has zigzag chunks of unequal sizes (padding='none'), which {user} cannot "
-                 "address: it takes every sequence as 2 * cp equal chunks", "build the plan with "
-                 "padding='minimal' (or 'aligned'): each sequence padded to a multiple of 2 * cp_size")
 
     @property
     def padding_overhead(self) -> float:
@@ -364,11 +355,9 @@ class ShardPlan(Plan):
 
         ``padding="minimal"`` pads each sequence only as far as the layout needs (``2 * cp`` for
         zigzag, nothing for contiguous; the last sequence keeps every rank's rows divisible by
-        ``tp``). ``padding="none"`` pads no sequence: zigzag's ``2 * cp`` chunks of a sequence then
-        differ by at most one row, every rank still holding ``total_len / cp`` rows (SPEC.md, "Zigzag
-        without padding"; kernels that need equal chunks refuse it: :attr:`equal_chunks`); with
-        ``total_len`` equal to the tokens, a full row of any documents. ``reorder="balanced"`` (contiguous layout) permutes the sequences so that causal
-        attention work is spread evenly over the ranks: ``order`` records the permutation,
+        ``tp``). ``padding="none"``: none, zigzag's chunks one row apart (SPEC.md, "Zigzag without
+        padding"; :attr:`equal_chunks`). ``reorder="balanced"`` (contiguous layout) permutes the
+        sequences so that causal attention work is spread evenly over the ranks: ``order`` records the permutation,
         ``seqlens``/``cu_seqlens*`` and the per-rank views follow the new order, and ``shard``
         takes, ``unshard``/``gather`` return, the caller's order.
 
@@ -380,7 +369,6 @@ class ShardPlan(Plan):
         """
         lens, cp_size, tp_size, layout, fp8 = parse_plan_args(seqlens, cp_size, tp_size, layout, fp8)
         padding = Padding.parse(padding)
-        _check_fp8_padding(fp8, padding)
         if min_local_rows is not None:
             min_local_rows = check_int("min_local_rows", min_local_rows, minimum=0)
         if length_bucket is not None:
@@ -503,9 +491,8 @@ class ShardPlan(Plan):
         if total % cp or (total // cp) % tp:
             fail(name, padded, f"total {total} must split into cp_size={cp} equal parts "
                  f"each divisible by tp_size={tp}", build)
-        _check_fp8_padding(self.fp8, self.padding)
-        if (self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and self.padding is not Padding.NONE
-                and any(p % (2 * cp) for p in padded)):
+        if self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and self.equal_chunks and any(
+                p % (2 * cp) for p in padded):
             fail(name, padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}", build)
         if self.fp8 and total % fp8_total_alignment(base):
             fail(name, padded, f"with fp8 the total {total} must divide by "
@@ -586,18 +573,11 @@ class ShardPlan(Plan):
     def __repr__(self) -> str:
         lens: list[object] = list(self.seqlens_py)
         shown = lens if len(lens) <= 8 else lens[:6] + ["..."] + lens[-1:]
-        extra = (", fp8=True" if self.fp8 else "") + ("" if self.padding is Padding.ALIGNED
-                                                       else f", padding={self.padding.value!r}") + (
-            ", reordered" if self.order else "")
+        padding = "" if self.padding is Padding.ALIGNED else f", padding={self.padding.value!r}"
+        extra = (", fp8=True" if self.fp8 else "") + padding + (", reordered" if self.order else "")
         return (f"ShardPlan(seqlens={shown}, cp_size={self.cp_size}, tp_size={self.tp_size}, "
                 f"layout={self.layout.value!r}{extra}, alignment={self.alignment}, total_len={self.total_len}, "
                 f"local_len={self.local_len})")
-
-
-def _check_fp8_padding(fp8: bool, padding: Padding) -> None:
-    if fp8 and padding is Padding.NONE:
-        fail("padding", "'none'", "pads no sequence, and fp8 pads each to a multiple of 16 rows for "
-             "TransformerEngine (whose zigzag needs equal chunks)", "pass padding='minimal' with fp8=True")
 
 
 def _check_total(total: int, fix: str | None = None) -> None:
