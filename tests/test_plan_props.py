@@ -330,3 +330,9 @@ def test_unpadded_zigzag_is_refused_where_equal_chunks_are_needed():
         ShardPlan.build([5], cp_size=2, padding="none", fp8=True)
     with pytest.raises(ValueError, match=r"padding='none': deals zigzag's extra rows"):
         cpshard.pack([5, 3, 1, 7], max_tokens=64, cp_size=2, padding="none")
+    # the closed forms of equal chunks answer None or refuse: the index service reads the segments
+    from cpshard.index.closed import thd_restore, thd_restore_by_rank, thd_rows
+
+    assert plan.indices().unequal_chunks() and thd_restore(plan) is None and thd_restore_by_rank(plan) is None
+    with pytest.raises(AssertionError, match=r"padding='none'"):
+        thd_rows(plan, torch.arange(16).numpy())

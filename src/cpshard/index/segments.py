@@ -260,9 +260,9 @@ def held_segments(padded: np.ndarray, cp_size: int, layout: Layout, alone: bool 
     (:func:`rank_segments` of every rank, those of positive length counted), in closed form: no
     segment is built. A padded sequence of ``P > 0`` rows gives ``2 cp`` non-empty chunks under zigzag
     (``cp > 1``) where ``P >= 2 cp``, else ``P`` chunks of one row (Note [Zigzag chunks of any
-    length]), one segment at ``cp = 1``, and under contiguous one per rank its rows ``[S, S + P)`` meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows. With
-    ``alone`` each sequence is split over the ranks on its own (the rows of a BSHD batch): ``cp``
-    segments each under contiguous.
+    length]), one segment at ``cp = 1``, and under contiguous one per rank its rows ``[S, S + P)``
+    meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows. With ``alone`` each sequence
+    is split over the ranks on its own (the rows of a BSHD batch): ``cp`` segments each under contiguous.
 
     >>> held_segments(np.array([6, 4, 0]), 2, Layout.CONTIGUOUS), held_segments(np.array([8, 0]), 2, Layout.ZIGZAG)
     (3, 4)

@@ -210,7 +210,7 @@ class Plan:
         is the one its layout derives when every padded length divides by it (so a twin's twin is the
         plan again), else, for a zigzag twin of a contiguous plan whose lengths all divide by ``2 * cp``,
         minimal padding's ``2 * cp``. Where no twin exists (a zigzag twin needs every padded length to
-        divide by ``2 * cp``) the error names the padding to build with. Each plan kind builds its own
+        divide by ``2 * cp``, but under ``padding="none"``) the error names the padding to build with. Each plan kind builds its own
         (``_twin``); Note [Twin plans and their route] in ``twins.py``.
         """
         target = self.layout if layout is None else Layout.parse(layout)
