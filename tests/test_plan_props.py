@@ -279,7 +279,7 @@ def test_unpadded_zigzag_chunks_and_balance(lens, cp, full):
     every rank T / cp rows; the plan's rows are the reference's; every rank's causal work lies within the
     rounding bound of the ideal T-th share: each chunk bound is within 2 cp rows of ``j P / (2 cp)``,
     and moving one of a rank's four bounds by d rows changes its work by at most d (P + d + 1)."""
-    from reference import ref_zigzag_chunks
+    from reference import ref_rank_order, ref_zigzag_chunks
 
     if full:  # a full row: the tokens are the rows, nothing padded at all
         lens = lens + [(-sum(lens)) % cp or cp] if sum(lens) % cp or not sum(lens) else lens
@@ -293,6 +293,8 @@ def test_unpadded_zigzag_chunks_and_balance(lens, cp, full):
     for r in range(cp):
         assert plan.global_rows(r).tolist() == ref_rank_rows(P, cp, "zigzag", r)
         assert len(ref_rank_rows(P, cp, "zigzag", r)) == sum(P) // cp
+    rearrange, restore = plan.indices().rank_order()  # the torch balancer's indices, from the held chunks
+    assert rearrange.tolist() == ref_rank_order(P, None, cp, "zigzag") and (rearrange[restore] == range(sum(P))).all()
     work = []
     for r in range(cp):
         work.append(sum(p + 1 for (_, _, p, tok) in ref_row_info(plan.seqlens_py, P, cp, "zigzag", r) if tok))

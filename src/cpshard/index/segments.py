@@ -227,6 +227,25 @@ def overlap(lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) 
     return np.maximum(np.minimum(hi1, hi2) - np.maximum(lo1, lo2), 0)
 
 
+def zigzag_held(padded: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(seq, rank, start, length)``: every non-empty zigzag chunk, its sequence, the rank holding it, its
+    first position and rows (:func:`zigzag_bounds`' chunks), each rank's in its local order once sorted
+    stably by rank. ``O(sum_i min(P_i, 2 cp))``: a sequence shorter than ``2 cp`` rows lists only the
+    chunks that take its extra rows, so a batch of many short sequences at a large ``cp`` stays cheap."""
+    q, front, back, start = zigzag_extras(padded, cp)
+    count = np.where(q > 0, 2 * cp, front + back)
+    seq = np.repeat(np.arange(padded.size, dtype=np.int64), count)
+    t = expand_np(np.zeros(padded.size, dtype=np.int64), count)  # the chunk's index in its sequence's list
+    q, front, back, start, p = q[seq], front[seq], back[seq], start[seq], padded[seq]
+    extra = (start + t) % cp  # a short sequence's extra t: on that rank, its first chunk for t < cp
+    j = np.where(q > 0, t, np.where(t < cp, extra, 2 * cp - 1 - extra))
+    rank = np.minimum(j, 2 * cp - 1 - j)
+    first = _windowed(rank, start, np.where(j < cp, front, back), cp)
+    upto = _windowed(rank + 1, start, np.where(j < cp, front, back), cp)
+    begin = np.where(j < cp, rank * q + first, p - (rank + 1) * q - upto)
+    return seq, rank, begin, q + upto - first
+
+
 def zigzag_chunks(padded: np.ndarray, cp: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(front_pos, front_len, back_pos, back_len)`` per sequence: ``rank``'s chunks ``rank`` and
     ``2 cp - 1 - rank`` (:func:`zigzag_bounds`'s, over one rank: ``O(B)``)."""

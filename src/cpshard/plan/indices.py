@@ -516,16 +516,15 @@ class PlanIndices:
         rows, then rank 1's, ...), and ``restore`` its inverse. What a load balancer that rearranges
         the caller's buffer before cutting it into ``cp`` equal pieces hands its framework
         (``cpshard.compat.torch_cp``). Over the rows at once, by the closed forms of
-        ``index/closed.py`` (no rank's segments); for zigzag chunks of unequal sizes, their bounds."""
+        ``index/closed.py`` (no rank's segments); zigzag's from its held chunks, of any sizes."""
         def make() -> tuple[np.ndarray, np.ndarray]:
             total = self.plan.total_len
             every = np.arange(total, dtype=np.int64)
-            if self.unequal_chunks():  # every rank's chunks r and 2 cp - 1 - r at once, from their bounds
-                cp = self.plan.cp_size
-                bounds = _index.zigzag_bounds(self.split()[0], cp)
-                held = np.stack([np.arange(cp), 2 * cp - 1 - np.arange(cp)], 1)  # (cp, 2): rank r's chunks
-                first = (self._caller_starts()[:, None] + bounds[:, :-1])[:, held].transpose(1, 0, 2)
-                rearrange = _index.expand_np(first.ravel(), np.diff(bounds, axis=1)[:, held].transpose(1, 0, 2).ravel())
+            if self.plan.layout is Layout.ZIGZAG and self.plan.cp_size > 1:  # every rank's chunks at once
+                seq, rank, start, length = _index.zigzag_held(self.split()[0], self.plan.cp_size)
+                by_rank = np.argsort(rank.astype(np.uint16) if rank.size and rank.max() < 1 << 16 else rank,
+                                     kind="stable")  # a radix sort of 16-bit keys
+                rearrange = _index.expand_np((self._caller_starts()[seq] + start)[by_rank], length[by_rank])
                 return rearrange, np.argsort(rearrange, kind="stable")
             restore = _closed.thd_rows(self.plan, every, self.split()[0])
             rearrange = np.empty(total, dtype=np.int64)
