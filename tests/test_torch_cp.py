@@ -91,13 +91,13 @@ def positions_of(rows):
 @props(40)
 @given(st.sampled_from([1, 2, 3, 4]), st.sampled_from(["zigzag", "contiguous"]), st.integers(1, 3), st.data())
 def test_plans_from_positions(cp, layout, B, data):
-    unit = 2 * cp if layout == "zigzag" else 1
-    S = cp * 2 * data.draw(st.integers(1, 6))
+    """Rows of any documents (1-token ones, ones shorter than 2 * cp), either layout: nothing padded."""
+    S = cp * data.draw(st.integers(1, 12))
     rows = []
     for _ in range(B):
         lens, left = [], S
         while left:
-            n = unit * data.draw(st.integers(1, max(1, left // unit)))
+            n = data.draw(st.sampled_from([1, 2, 2 * cp - 1]) | st.integers(1, left))
             lens.append(min(n, left))
             left -= lens[-1]
         rows.append(lens)
@@ -107,8 +107,10 @@ def test_plans_from_positions(cp, layout, B, data):
         assert plan.input_seqlens_py == tuple(lens) and plan.total_len == S and plan.cp_size == cp
         assert plan.input_padded_seqlens_py == tuple(lens)  # a full row: nothing padded
         balanced = layout == "contiguous" and cp > 1
-        assert plan == ShardPlan.build(lens, cp_size=cp, layout=layout, padding="minimal",
+        assert plan == ShardPlan.build(lens, cp_size=cp, layout=layout,
+                                       padding="none" if layout == "zigzag" else "minimal",
                                        reorder="balanced" if balanced else None, total_len=S)
+        assert [plan.local_len] * cp == [len(plan.global_rows(r)) for r in range(cp)] == [S // cp] * cp
     one = torch_cp.plans_from_positions(positions_of(rows)[0], cp_size=cp, layout=layout)
     assert one == plans[:1]
 
@@ -127,8 +129,9 @@ def test_plans_from_positions_keep_the_callers_order_on_request():
     (torch.tensor([[0, 1, 2, 3], [0, 1, 1, 0]]), {}, r"positions\[1, 2\]=1"),
     (torch.tensor([[0, 1, 2]]), {}, r"S=3 positions.*divide by cp_size \* tp_size = 2"),
     (torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), {"tp_size": 3}, r"cp_size \* tp_size = 6"),
-    (torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]]), {"layout": "zigzag"},
-     r"positions\[0\]=document 1 of length 2: every document of a full row must divide by 4 .*layout='contiguous'"),
+    (torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]]), {"layout": "zigzag", "padding": "minimal"},
+     r"positions\[0\]=document 1 of length 2: every document of a full row must divide by 4 .*padding at its "
+     r"default \(zigzag: 'none'"),
     (torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), {"padding": "aligned"}, r"document 0 of length 3: .* divide by 2"),
     (torch.zeros((1, 0), dtype=torch.long), {}, r"must be \(B, S\) with B >= 1, or \(S,\), with S >= 1"),
     # no row at all (B = 0): an IndexError from inside before; a meta tensor: torch's NotImplementedError

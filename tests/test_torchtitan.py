@@ -36,6 +36,7 @@ import cpshard  # noqa: E402
 from cpshard.compat import torch_cp  # noqa: E402
 from cpshard.compat import torchtitan as cptitan  # noqa: E402
 from cpshard.spawn import run_ranks  # noqa: E402
+from reference import ref_rank_order  # noqa: E402
 
 API = "torchtitan.distributed.context_parallel.api"
 PACKAGE = "torchtitan.distributed.context_parallel"
@@ -83,10 +84,34 @@ def test_zigzag_indices_equal_per_document_head_tail(cp, data):
     assert torch.equal(got, want)
 
 
-def test_zigzag_refuses_documents_that_do_not_divide_by_2cp():
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.data())
+def test_zigzag_takes_rows_of_any_documents(cp, data):
+    """A full row of any documents (0 never: a document starts at each 0; 1-token ones, ones shorter
+    than 2 * cp): nothing padded, every rank S / cp rows, and the indices those of the naive per-token
+    reference of unpadded zigzag (chunks one row apart, extras dealt by one counter)."""
+    S = cp * data.draw(st.integers(1, 16))
+    rows = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        lens, left = [], S
+        while left:
+            lens.append(min(data.draw(st.sampled_from([1, 2 * cp - 1]) | st.integers(1, left)), left))
+            left -= lens[-1]
+        rows.append(lens)
+    pos = positions_of(rows)
+    plans = cptitan.batch_plans("cpshard_zigzag", (pos,), pos, 1, cp)
+    for plan, lens in zip(plans, rows, strict=True):
+        assert plan.input_padded_seqlens_py == tuple(lens) and plan.total_len == S
+        assert plan.padding.value == "none" and plan.padding_overhead == 0.0
+    got = torch_cp.rearrange_indices(plans)
+    want = torch.tensor([ref_rank_order(lens, None, cp, "zigzag") for lens in rows])
+    assert torch.equal(got, want)
+
+
+def test_zigzag_takes_documents_that_do_not_divide_by_2cp():
     pos = positions_of([[8, 6, 2]])
-    with pytest.raises(ValueError, match=r"document 1 of length 6.*must divide by 8"):
-        cptitan.batch_plans("cpshard_zigzag", (pos,), pos, 1, 4)
+    plan, = cptitan.batch_plans("cpshard_zigzag", (pos,), pos, 1, 4)
+    assert plan.input_padded_seqlens_py == (8, 6, 2) and [len(plan.global_rows(r)) for r in range(4)] == [4] * 4
     with pytest.raises(ValueError, match="'headtail'.*not one of cpshard's"):
         cptitan.batch_plans("headtail", (pos,), pos, 1, 4)
     with pytest.raises(ValueError, match=r"positions=tensor of shape \(1, 15\).*must be \(B, S\) = \(1, 16\)"):
@@ -114,21 +139,22 @@ def _qkv(B: int, S: int) -> torch.Tensor:
 
 
 BATCHES = {  # cp -> (kind, rows): B >= 1 rows of S = 128 * cp tokens (torch's CP block mask needs S to divide
-    # by cp * 128); zigzag rows' documents divide by 2 * cp, the contiguous rows' need not
-    2: [("cpshard", [[37, 1, 90, 5, 123], [256]]), ("cpshard_zigzag", [[100, 60, 96], [252, 4]])],
-    3: [("cpshard", [[7, 200, 1, 99, 77]]), ("cpshard_zigzag", [[6, 300, 78], [384]])],
-    4: [("cpshard", [[1, 13, 250, 8, 240], [512]]), ("cpshard_zigzag", [[8, 16, 488], [256, 256]])],
+    # by cp * 128); documents of any length, those of zigzag rows too (chunks one row apart)
+    2: [("cpshard", [[37, 1, 90, 5, 123], [256]]), ("cpshard_zigzag", [[100, 61, 1, 94], [251, 5]])],
+    3: [("cpshard", [[7, 200, 1, 99, 77]]), ("cpshard_zigzag", [[7, 299, 1, 77], [384]])],
+    4: [("cpshard", [[1, 13, 250, 8, 240], [512]]), ("cpshard_zigzag", [[9, 15, 1, 487], [255, 257]])],
 }
 
 
 def grid(cp: int) -> list[tuple[str, list[list[int]]]]:
     """Small batches without masks, seeded: 1-3 rows of S tokens (S a multiple of 2 * cp), documents of
-    1 .. 3 * cp tokens for "cpshard" (lengths below 2 * cp included), multiples of 2 * cp for zigzag."""
+    1 .. 3 * cp tokens (lengths below 2 * cp included) for "cpshard" and "cpshard_zigzag" alike, and
+    multiples of 2 * cp for zigzag too."""
     rng = random.Random(cp)
     out = []
     for _ in range(6):
         S = 2 * cp * rng.randint(1, 5)
-        for kind, unit, most in (("cpshard", 1, 3 * cp), ("cpshard_zigzag", 2 * cp, 3)):
+        for kind, unit, most in (("cpshard", 1, 3 * cp), ("cpshard_zigzag", 1, 3 * cp), ("cpshard_zigzag", 2 * cp, 3)):
             rows = []
             for _ in range(rng.randint(1, 3)):
                 lens, left = [], S

@@ -82,6 +82,18 @@ def _explicit(world: int, layout: str, total: int | None = None):
     return [ShardPlan.build(r, **kw, total_len=S) for r in rows], rows
 
 
+def _full_row(world: int, total: int | None = None):
+    """A batch of full rows of ``S`` tokens (``6 cp`` unless ``total``) under unpadded zigzag: documents of
+    1, ``2 cp - 1`` and more tokens, none dividing by ``2 cp`` in the second row, nothing padded
+    (plans_from_positions' zigzag: ``padding="none"``)."""
+    S = total or 6 * world
+    rows = [[1, 2 * world - 1, S - 2 * world], [5, S - 8, 3]]
+    positions = torch.tensor([[p for n in r for p in range(n)] for r in rows])
+    plans = torch_cp.plans_from_positions(positions, cp_size=world, layout="zigzag")
+    assert all(p.input_padded_seqlens_py == tuple(r) for p, r in zip(plans, rows))
+    return plans, rows
+
+
 def _search(world: int, examples: int, layout: str, check, total: int | None = None, longest: int = 12) -> int:
     """Run ``check(plans, seed)`` on the explicit batch of ``layout`` and on drawn batches (``examples``
     in all, the same on every rank); ``seed`` counts the batches checked before. Returns how many ran."""
@@ -90,6 +102,7 @@ def _search(world: int, examples: int, layout: str, check, total: int | None = N
     @_settings(examples)
     @given(torch_cp_batches(cps=(world,), total=total, longest=longest))
     @example(_explicit(world, layout, total))
+    @example(_full_row(world, total))
     def search(batch):
         check(batch[0], len(seen))
         seen.append(len(batch[0]))
@@ -112,6 +125,7 @@ def shard_unshard(rank: int, world: int) -> int:
     @given(torch_cp_batches(cps=(world,)), st.sampled_from([(), (3,)]))
     @example(_explicit(world, "zigzag"), (3,))
     @example(_explicit(world, "contiguous"), ())
+    @example(_full_row(world), (3,))
     def check(batch, trailing):
         plans, _ = batch
         docs = torch_cp_documents(plans, trailing)

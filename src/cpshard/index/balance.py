@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from cpshard.base.errors import fail
+from cpshard.index.segments import zigzag_bounds
 
 __all__ = ["balanced_order", "longest_first", "order_score", "rank_work", "simple_work_bound", "spread_positions",
            "tri", "work_lower_bound", "zigzag_works"]
@@ -136,14 +137,20 @@ def zigzag_works(n: np.ndarray, p: np.ndarray, cp: int) -> np.ndarray:
     to ``p`` (NumPy int64 arrays): rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``p / (2 cp)``
     rows, and the first ``k`` chunks hold ``tri(min(n, k c))`` pairs; with ``cp = 1``, all of it.
     Additive over sequences: the zigzag counterpart of Note [Causal work under the contiguous layout].
+    Where some ``p`` does not divide by ``2 cp`` (``padding="none"``) the chunks are
+    :func:`~cpshard.index.segments.zigzag_bounds`'s, which depend on the sequences before: ``n`` and
+    ``p`` then list a plan's sequences in its buffer order.
 
     >>> zigzag_works(np.array([5, 3]), np.array([8, 4]), 2).tolist()  # SPEC's worked example
     [[3, 12], [1, 5]]
     """
     if cp == 1:
         return tri(n)[:, None]
-    c = (p // (2 * cp))[:, None]
-    chunk = np.diff(tri(np.minimum(n[:, None], np.arange(2 * cp + 1, dtype=np.int64)[None, :] * c)), axis=1)
+    if (p % (2 * cp)).any():  # chunks of unequal sizes (padding="none"): their bounds
+        bounds = zigzag_bounds(p, cp)
+    else:
+        bounds = np.arange(2 * cp + 1, dtype=np.int64)[None, :] * (p // (2 * cp))[:, None]
+    chunk = np.diff(tri(np.minimum(n[:, None], bounds)), axis=1)
     return chunk[:, :cp] + chunk[:, ::-1][:, :cp]
 
 

@@ -22,6 +22,7 @@ from cpshard.plan.values import ShardPlan
 __all__ = ["check_plans", "document_lengths", "plans_from_positions"]
 
 _BALANCED_FOR_CONTIGUOUS: Any = "balanced for contiguous"
+_NONE_FOR_ZIGZAG: Any = "none for zigzag, minimal for contiguous"
 
 
 def check_plans(plans: Any, name: str = "plans") -> list[ShardPlan]:
@@ -99,7 +100,7 @@ def document_lengths(positions: Any) -> list[list[int]]:
 
 def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str = Layout.CONTIGUOUS,
                          reorder: Reorder | str | None = _BALANCED_FOR_CONTIGUOUS, tp_size: int = 1,
-                         padding: Padding | str = Padding.MINIMAL) -> list[ShardPlan]:
+                         padding: Padding | str = _NONE_FOR_ZIGZAG) -> list[ShardPlan]:
     """One :class:`ShardPlan` per batch row of position ids ``positions`` ``(B, S)`` or ``(S,)`` that
     restart at 0 at each document (torchtitan's convention; :func:`document_lengths`), each with
     ``total_len=S``: the plan's padded buffer is the row itself, so the row's tokens are the buffer
@@ -109,18 +110,23 @@ def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str =
       never padded (``padding="minimal"``), so any row works whose ``S`` divides by ``cp * tp``; the
       balanced order spreads the causal work over the ranks (SPEC.md, "Balanced order").
       ``reorder=None`` keeps the caller's order.
-    - ``layout="zigzag"``: each document is cut into ``2 * cp`` chunks, so every document length
-      must divide by ``2 * cp`` (``2 * cp * tp`` with ``padding="aligned"``): a full row has no room
-      for pad rows. Otherwise a ``ValueError`` names the first document that does not; use the
-      contiguous layout, or build plans of the documents' own lengths and their buffer with
-      :func:`~cpshard.compat.torch_cp.to_buffer` (which pads each document).
+    - ``layout="zigzag"`` with ``padding="none"`` (its default): each document is cut into ``2 * cp``
+      chunks whose sizes differ by at most one row, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 -
+      r``, the extra rows dealt so that every rank holds ``S / cp`` rows (SPEC.md, "Zigzag without
+      padding"): any documents, nothing padded, the causal balance of zigzag within rounding.
 
-    ``padding="aligned"`` pads every document to SPEC's alignment, which a full row has no room for
-    unless the lengths already divide by it (the error names the document that does not).
+    ``padding="minimal"`` (zigzag) or ``"aligned"`` pads every document to a multiple of ``2 * cp``
+    (``2 * cp * tp`` aligned, ``cp * tp`` contiguous aligned), which a full row has no room for
+    unless the lengths already divide by it: the error names the first document that does not. A
+    zigzag plan with ``padding="none"`` is refused, by name, where a kernel needs equal chunks
+    (Megatron's ``PackedSeqParams``, :attr:`ShardPlan.equal_chunks`); torch's CP attention does not.
     """
     cp_size = check_int("cp_size", cp_size, minimum=1)
     tp_size = check_int("tp_size", tp_size, minimum=1)
-    layout, padding = Layout.parse(layout), Padding.parse(padding)
+    layout = Layout.parse(layout)
+    if padding is _NONE_FOR_ZIGZAG:
+        padding = Padding.NONE if layout is Layout.ZIGZAG else Padding.MINIMAL
+    padding = Padding.parse(padding)
     if reorder is _BALANCED_FOR_CONTIGUOUS:
         reorder = Reorder.BALANCED if layout is Layout.CONTIGUOUS else None
     lengths = document_lengths(positions)
@@ -136,7 +142,8 @@ def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str =
             fail(f"positions[{b}]", f"document {odd} of length {lens[odd]}", f"every document of a full row must "
                  f"divide by {unit} under layout={layout.value!r} with padding={padding.value!r} (no room for pad "
                  "rows)",
-                 "use layout='contiguous' (padding='minimal': no padding), or build plans of the documents' own "
-                 "lengths and their buffer with cpshard.compat.torch_cp.to_buffer, which pads each document")
+                 "leave padding at its default (zigzag: 'none', chunks one row apart; contiguous: 'minimal'), "
+                 "or build plans of the documents' own lengths and their buffer with "
+                 "cpshard.compat.torch_cp.to_buffer, which pads each document")
     return [ShardPlan.build(lens, cp_size=cp_size, tp_size=tp_size, layout=layout, padding=padding,
                             reorder=reorder, total_len=S) for lens in lengths]

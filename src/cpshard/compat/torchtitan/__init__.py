@@ -8,8 +8,9 @@ row), ``"ptrr"`` (flex attention's block mask, 128-token blocks) or None. Switch
 
 - ``"cpshard"``: the contiguous layout with cpshard's balanced order, from the batch's position
   ids; nothing is padded, so a row of ``seq_len`` tokens stays ``seq_len``;
-- ``"cpshard_zigzag"``: per-document zigzag, where every document's length divides by ``2 * cp``
-  (else a ``ValueError`` names the first that does not).
+- ``"cpshard_zigzag"``: per-document zigzag on any documents: each cut into ``2 * cp`` chunks one
+  row apart at most, every rank ``seq_len / cp`` rows, nothing padded (SPEC.md, "Zigzag without
+  padding").
 
 Inputs, labels, positions and every ``BlockMask`` of the batch go through one
 :func:`cpshard.compat.torch_cp.load_balancer`. Without positions (a plain ``cp_shard`` call, such as

@@ -3,9 +3,9 @@ shards the inputs, labels, positions and every ``BlockMask`` of the batch throug
 
 - ``"cpshard"``: the contiguous layout with cpshard's balanced order, no padding (a row of ``S``
   tokens stays ``S``; ``S`` must divide by ``cp``, as for torch's balancers);
-- ``"cpshard_zigzag"``: per-document zigzag (each document cut into ``2 * cp`` chunks, rank ``r``
-  holding chunks ``r`` and ``2 * cp - 1 - r``): every document's length must divide by ``2 * cp``
-  (a full row has no room for pad rows), else a ``ValueError`` names the first that does not.
+- ``"cpshard_zigzag"``: per-document zigzag (each document cut into ``2 * cp`` chunks whose sizes
+  differ by at most one row, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``, every rank
+  ``S / cp`` rows: ``padding="none"``, SPEC.md "Zigzag without padding"): any documents on a full row.
 
 The documents come from the position ids (0 starts a document: torchtitan's per-document positions;
 sequential positions are one document a row). Where a caller gives none (a plain ``cp_shard`` call,
