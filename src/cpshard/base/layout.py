@@ -162,7 +162,9 @@ def padded_lengths(
     at least the padded total and keep every invariant (:func:`total_problem`), else ``ValueError``.
     """
     unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
-    if max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
+    if unit == 1:  # nothing to round (the contiguous layout's minimal padding)
+        padded = list(seqlens)
+    elif max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
         padded = (-(-np.array(seqlens, dtype=np.int64) // unit) * unit).tolist()
     else:
         padded = [-(-n // unit) * unit for n in seqlens]
@@ -190,6 +192,6 @@ def shared_alignment(padded: tuple[int, ...], unit: int) -> int:
     divides every padded length, else the greatest common divisor of the lengths (another
     framework's padding: a last sequence extended to its own target, say). A plan's alignment is
     part of its value and is what a twin or a rebuilt plan keeps."""
-    if all(p % unit == 0 for p in padded):
+    if unit == 1 or all(p % unit == 0 for p in padded):
         return unit
     return max(math.gcd(*padded), 1)

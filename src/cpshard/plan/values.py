@@ -381,7 +381,10 @@ class ShardPlan(Plan):
         if reorder is not None and cp_size > 1:
             # each sequence keeps its padded length (extensions included: the balance sees the final rows)
             order = tuple(balanced_order(lens, padded, cp_size))
-            lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
+            if order == tuple(range(len(order))):  # the given order: nothing to permute or record
+                order = None
+            else:
+                lens, padded = tuple(map(lens.__getitem__, order)), tuple(map(padded.__getitem__, order))
         unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
         if total_len is not None:
             unit = shared_alignment(padded, unit)

@@ -55,7 +55,16 @@ def _positions_array(positions: Any) -> np.ndarray:
                  "pass the integer position ids the model takes, e.g. positions.long()", kind=TypeError)
         array = check_real("positions", positions).detach().cpu().numpy()  # a meta tensor: refused, named
     else:
-        array = np.asarray(positions)
+        if positions is None:
+            fail("positions", "None", "must be the batch's position ids, (B, S) or (S,)",
+                 "pass them (torchtitan: extra_kwargs['positions'])", kind=TypeError)
+        try:
+            array = np.asarray(positions)
+        except ValueError:  # NumPy's "inhomogeneous shape"
+            fail("positions", f"{type(positions).__name__} of rows of lengths "
+                 f"{[len(row) if hasattr(row, '__len__') else 1 for row in positions][:8]}",
+                 "must be rectangular (B, S): every batch row S long", "pad every row to the same S (a last document "
+                 "of positions 0, 1, ...), or pass a (B, S) tensor")
         if array.dtype.kind not in "iu":
             fail("positions", f"array of dtype {array.dtype}", "must hold integers (position ids)",
                  "pass a (B, S) integer tensor", kind=TypeError)
@@ -131,7 +140,7 @@ def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str =
              f"pad every row to a multiple of {cp_size * tp_size} tokens (a last document of positions 0, 1, ...)")
     unit = alignment(cp_size, tp_size, layout, padding)
     for b, lens in enumerate(lengths):
-        odd = next((i for i, n in enumerate(lens) if n % unit), None)
+        odd = None if unit == 1 else next((i for i, n in enumerate(lens) if n % unit), None)
         if odd is not None:
             fail(f"positions[{b}]", f"document {odd} of length {lens[odd]}", f"every document of a full row must "
                  f"divide by {unit} under layout={layout.value!r} with padding={padding.value!r} (no room for pad "
