@@ -429,7 +429,7 @@ def test_batch_errors_are_named():
     ids = torch.zeros(2, 8, dtype=torch.long)
     pos = positions_of([[8], [4, 4]])
     for bad in (pos.numpy(), pos.tolist()):
-        with pytest.raises(TypeError, match=r"positions=(ndarray|list): must be the batch's position ids as a \(B, S\)"):
+        with pytest.raises(TypeError, match=r"positions=(ndarray|list): must be the batch's position ids as a \(B, "):
             cptitan.batch_plans("cpshard", (ids,), bad, 1, 2)
     with pytest.raises(TypeError, match=r"extra_kwargs\['positions'\]=None: must be a tensor.*post_dataloading"):
         cptitan.batch_plans("cpshard", (ids, ids, None), None, 1, 2,

@@ -41,8 +41,8 @@ import torch
 
 from cpshard.base.errors import fail
 
-__all__ = ["balanced_order", "longest_first", "longest_first_runs", "order_score", "rank_work", "simple_work_bound", "spread_positions",
-           "tri", "work_lower_bound", "zigzag_works"]
+__all__ = ["balanced_order", "longest_first", "longest_first_runs", "order_score", "rank_work", "simple_work_bound",
+           "spread_positions", "tri", "work_lower_bound", "zigzag_works"]
 
 _I64 = np.dtype(np.int64)
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap

@@ -139,9 +139,9 @@ def from_buffer(buffer: torch.Tensor, plans: Sequence[ShardPlan] | ShardPlan, *,
     dim = _seq_dim(seq_dim, max(buffer.dim(), 2), "buffer")
     if buffer.dim() < 2 or buffer.shape[0] != len(plans) or buffer.shape[dim] != S:
         lead = "..., " * (dim - 1)
-        fail("buffer", f"tensor of shape {tuple(buffer.shape)}", f"must be (B, {lead}S, ...) = ({len(plans)}, {lead}{S}, "
-             "...): one row per plan, each plan's total_len long", "pass the buffer to_buffer built (or its unshard), "
-             "with the seq_dim it was built with")
+        fail("buffer", f"tensor of shape {tuple(buffer.shape)}",
+             f"must be (B, {lead}S, ...) = ({len(plans)}, {lead}{S}, ...): one row per plan, each plan's total_len "
+             "long", "pass the buffer to_buffer built (or its unshard), with the seq_dim it was built with")
     rows_first = buffer.movedim(dim, 1)
     out = []
     for b, plan in enumerate(plans):

@@ -222,7 +222,8 @@ def _note_wrappers(result: TitanPatch) -> None:
         if not isinstance(module, ModuleType):
             continue
         for attr, value in list(vars(module).items()):
-            if attr == "prepare_context_parallel_input" and callable(value) and not hasattr(value, WRAPS) and getattr(value, "__wrapped__", None) is original:
+            if attr == "prepare_context_parallel_input" and not hasattr(value, WRAPS) \
+                    and getattr(value, "__wrapped__", None) is original:
                 result.skipped[f"{name}.{attr}"] = (
                     "a wrapper of torchtitan's prepare_context_parallel_input, bound before cpshard: its batches "
                     "reach cpshard's cp_shard without positions (each row one document, with a NoPositionsWarning); "

@@ -6,8 +6,9 @@ every process, before any worker builds a model. Importing it again changes noth
 skipped and refused is :data:`PATCH` (and the log: one INFO line, a WARNING per site left out);
 ``PATCH.undo()`` switches cpshard off again. Read as ``enable.PATCH``, it is always the process's
 patch: the one in force, the new one after :func:`cpshard.compat.verl.activate` switched cpshard on
-again, or, after ``PATCH.undo()``, that undone one (``PATCH.state`` says which). ``CPSHARD_LAYOUT=zigzag|contiguous|auto`` sets the
-layout of the sites verl passes none (docs/verl.md, "cpshard in a verl job").
+again, or, after ``PATCH.undo()``, that undone one (``PATCH.state`` says which).
+``CPSHARD_LAYOUT=zigzag|contiguous|auto`` sets the layout of the sites verl passes none (docs/verl.md,
+"cpshard in a verl job").
 """
 
 from __future__ import annotations
