@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -470,6 +471,12 @@ def _edges(rank, world):
     pos = positions_of(rows)
     B, S = len(rows), sum(rows[0])
     ids = torch.arange(B * S).view(B, S)
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(f"{record.levelname} {record.getMessage()}")
+    log = logging.getLogger("cpshard.compat.torchtitan")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
     with cptitan.patch():
         inner = api.cp_shard
 
@@ -483,6 +490,7 @@ def _edges(rank, world):
                                                            "cpshard", None)
         api.cp_shard = inner
         out["wrapped"] = got_ids
+        out["log"] = [r for r in records if "load_balancer_type" in r or "causal work" in r]
         wide = positions_of(BROADCAST_ROWS)
         S2 = wide.shape[1]
         wide_ids = torch.arange(B * S2).view(B, S2)
@@ -508,6 +516,14 @@ def _edges(rank, world):
                 out["agreed"] = (str(exc), str(exc.__cause__))
         finally:
             set_checks(False)
+        short = torch.arange(16).view(1, 16)  # S = 16: torch's CP block mask needs S % (cp * 128) == 0
+        try:
+            prepare_context_parallel_input(short, short, {"positions": short, "attention_masks": create_block_mask(
+                lambda b, h, q, kv: q >= kv, 1, None, 16, 16, device="cpu")}, mesh, torch.device("cpu"), "cpshard",
+                None)
+            out["short"] = "ok"
+        except ValueError as exc:
+            out["short"] = str(exc)
         two_d = DeviceMesh("cpu", torch.arange(world).view(1, world))
         for name, bad_mesh in (("2d", two_d), ("group", mesh.get_group())):
             try:
@@ -588,6 +604,23 @@ def test_a_refused_batch_raises_on_every_rank_with_checks_on():
     for rank in ranks:
         assert "ranks [1] built no plan (see that rank's own error)" in rank["agreed"][0], rank["agreed"]
     assert ranks[1]["agreed"][1].startswith("positions[0, 0]=1: must be 0"), ranks[1]["agreed"]  # its own, chained
+
+
+def test_the_balancer_says_when_it_first_runs_and_each_batchs_balance():
+    """One INFO line the first time a process shards a batch; a DEBUG line a batch with the causal-work
+    balance beside head-tail's (its figures: test_work_balance_is_the_ranks_causal_work)."""
+    for out in edges():
+        info = [r for r in out["log"] if r.startswith("INFO") and "shards the batches" in r]
+        debug = [r for r in out["log"] if r.startswith("DEBUG")]
+        assert len(info) == 1 and "load_balancer_type 'cpshard' shards the batches (cp 2" in info[0], out["log"]
+        assert debug and all("causal work max/mean" in r and "torch's head-tail would give" in r for r in debug)
+
+
+def test_a_block_mask_over_rows_torch_cannot_cut_names_the_way_out():
+    for out in edges():
+        assert out["short"].startswith("attention_masks=a BlockMask over rows of S=16: torch's CP block mask needs S "
+                                       "to divide by cp * 128 = 256"), out["short"]
+        assert "cpshard.compat.torch_cp.block_mask_len(S, 2)" in out["short"]
 
 
 def test_a_2d_mesh_and_a_process_group_are_refused_by_name():

@@ -178,12 +178,13 @@ def padded_lengths(
         if length_bucket is not None:
             total = round_up(total, math.lcm(length_bucket, cp_size, keep))
     else:
-        problem = None if total_len >= sum(padded) else f"is below the {sum(padded)} rows these lengths pad to"
-        problem = problem or total_problem(total_len, total_len - sum(padded), cp_size, tp_size, layout, fp8)
+        rows = sum(padded)
+        problem = None if total_len >= rows else f"is below the {rows} rows these lengths pad to"
+        problem = problem or total_problem(total_len, total_len - rows, cp_size, tp_size, layout, fp8)
         if problem:
             fail("total_len", total_len, problem, "leave total_len=None for the smallest valid total")
         total = total_len
-    padded[-1] += total - sum(padded)
+    padded[-1] += total - (rows if total_len is not None else sum(padded))
     return tuple(padded)
 
 

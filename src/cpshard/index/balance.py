@@ -41,8 +41,8 @@ import torch
 
 from cpshard.base.errors import fail
 
-__all__ = ["balanced_order", "longest_first", "longest_first_runs", "order_score", "rank_work", "simple_work_bound",
-           "spread_positions", "tri", "work_lower_bound", "zigzag_works"]
+__all__ = ["balanced_order", "balanced_permutation", "longest_first", "longest_first_runs", "order_score", "rank_work",
+           "simple_work_bound", "spread_positions", "tri", "work_lower_bound", "zigzag_works"]
 
 _I64 = np.dtype(np.int64)
 _FULL_SEARCH = 40  # up to this many sequences the descent tries every insertion and swap
@@ -55,7 +55,7 @@ _PATIENCE = 8  # ... and no more once this many in a row found nothing better
 _EXACT = 7  # up to this many sequences every order is scored (7! = 5040)
 _GOOD = 1e-3  # stop once the largest rank is this close to the lower bound
 _BOUND_DOCS = 4  # the window bound looks at this many of the longest sequences
-_HUGE = 4096  # past this many sequences: the greedy one run of equal lengths at a time, no descent
+_HUGE = 1024  # past this many sequences: the greedy one run of equal lengths at a time, no descent
 
 
 def tri(x: Any) -> Any:
@@ -341,16 +341,19 @@ def longest_first_runs(n: np.ndarray, p: np.ndarray, local: int, cp_size: int) -
     emptiest rank, as there. The same work per rank as placing the run one by one up to the order of
     equal sequences (which changes no work); in ``O(runs * cp)`` Python steps, not ``O(B log cp)``."""
     b = n.size
-    order = np.argsort(-n, kind="stable")
+    top = int(n.max())
+    # longest first, ties by index: a stable sort, radix on 16-bit keys (the lengths of short documents)
+    order = np.argsort((top - n).astype(np.uint16) if top < 1 << 16 else -n, kind="stable")
     ns, ps = n[order], p[order]
     cut = np.flatnonzero((ns[1:] != ns[:-1]) | (ps[1:] != ps[:-1])) + 1
     work, rows = [0] * cp_size, [0] * cp_size
     bins: list[list[np.ndarray]] = [[] for _ in range(cp_size)]
     for s, e in zip([0, *cut.tolist()], [*cut.tolist(), b]):
         step, pad, m = int(tri(ns[s])), int(ps[s]), e - s
-        cap = [m if pad == 0 else max(0, (local - rows[r]) // pad) for r in range(cp_size)]
+        cap = [(m if rows[r] <= local else 0) if pad == 0 else max(0, (local - rows[r]) // pad)
+               for r in range(cp_size)]
         fit = min(m, sum(cap))
-        if step == 0:  # empty sequences: all to the least-loaded rank with room
+        if step == 0 and fit:  # empty sequences: all to the least-loaded rank with room
             r = min((r for r in range(cp_size) if cap[r]), key=lambda r: (work[r], r))
             counts = [fit if q == r else 0 for q in range(cp_size)]
         else:
@@ -371,7 +374,14 @@ def longest_first_runs(n: np.ndarray, p: np.ndarray, local: int, cp_size: int) -
 
 
 def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple[int, ...]:
-    """A permutation of the sequences that makes the largest rank's causal work close to the mean.
+    """:func:`balanced_permutation`, the given order spelled out (``tuple(range(B))``) where it is kept."""
+    order = balanced_permutation(seqlens, padded, cp_size)
+    return tuple(range(len(seqlens))) if order is None else order
+
+
+def balanced_permutation(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) -> tuple[int, ...] | None:
+    """A permutation of the sequences that makes the largest rank's causal work close to the mean, or
+    None where that is the given order (no search, or none better: :func:`balanced_order` spells it out).
 
     ``seqlens`` ``(B,)`` token counts, ``padded`` ``(B,)`` padded lengths (``sum(padded) % cp_size == 0``);
     returns ``order`` with ``order[j]`` the sequence to put at buffer position ``j``. Deterministic,
@@ -404,10 +414,13 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     - Past ``_FULL_SEARCH`` sequences the given order is only scored, and each descent step moves
       the sequences touching the heaviest rank to evenly spread positions (``_heavy_moves``, at most
       ``_STEP_ROWS`` candidate rows); past ``_LARGE`` there are no kicks and an eighth of the budget.
-    - Past ``_HUGE`` sequences (a row of thousands of short documents; all-zero position ids make
-      every token one) no search: the given order or the greedy, whichever scores lower, the greedy
-      placed one run of equal lengths at a time (:func:`longest_first_runs`), so the cost follows
-      the distinct lengths, not the count (a few ms at 128k sequences, where the search took a second).
+    - A given order whose ranks all hold the mean work is kept at once (no order scores lower, and
+      ties keep it: what the search would return).
+    - Past ``_HUGE`` sequences (a row of a thousand short documents or more; all-zero position ids
+      make every token one) no search: the given order or the greedy, whichever scores lower, the
+      greedy placed one run of equal lengths at a time (:func:`longest_first_runs`), so the cost
+      follows the distinct lengths, not the count (a few ms at 128k sequences, where the search took
+      a second; 27 ms at 4k sequences of 1-3 tokens, now 2-6 ms).
 
     The result is never worse than the given order (it is one of the candidates, and ties keep it).
     What the search cannot reach is measured in ``benchmarks/balance.py`` against the lower bound.
@@ -417,19 +430,20 @@ def balanced_order(seqlens: Sequence[int], padded: Sequence[int], cp_size: int) 
     """
     n, p, local = _check(seqlens, padded, cp_size)
     b = n.size
-    given = tuple(range(b))
     if cp_size == 1 or b == 1 or local == 0:
-        return given
+        return None
     table = _table(n, p)
     if b <= _EXACT:
         perms = _permutations(b)
         return tuple(perms[int(order_score(_works(table, local, cp_size, perms)).argmin())].tolist())
+    if b > _EXACT:  # every rank the mean already (all-zero positions: every token one sequence): no order
+        first = _works(table, local, cp_size, np.arange(b, dtype=_I64)[None])[0]  # scores lower, ties keep it
+        if first.min() == first.max():
+            return None
     if b > _HUGE:  # many short sequences, fine-grained filler: the given order or the greedy in runs, scored
-        first = _works(table, local, cp_size, np.arange(b, dtype=_I64)[None])[0]
-        if first.min() == first.max():  # every rank the mean already: no order scores lower
-            return given
         candidates = np.stack([np.arange(b, dtype=_I64), longest_first_runs(n, p, local, cp_size)])
-        return tuple(candidates[int(order_score(_works(table, local, cp_size, candidates)).argmin())].tolist())
+        best = int(order_score(_works(table, local, cp_size, candidates)).argmin())  # ties: the given order
+        return None if best == 0 else tuple(candidates[1].tolist())
     good = _bound(n, local, cp_size) * (1 + _GOOD) + 1  # a score below this is within _GOOD of optimal
     small = b <= _FULL_SEARCH
     budget = _BUDGET if b <= _LARGE else _BUDGET // 8
