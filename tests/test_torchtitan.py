@@ -265,12 +265,12 @@ def test_patch_round_trip_and_report(monkeypatch):
     assert cptitan.active() is None
     with cptitan.patch() as p:
         assert p.active and cptitan.active() is p and p.state == "in force"
-        assert set(p.bound) == {f"{API}.cp_shard", f"{PACKAGE}.cp_shard", f"{early.__name__}.cp_shard",
-                                f"{early.__name__}.shard", f"{API}.prepare_context_parallel_input",
-                                f"{PACKAGE}.prepare_context_parallel_input",
-                                f"{__name__}.prepare_context_parallel_input"}  # this module took it by name
+        assert p.bound == [f"{API}.prepare_context_parallel_input", f"{API}.cp_shard", f"{PACKAGE}.cp_shard",
+                           f"{early.__name__}.cp_shard", f"{early.__name__}.shard"]
         assert early.cp_shard is api.cp_shard and early.shard is api.cp_shard
+        # its code: the function this module took by name runs cpshard's (and every other reference to it)
         assert prepare_context_parallel_input is api.prepare_context_parallel_input
+        assert prepare_context_parallel_input.__code__ is not p.original("prepare_context_parallel_input").__code__
         late = types.ModuleType("torchtitan.cpshard_late")  # imported while the patch is on: takes cpshard's
         late.cp_shard = package.cp_shard
         monkeypatch.setitem(sys.modules, late.__name__, late)
@@ -283,7 +283,7 @@ def test_patch_round_trip_and_report(monkeypatch):
     assert not p.active and cptitan.active() is None
     assert api.cp_shard is before and package.cp_shard is before
     assert early.cp_shard is before and early.shard is before and late.cp_shard is before
-    assert prepare_context_parallel_input is p.original("prepare_context_parallel_input")
+    assert prepare_context_parallel_input.__code__ is p.original("prepare_context_parallel_input").__code__
     assert p.state == "off" and p.unrestored == {}
     p.undo()  # a second undo does nothing
     assert api.cp_shard is before
@@ -295,8 +295,7 @@ def test_the_report_in_a_fresh_process():
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
     assert not report["on"] and report["state"] == "off"
-    assert set(report["bound"]) == {f"{API}.cp_shard", f"{PACKAGE}.cp_shard", f"{API}.prepare_context_parallel_input",
-                                    f"{PACKAGE}.prepare_context_parallel_input"}
+    assert report["bound"] == [f"{API}.prepare_context_parallel_input", f"{API}.cp_shard", f"{PACKAGE}.cp_shard"]
     assert report["tested"] == {"torchtitan": "0.3.0", "torch": "2.13.0"}
     assert "--override.imports cpshard.compat.torchtitan.enable.switch_on" in " ".join(report["config"])
 
@@ -373,53 +372,33 @@ def test_undo_under_another_librarys_wrapper_reports_what_it_left(capsys):
     """Before: undo() logged "restored" while the wrapped site still reached cpshard. Now the site is
     named in ``unrestored`` and a WARNING, and ``active()`` / the report say "partly in force" while the
     wrapper holds it; once the other library takes its wrapper off, the patch is off."""
+    package = importlib.import_module(PACKAGE)
     api = importlib.import_module(API)
-    before = api.prepare_context_parallel_input
+    before = package.cp_shard
     p = cptitan.patch()
-    ours = api.prepare_context_parallel_input
+    ours = package.cp_shard
 
     @functools.wraps(ours)
     def other_librarys(*args, **kwargs):  # another library's wrapper, set over cpshard's
         return ours(*args, **kwargs)
 
-    api.prepare_context_parallel_input = other_librarys
+    package.cp_shard = other_librarys
     try:
         p.undo()
         assert not p.active and p.state == "partly in force"
-        assert list(p.unrestored) == [f"{API}.prepare_context_parallel_input"]
-        assert "still reach cpshard" in p.unrestored[f"{API}.prepare_context_parallel_input"]
+        assert list(p.unrestored) == [f"{PACKAGE}.cp_shard"]
+        assert "still reach cpshard" in p.unrestored[f"{PACKAGE}.cp_shard"]
         assert cptitan.active() is p and "partly in force" in repr(p)
         from cpshard.compat.torchtitan.__main__ import main, status
         report = status()
         assert report["state"] == "partly in force" and not report["on"]
-        assert list(report["unrestored"]) == [f"{API}.prepare_context_parallel_input"]
+        assert list(report["unrestored"]) == [f"{PACKAGE}.cp_shard"]
         assert main([]) == 0 and "partly in force in this process" in capsys.readouterr().out
         assert api.cp_shard is p.original()  # every other site restored
+        assert api.prepare_context_parallel_input.__code__ is p.original("prepare_context_parallel_input").__code__
     finally:
-        api.prepare_context_parallel_input = before  # the other library unwraps
+        package.cp_shard = before  # the other library unwraps
     assert p.state == "off" and cptitan.active() is None
-
-
-def test_a_wrapper_bound_before_the_patch_is_named():
-    """A module holding another library's wrapper of torchtitan's prepare_context_parallel_input (bound
-    before cpshard) is named in ``skipped``: its batches reach cpshard without positions."""
-    api = importlib.import_module(API)
-    original = api.prepare_context_parallel_input
-    wrapped = types.ModuleType("cpshard_probe_wrapped")
-
-    @functools.wraps(original)
-    def prepare_context_parallel_input(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    wrapped.prepare_context_parallel_input = prepare_context_parallel_input
-    sys.modules[wrapped.__name__] = wrapped
-    try:
-        with cptitan.patch() as p:
-            reason = p.skipped[f"{wrapped.__name__}.prepare_context_parallel_input"]
-            assert "without positions" in reason and "NoPositionsWarning" in reason
-            assert wrapped.prepare_context_parallel_input is prepare_context_parallel_input  # left as it is
-    finally:
-        del sys.modules[wrapped.__name__]
 
 
 def test_batch_errors_are_named():
@@ -477,6 +456,11 @@ def _edges(rank, world):
     log = logging.getLogger("cpshard.compat.torchtitan")
     log.addHandler(handler)
     log.setLevel(logging.DEBUG)
+    captured = api.prepare_context_parallel_input  # taken before the patch, called through a closure
+
+    def early_wrapper(*args, **kwargs):
+        return captured(*args, **kwargs)
+
     with cptitan.patch():
         inner = api.cp_shard
 
@@ -490,6 +474,9 @@ def _edges(rank, world):
                                                            "cpshard", None)
         api.cp_shard = inner
         out["wrapped"] = got_ids
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", cptitan.NoPositionsWarning)
+            out["early"] = early_wrapper(ids, ids, {"positions": pos}, mesh, torch.device("cpu"), "cpshard", None)[0]
         out["log"] = [r for r in records if "load_balancer_type" in r or "causal work" in r]
         wide = positions_of(BROADCAST_ROWS)
         S2 = wide.shape[1]
@@ -567,6 +554,8 @@ def test_a_wrapper_over_cp_shard_does_not_hide_the_positions():
     for r, out in enumerate(edges()):
         for b in range(2):
             assert torch.equal(out["wrapped"][b], cpshard.shard(ids[b], plans[b], r))
+            # a wrapper of prepare_context_parallel_input bound before the patch reaches cpshard's too
+            assert torch.equal(out["early"][b], cpshard.shard(ids[b], plans[b], r))
 
 
 def test_a_broadcast_block_mask_over_rows_of_different_orders_equals_cp1():

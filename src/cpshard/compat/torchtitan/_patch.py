@@ -2,15 +2,16 @@
 balancer types; ``TitanPatch`` reports what it bound and undoes it; ``activate()`` switches it on for
 the life of a process.
 
-Where it binds (the *sites*): ``prepare_context_parallel_input`` and ``cp_shard`` in torchtitan's
-``context_parallel/api.py``, in the ``torchtitan.distributed.context_parallel`` package (where the
-trainer, the validator and Flux import them from), and in every loaded module that bound either by
-name (the trainer's and the validator's ``prepare_context_parallel_input``, taken at their import, and
-a training script's). For cpshard's types the replacement of ``prepare_context_parallel_input`` shards the
-batch itself, passing ``extra_kwargs["positions"]`` to the balancer explicitly: nothing inspects a
-caller, so no wrapper of ``cp_shard`` can hide the documents. A plain ``cp_shard`` call (Flux's) gives
-none: each row is one document, with a :class:`NoPositionsWarning`, unless it passes ``positions=``.
-Other balancer types go to torchtitan's own functions unchanged.
+Where it binds (the *sites*): ``prepare_context_parallel_input`` in its code (the function object's
+``__code__``, so that every reference to it runs cpshard's, the trainer's and the validator's taken
+by name at their import, a script's, a closure's or a copy pickled by value alike), and ``cp_shard``
+in torchtitan's ``context_parallel/api.py``, in the ``torchtitan.distributed.context_parallel``
+package (where Flux imports it from) and in every loaded module that bound it by name. For
+cpshard's types ``prepare_context_parallel_input`` shards the batch itself, passing
+``extra_kwargs["positions"]`` to the balancer explicitly: nothing inspects a caller, so no wrapper of
+either function can hide the documents. A plain ``cp_shard`` call (Flux's) gives none: each row is
+one document, with a :class:`NoPositionsWarning`, unless it passes ``positions=``. Other balancer
+types go to torchtitan's own code unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import os
 import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -30,12 +32,13 @@ from cpshard.compat._binding import IN_FORCE, Bindings, rebind
 from cpshard.compat.torchtitan import _titan
 from cpshard.compat.torchtitan._shard import KINDS, shard
 
-__all__ = ["LOCK", "WRAPS", "NoPositionsWarning", "TitanPatch", "activate", "active", "patch", "prepare_replacement",
-           "process_patch", "replacement"]
+__all__ = ["LOCK", "TRAMPOLINE", "WRAPS", "NoPositionsWarning", "TitanPatch", "activate", "active", "patch",
+           "prepare_replacement", "process_patch", "replacement"]
 
 logger = logging.getLogger("cpshard.compat.torchtitan")
 LOCK = threading.RLock()
 WRAPS = "__cpshard_wraps__"  # the attribute of the replacement that holds torchtitan's cp_shard
+TRAMPOLINE = "__cpshard_prepare__"  # the global of torchtitan's api module that its swapped code calls
 _PROCESS: list[TitanPatch | None] = [None]  # activate()'s
 
 
@@ -45,9 +48,7 @@ class TitanPatch(Bindings):
     Attributes:
         bound: the sites (``module.cp_shard``, ``module.prepare_context_parallel_input``) where
             torchtitan now calls cpshard's.
-        skipped: ``{site: reason}``: sites left alone (the package does not bind a name; a module holds
-            another library's wrapper of torchtitan's ``prepare_context_parallel_input``, whose batches
-            then reach cpshard without positions: one document a row, with a warning).
+        skipped: ``{site: reason}``: sites left alone (the package does not bind ``cp_shard``).
         kinds: the ``load_balancer_type`` names it adds (``"cpshard"``, ``"cpshard_zigzag"``).
         torchtitan_version: the installed torchtitan's.
         active: whether the bindings are in place (False after ``undo()``, and for a patch made while
@@ -65,14 +66,16 @@ class TitanPatch(Bindings):
         self.torchtitan_version = version
         self.kinds = tuple(KINDS)
         self._pairs: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}  # name -> (torchtitan's, new)
+        self._code: tuple[Any, Any] | None = None  # (prepare_context_parallel_input, its own __code__)
 
     def __repr__(self) -> str:
         return (f"TitanPatch(torchtitan {self.torchtitan_version}, {self.state}: {len(self.bound)} bound, "
                 f"{len(self.skipped)} skipped{f', {len(self.unrestored)} unrestored' if self.unrestored else ''})")
 
     def original(self, name: str = "cp_shard") -> Callable[..., Any]:
-        """torchtitan's own ``cp_shard`` (or ``name="prepare_context_parallel_input"``): what ``undo()``
-        puts back."""
+        """torchtitan's own ``cp_shard`` (what ``undo()`` puts back), or with
+        ``name="prepare_context_parallel_input"`` a function running torchtitan's own code of it (``undo()``
+        gives the function itself its code back)."""
         if name not in self._pairs:
             fail("patch", repr(self), f"bound no {name}", "use the patch in force (cpshard.compat.torchtitan.active()) "
                  "and name cp_shard or prepare_context_parallel_input")
@@ -83,15 +86,20 @@ class TitanPatch(Bindings):
         self.bound.append(f"{module.__name__}.{name}")
 
     def undo(self) -> None:
-        """Put torchtitan's functions back at every site, and wherever a ``torchtitan.*`` module
-        imported while the patch was on took a replacement by name. A site where another library has
+        """Put torchtitan's functions back at every site, and wherever a module imported while the patch
+        was on took a replacement by name. A site where another library has
         since set its own object (a wrapper over cpshard's) is left as it is and named in
         :attr:`unrestored` and a WARNING: the patch is then ``"partly in force"``. A second call does
         nothing."""
-        super().undo()
+        with LOCK:
+            if self.active and self._code is not None:  # its own code back first, then the global it called
+                fn, code = self._code
+                if fn.__code__ is _trampoline.__code__:
+                    fn.__code__ = code
+            super().undo()
 
     def _taken(self) -> dict[int, tuple[Any, Any]]:
-        return {id(new): (new, old) for old, new in self._pairs.values()}
+        return {id(new): (new, old) for name, (old, new) in self._pairs.items() if name == "cp_shard"}
 
     def _restored(self, taken: list[str]) -> None:
         done = len(self.bound) - len(self.unrestored)
@@ -141,6 +149,17 @@ def replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     return cp_shard
 
 
+def _trampoline(inputs: Any, labels: Any, extra_kwargs: dict[str, Any], cp_mesh: Any, device: Any,
+                load_balancer_type: str | None = "headtail", ptrr_mask_key: str | None = None) -> Any:
+    """The code torchtitan's ``prepare_context_parallel_input`` runs while a patch is in force (its
+    ``__code__``, torchtitan 0.3.0's parameters and no closure, as ``_titan.api`` checks): it calls
+    cpshard's replacement, which the patch binds in that function's own module (:data:`TRAMPOLINE`),
+    so every reference to the function, whoever took it and however (by name, in a closure, pickled
+    by value), reaches it."""
+    return __cpshard_prepare__(inputs, labels, extra_kwargs, cp_mesh, device,  # noqa: F821  (the module's)
+                               load_balancer_type, ptrr_mask_key)
+
+
 def prepare_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     """torchtitan's ``prepare_context_parallel_input`` that, for cpshard's balancer types, shards the
     batch itself with its positions passed explicitly (``extra_kwargs["positions"]``: what torchtitan's
@@ -185,49 +204,34 @@ def patch() -> TitanPatch:
         result = TitanPatch(_titan.torchtitan_version())
         if TitanPatch.in_force() is not None:
             return result
-        names = {"prepare_context_parallel_input": prepare_replacement, "cp_shard": replacement}
-        if any(hasattr(vars(api)[name], WRAPS) for name in names):  # another copy of cpshard bound it
+        prepare, cp_shard = vars(api)["prepare_context_parallel_input"], vars(api)["cp_shard"]
+        if hasattr(cp_shard, WRAPS) or prepare.__code__ is _trampoline.__code__:  # another copy of cpshard's
             result.skipped[f"{_titan.API}.cp_shard"] = "cpshard's already (bound by another copy)"
             return result
-        pairs = {}
-        for name, make in names.items():
-            original = vars(api)[name]
-            pairs[id(original)] = (original, make(original))
-            result._pairs[name] = pairs[id(original)]
-            result._bind(api, name, pairs[id(original)][1])
-        by_new = {id(new): (old, new) for old, new in pairs.values()}
-        for site in rebind("", pairs):  # every module that took them by name: torchtitan's, a script's
+        own = types.FunctionType(prepare.__code__, prepare.__globals__, prepare.__name__, prepare.__defaults__,
+                                 prepare.__closure__)  # torchtitan's function as it was: what cpshard's calls
+        functools.update_wrapper(own, prepare, updated=())  # its name, qualname, module, doc, annotations
+        own.__kwdefaults__ = prepare.__kwdefaults__
+        result._pairs["prepare_context_parallel_input"] = (own, prepare_replacement(own))
+        result._save(api, TRAMPOLINE, result._pairs["prepare_context_parallel_input"][1])  # what its code calls
+        result._code = (prepare, prepare.__code__)
+        prepare.__code__ = _trampoline.__code__  # every reference to the function, whoever took it
+        result.bound.append(f"{_titan.API}.prepare_context_parallel_input")
+        new = replacement(cp_shard)
+        result._pairs["cp_shard"] = (cp_shard, new)
+        result._bind(api, "cp_shard", new)
+        for site in rebind("", {id(cp_shard): (cp_shard, new)}):  # every module that took it by name
             if site not in result.bound:
                 module, name = site.rsplit(".", 1)
-                owner = sys.modules[module]
                 result.bound.append(site)
-                result._saved.append((owner, name, *by_new[id(vars(owner)[name])]))
-        for name in names:
-            if f"{_titan.PACKAGE}.{name}" not in result.bound:
-                result.skipped[f"{_titan.PACKAGE}.{name}"] = f"the package does not bind torchtitan's {name} here"
-        _note_wrappers(result)
+                result._saved.append((sys.modules[module], name, cp_shard, new))
+        if f"{_titan.PACKAGE}.cp_shard" not in result.bound:
+            result.skipped[f"{_titan.PACKAGE}.cp_shard"] = "the package does not bind torchtitan's cp_shard here"
         result._hold()
         logger.info("cpshard.compat.torchtitan: torchtitan %s's prepare_context_parallel_input and cp_shard take "
                     "load_balancer_type %s at %d sites (pid %d): %s", result.torchtitan_version,
                     " / ".join(map(repr, KINDS)), len(result.bound), os.getpid(), ", ".join(result.bound))
         return result
-
-
-def _note_wrappers(result: TitanPatch) -> None:
-    """Name in ``skipped`` every loaded module's ``prepare_context_parallel_input`` that wraps torchtitan's
-    ``prepare_context_parallel_input`` (``__wrapped__``; bound before the patch, so left as it is): its
-    batches reach cpshard's ``cp_shard`` without positions."""
-    original = result._pairs["prepare_context_parallel_input"][0]
-    for name, module in list(sys.modules.items()):
-        if not isinstance(module, ModuleType):
-            continue
-        for attr, value in list(vars(module).items()):
-            if attr == "prepare_context_parallel_input" and not hasattr(value, WRAPS) \
-                    and getattr(value, "__wrapped__", None) is original:
-                result.skipped[f"{name}.{attr}"] = (
-                    "a wrapper of torchtitan's prepare_context_parallel_input, bound before cpshard: its batches "
-                    "reach cpshard's cp_shard without positions (each row one document, with a NoPositionsWarning); "
-                    "switch cpshard on before wrapping it")
 
 
 def activate() -> TitanPatch:

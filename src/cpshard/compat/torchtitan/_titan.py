@@ -21,6 +21,7 @@ import importlib.metadata
 import inspect
 import os
 import sys
+import types
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -86,6 +87,10 @@ def api() -> ModuleType:
              f"for torchtitan {TESTED_TORCHTITAN}'s ({', '.join(CP_SHARD_PARAMETERS)})",
              f"install torchtitan=={TESTED_TORCHTITAN}")
     got = list(inspect.signature(_unwrapped(prepare)).parameters)
+    if not isinstance(prepare, types.FunctionType) or prepare.__closure__:
+        fail("torchtitan", version, f"{API}.prepare_context_parallel_input is {type(prepare).__name__}, not a plain "
+             f"module function as torchtitan {TESTED_TORCHTITAN}'s (cpshard swaps its code: every reference reaches "
+             "cpshard)", f"install torchtitan=={TESTED_TORCHTITAN}, or undo what replaced it")
     if got != PREPARE_PARAMETERS:
         fail("torchtitan", version, f"{API}.prepare_context_parallel_input takes ({', '.join(got)}), but cpshard's "
              f"replacement is written for torchtitan {TESTED_TORCHTITAN}'s ({', '.join(PREPARE_PARAMETERS)})",
