@@ -48,7 +48,8 @@ import argparse
 import math
 import random
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -210,6 +211,27 @@ def main() -> None:
     for (size, cp), row in times.items():
         print(f"{size:>7} {cp:>3} " + " ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}"
                                               for v in row.values()))
+    print()
+    many_documents(sizes, cps, repeats)
+
+
+def many_documents(sizes: Sequence[int], cps: Sequence[int], repeats: int) -> None:
+    """Host ms of ``plans_from_positions`` (contiguous, balanced order) on rows of thousands of short
+    documents: all-zero positions (every token its own document: a collator that pads positions with 0),
+    alternating 0, 1 (pairs), and documents of 1-3 tokens drawn (a fixed seed)."""
+    print(f"host ms of plans_from_positions on rows of many short documents (least of {repeats}; contiguous)")
+    header = f"{'S':>7} {'cp':>3} {'all-zero':>10} {'pairs':>10} {'1-3 drawn':>10}"
+    print(header)
+    print("-" * len(header))
+    for size in sizes:
+        rng = random.Random(size)
+        drawn = []
+        while sum(drawn) < size:
+            drawn.append(min(rng.randint(1, 3), size - sum(drawn)))
+        rows = [torch.zeros(1, size, dtype=torch.long), (torch.arange(size) % 2)[None], positions([drawn])]
+        for cp in cps:
+            cells = [least_ms(lambda pos=pos: torch_cp.plans_from_positions(pos, cp_size=cp), repeats) for pos in rows]
+            print(f"{size:>7} {cp:>3} " + " ".join(f"{v:>10.2f}" for v in cells))
 
 
 if __name__ == "__main__":

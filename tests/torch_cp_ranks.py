@@ -340,6 +340,23 @@ def plans_differ(rank: int, world: int) -> list[tuple]:
         except ValueError as exc:
             return ("raised", str(exc), str(exc.__cause__))  # the refusing rank's own error: the cause
 
+    def from_positions():  # rank 1's positions refused inside the agreement: plans given as a function
+        pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]) + (1 if rank == 1 else 0)
+        return torch_cp.load_balancer(lambda: torch_cp.plans_from_positions(pos, cp_size=world), mesh=mesh,
+                                      check=True)._generate_indices()
+
+    def refused_mesh(bad):
+        try:
+            torch_cp.load_balancer([ShardPlan.build([8], cp_size=world)], mesh=bad, check=True)
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    from torch.distributed.device_mesh import DeviceMesh
+
     return [seen(lambda: round_trip([4, 4] if rank == 0 else [8])),
             seen(lambda: round_trip([8], cp_size=1 if rank == 1 else world)),
-            seen(lambda: round_trip([8]))]
+            seen(lambda: round_trip([8])),
+            seen(from_positions),
+            refused_mesh(mesh.get_group()),
+            refused_mesh(DeviceMesh("cpu", torch.arange(world).view(1, world)))]

@@ -190,7 +190,9 @@ def padded_lengths(
     at least the padded total and keep every invariant (:func:`total_problem`), else ``ValueError``.
     """
     unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
-    if max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
+    if unit == 1:  # nothing to round (the contiguous layout's minimal padding)
+        padded = list(seqlens)
+    elif max(seqlens) < 2**62:  # NumPy for long batches (the common case); Python ints beyond int64
         padded = (-(-np.array(seqlens, dtype=np.int64) // unit) * unit).tolist()
     else:
         padded = [-(-n // unit) * unit for n in seqlens]
@@ -204,13 +206,13 @@ def padded_lengths(
         if length_bucket is not None:
             total = round_up(total, math.lcm(length_bucket, cp_size, keep))
     else:
-        problem = None if total_len >= sum(padded) else f"is below the {sum(padded)} rows these lengths pad to"
-        problem = problem or total_problem(total_len, total_len - sum(padded), cp_size, tp_size, layout, fp8,
-                                           padding)
+        rows = sum(padded)
+        problem = None if total_len >= rows else f"is below the {rows} rows these lengths pad to"
+        problem = problem or total_problem(total_len, total_len - rows, cp_size, tp_size, layout, fp8, padding)
         if problem:
             fail("total_len", total_len, problem, "leave total_len=None for the smallest valid total")
         total = total_len
-    padded[-1] += total - sum(padded)
+    padded[-1] += total - (rows if total_len is not None else sum(padded))
     return tuple(padded)
 
 
@@ -219,6 +221,6 @@ def shared_alignment(padded: tuple[int, ...], unit: int) -> int:
     divides every padded length, else the greatest common divisor of the lengths (another
     framework's padding: a last sequence extended to its own target, say). A plan's alignment is
     part of its value and is what a twin or a rebuilt plan keeps."""
-    if all(p % unit == 0 for p in padded):
+    if unit == 1 or all(p % unit == 0 for p in padded):
         return unit
     return max(math.gcd(*padded), 1)

@@ -33,7 +33,7 @@ from cpshard.base.layout import (
     shared_alignment,
 )
 from cpshard.index import segments as _index
-from cpshard.index.balance import balanced_order, rank_work, zigzag_works
+from cpshard.index.balance import balanced_permutation, rank_work, zigzag_works
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
 from cpshard.index.closed import thd_restore, thd_restore_by_rank
 from cpshard.plan.indices import DeviceTensors, PlanIndices
@@ -387,8 +387,9 @@ class ShardPlan(Plan):
         order = None
         if reorder is not None and cp_size > 1:
             # each sequence keeps its padded length (extensions included: the balance sees the final rows)
-            order = tuple(balanced_order(lens, padded, cp_size))
-            lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
+            order = balanced_permutation(lens, padded, cp_size)  # None: the given order, nothing to permute
+            if order is not None:
+                lens, padded = tuple(map(lens.__getitem__, order)), tuple(map(padded.__getitem__, order))
         unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
         if total_len is not None:
             unit = shared_alignment(padded, unit)
@@ -429,7 +430,7 @@ class ShardPlan(Plan):
         guarantee, the int32 range of the offsets, is checked here."""
         _check_total(sum(padded))
         plan = object.__new__(cls)
-        if order is not None and order == tuple(range(len(order))):
+        if order is not None and all(map(int.__eq__, order, itertools.count())):  # the identity: none
             order = None
         for name, value in (("seqlens_py", seqlens), ("padded_seqlens_py", padded), ("cp_size", cp_size),
                             ("tp_size", tp_size), ("layout", layout), ("fp8", fp8),

@@ -56,7 +56,16 @@ def _positions_array(positions: Any) -> np.ndarray:
                  "pass the integer position ids the model takes, e.g. positions.long()", kind=TypeError)
         array = check_real("positions", positions).detach().cpu().numpy()  # a meta tensor: refused, named
     else:
-        array = np.asarray(positions)
+        if positions is None:
+            fail("positions", "None", "must be the batch's position ids, (B, S) or (S,)",
+                 "pass them (torchtitan: extra_kwargs['positions'])", kind=TypeError)
+        try:
+            array = np.asarray(positions)
+        except ValueError:  # NumPy's "inhomogeneous shape"
+            fail("positions", f"{type(positions).__name__} of rows of lengths "
+                 f"{[len(row) if hasattr(row, '__len__') else 1 for row in positions][:8]}",
+                 "must be rectangular (B, S): every batch row S long", "pad every row to the same S (a last document "
+                 "of positions 0, 1, ...), or pass a (B, S) tensor")
         if array.dtype.kind not in "iu":
             fail("positions", f"array of dtype {array.dtype}", "must hold integers (position ids)",
                  "pass a (B, S) integer tensor", kind=TypeError)
@@ -77,6 +86,11 @@ def document_lengths(positions: Any) -> list[list[int]]:
     >>> document_lengths(torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]]))
     [[3, 2, 1, 2]]
     """
+    return [row.tolist() for row in _row_lengths(positions)]
+
+
+def _row_lengths(positions: Any) -> list[np.ndarray]:
+    """:func:`document_lengths` as one int64 array a row (what the plans are built from: no Python list)."""
     pos = _positions_array(positions)
     starts = pos == 0
     bad = np.flatnonzero(~starts[:, 0])
@@ -91,11 +105,7 @@ def document_lengths(positions: Any) -> list[list[int]]:
              "or 0 (a new document)", "pass per-document positions that restart at 0 at each document and count "
              "up by 1 (torchtitan's convention)")
     S = pos.shape[1]
-    out = []
-    for row in starts:  # per batch row (a plan each): the document starts, then their differences
-        first = np.flatnonzero(row)
-        out.append(np.diff(np.append(first, S)).tolist())
-    return out
+    return [np.diff(np.append(np.flatnonzero(row), S)) for row in starts]  # a row's starts, then their gaps
 
 
 def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str = Layout.CONTIGUOUS,
@@ -129,15 +139,15 @@ def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str =
     padding = Padding.parse(padding)
     if reorder is _BALANCED_FOR_CONTIGUOUS:
         reorder = Reorder.BALANCED if layout is Layout.CONTIGUOUS else None
-    lengths = document_lengths(positions)
-    S = sum(lengths[0])
+    lengths = _row_lengths(positions)
+    S = int(lengths[0].sum())
     if S % (cp_size * tp_size):
         fail("positions", f"rows of S={S} positions", f"S must divide by cp_size * tp_size = {cp_size * tp_size}: "
              "torch cuts each row into cp equal pieces (and each piece splits over tp)",
              f"pad every row to a multiple of {cp_size * tp_size} tokens (a last document of positions 0, 1, ...)")
     unit = alignment(cp_size, tp_size, layout, padding)
     for b, lens in enumerate(lengths):
-        odd = next((i for i, n in enumerate(lens) if n % unit), None)
+        odd = None if unit == 1 else next(iter(np.flatnonzero(lens % unit).tolist()), None)
         if odd is not None:
             fail(f"positions[{b}]", f"document {odd} of length {lens[odd]}", f"every document of a full row must "
                  f"divide by {unit} under layout={layout.value!r} with padding={padding.value!r} (no room for pad "

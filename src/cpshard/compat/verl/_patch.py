@@ -120,8 +120,10 @@ def _name(owner: Any) -> str:
 
 def active() -> VerlPatch | None:
     """The patch whose bindings are in place in this process (``cpshard.compat.verl.enable``'s, or a
-    ``with patch():`` block's), else None."""
-    return VerlPatch.in_force()
+    ``with patch():`` block's), else one undone but partly in force (``state == "partly in force"``: a
+    site another library wrapped still holds its wrapper over cpshard's, named in ``unrestored``), else
+    None."""
+    return VerlPatch.in_force() or VerlPatch.partly()
 
 
 def patch(layout: Layout | str | None = None) -> VerlPatch:
@@ -187,7 +189,7 @@ def _patch(layout: Layout | str | None, scope: str) -> VerlPatch:
         setting = _layout.Setting(True, override, source)
         version = verl_version()
         result = VerlPatch(version, _layout.describe(setting))
-        if active() is not None:  # another patch holds the sites: only the layout, if given
+        if VerlPatch.in_force() is not None:  # another patch holds the sites: only the layout, if given
             if layout is not None:
                 result._previous = _layout.switch(setting)
             result.layout = _layout.describe()
