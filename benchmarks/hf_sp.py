@@ -17,6 +17,8 @@ ranks' work (1.00 is perfect), and ``pad`` the pad rows over the row's ``S`` tok
 
 * ``cp-zigzag``: cpshard's zigzag, ``padding="minimal"`` (each document padded to ``2 R``, the last so that
   every rank's rows divide by ``U``);
+* ``cp-zigzag-none``: cpshard's zigzag without padding, ``padding="none"`` (no document padded, chunks one
+  row apart, only the total extended to a multiple of ``R U``: the Hugging Face adapter's default);
 * ``cp-contig``: cpshard's contiguous layout with its balanced document order, ``padding="minimal"``;
 * ``row-contig``: the whole row cut into ``R`` contiguous pieces, padded at its end to a multiple of
   ``R U`` (ring-flash-attn's llama3 varlen path, DeepSpeed ALST, verl's Ulysses): a document-blind cut;
@@ -27,7 +29,7 @@ ranks' work (1.00 is perfect), and ``pad`` the pad rows over the row's ``S`` tok
 
 **Bytes per layer** each rank sends, a formula per configuration (``--heads``, ``--kv-heads``,
 ``--head-dim``, ``--bytes``; default 32 / 8 / 128, bf16), with ``L`` the ring rank's rows under
-``cp-zigzag`` and ``Hkv' = max(Hkv, U)`` (key/value heads repeated only as far as ``U`` needs):
+``cp-zigzag-none`` (the adapter's default) and ``Hkv' = max(Hkv, U)`` (key/value heads repeated only as far as ``U`` needs):
 the Ulysses all-to-all, there and back, ``(U - 1) / U * L / U * (2 H + 2 Hkv') * D * b``; the
 keys' and values' all-gather over the ring, ``(R - 1) * L * 2 Hkv' / U * D * b``, and its backward's
 reduce-scatter the same; a ring pass instead (ring attention: ``R - 1`` K/V blocks forward; K/V and
@@ -65,7 +67,7 @@ SIZES = (8192, 32768, 131072)
 RINGS = (2, 4, 8)
 ULYSSES = (1, 2, 4, 8)
 DISTS = ("exp", "lognormal")
-NAMES = ("cp-zigzag", "cp-contig", "row-contig", "row-zigzag", "doc-2UR")
+NAMES = ("cp-zigzag", "cp-zigzag-none", "cp-contig", "row-contig", "row-zigzag", "doc-2UR")
 
 
 def lengths(rng: random.Random, dist: str, total: int) -> list[int]:
@@ -107,6 +109,7 @@ def layouts(lens: list[int], ring: int, ulysses: int) -> dict[str, tuple[list[in
         return work.tolist(), rows
 
     return {"cp-zigzag": plan_work(layout="zigzag", padding="minimal"),
+            "cp-zigzag-none": plan_work(layout="zigzag", padding="none"),
             "cp-contig": plan_work(layout="contiguous", padding="minimal", reorder="balanced"),
             "row-contig": whole_row(False), "row-zigzag": whole_row(True),
             "doc-2UR": plan_work(layout="zigzag", padding="aligned")}
@@ -144,11 +147,11 @@ def lengths_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(input_ids: torch.Tensor, position_ids: torch.Tensor, ring: int, ulysses: int, layout: str,
-            rank: int) -> Any:
+            rank: int, padding: str = "minimal") -> Any:
     """One rank's pure preparation: the plan from the positions, its ids, positions and labels, the metadata."""
     kw = dict(reorder="balanced") if layout == "contiguous" else {}
     plan = ShardPlan.build(lengths_from_positions(position_ids), cp_size=ring, tp_size=ulysses, layout=layout,
-                           padding="minimal", **kw)
+                           padding=padding, **kw)
     ids, pos = input_ids.reshape(-1), position_ids.reshape(-1)
     out = (shard(ids, plan, rank), shard(pos, plan, rank), shard(ids, plan, rank, shift=1, fill=-100))
     return out, varlen_metadata(plan, rank)
@@ -215,11 +218,11 @@ def main() -> None:
                     bound = statistics.mean(contiguous_bound(lens, ring, ulysses) for lens in rows)
                     print(f"{size:>7} {ring:>2} {ulysses:>2} {dist:>9} {bound:>6.3f} "
                           + " ".join(f"{c:>19}" for c in cells))
-                    sent[size, ring, ulysses] = max(sent.get((size, ring, ulysses), 0), got[0]["cp-zigzag"][1])
+                    sent[size, ring, ulysses] = max(sent.get((size, ring, ulysses), 0), got[0]["cp-zigzag-none"][1])
         print()
 
     print(f"MiB each rank sends per attention layer ({args.heads} q heads, {args.kv_heads} kv heads, "
-          f"D={args.head_dim}, {args.bytes} bytes; cp-zigzag's rows): Ulysses all-to-all (there and back), "
+          f"D={args.head_dim}, {args.bytes} bytes; cp-zigzag-none's rows): Ulysses all-to-all (there and back), "
           "K/V all-gather, a ring pass instead; forward+backward totals; gathered K/V held")
     keys = ("a2a", "ag", "ring", "fwd+bwd", "ring f+b", "kv")
     header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{k:>9}" for k in keys)
@@ -233,12 +236,13 @@ def main() -> None:
     hook = sp_shard_pure()
     print(f"host ms ({'CPU' if args.cpu_clock else 'wall'}) of one rank's preparation (least of {repeats}, the "
           f"slowest of the {n_rows} rows; rank R-1): lengths from positions + ShardPlan.build + shard of ids, "
-          "positions, labels + varlen_metadata, for each layout and length distribution; 'order': the contiguous "
-          "plan's build alone (its balanced order's search); "
+          "positions, labels + varlen_metadata, for each layout and length distribution ('zz-none': zigzag, "
+          "padding='none'; 'zigzag': padding='minimal'); 'order': the contiguous plan's build alone (its balanced "
+          "order's search); "
           + ("'sp.shard': cpshard.compat.hf.shard_row (what sp.shard computes, rank (R-1, U-1)) + varlen_metadata, "
-             "zigzag, exponential lengths" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
-    cols = [f"{layout[:6]} {dist[:3]}" for dist in DISTS for layout in ("zigzag", "contig", "order")]
-    header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{c:>10}" for c in [*cols, *(["sp.shard"] if hook else [])])
+             "zigzag (its default padding='none'), exponential lengths" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
+    cols = [f"{layout[:7]} {dist[:3]}" for dist in DISTS for layout in ("zigzag", "zz-none", "contig", "order")]
+    header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{c:>11}" for c in [*cols, *(["sp.shard"] if hook else [])])
     print(header)
     print("-" * len(header))
     for size in sizes:
@@ -254,15 +258,17 @@ def main() -> None:
                     return max(least_ms(lambda: fn(*row), repeats, clock) for row in inputs[dist])
                 times = []
                 for dist in DISTS:
-                    times += [slowest(lambda _, ids, pos: prepare(ids, pos, ring, ulysses, layout, ring - 1), dist)
-                              for layout in ("zigzag", "contiguous")]
+                    times += [slowest(lambda _, ids, pos: prepare(ids, pos, ring, ulysses, layout, ring - 1, padding),
+                                      dist)
+                              for layout, padding in (("zigzag", "minimal"), ("zigzag", "none"),
+                                                      ("contiguous", "minimal"))]
                     times.append(slowest(lambda lens, *_: ShardPlan.build(
                         lens, cp_size=ring, tp_size=ulysses, layout="contiguous", padding="minimal",
                         reorder="balanced"), dist))
                 if hook:
                     times.append(slowest(lambda _, ids, pos: hook(ids, pos, ids, ring, ulysses, "zigzag", ring - 1),
                                          "exp"))
-                print(f"{size:>7} {ring:>2} {ulysses:>2} " + " ".join(f"{t:>10.2f}" for t in times))
+                print(f"{size:>7} {ring:>2} {ulysses:>2} " + " ".join(f"{t:>11.2f}" for t in times))
 
 
 if __name__ == "__main__":

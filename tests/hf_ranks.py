@@ -1,6 +1,7 @@
 """The gloo ranks of tests/test_hf_distributed.py: transformers' Llama (grouped-query heads, one key/value
 head) and Qwen2 (full and sliding-window layers) in float64 under ``cpshard.compat.hf.SequenceParallel``
-for ``(R, U)`` in (2, 1), (1, 2), (2, 2), (3, 1), (1, 4), both layouts, against one process running
+for ``(R, U)`` in (2, 1), (1, 2), (2, 2), (3, 1), (1, 4), both layouts (zigzag under its default
+``padding="none"`` and under ``"minimal"``), against one process running
 each document alone: the loss, every parameter gradient averaged over the ``R x U`` ranks, and
 ``batch.restore(logits)``.
 
@@ -34,6 +35,8 @@ SHAPES = [(2, 1), (1, 2), (2, 2), (3, 1), (1, 4)]
 WINDOW = 4
 #: the explicit rows: one-token documents, odd lengths, documents longer than the window
 ROWS = [[1, 7, 13, 3, 1, 9], [11], [2, 1, 5]]
+#: (layout, padding) of the grids: zigzag unpadded (its default), contiguous; zigzag "minimal" on ROWS[0]
+PLANS = [("zigzag", "none"), ("contiguous", "minimal")]
 
 
 def _exact_norms() -> None:
@@ -131,20 +134,24 @@ def _groups(shape: tuple[int, int], members: tuple[int, ...]):
 
 
 def step(kind: str, shape: tuple[int, int], members: tuple[int, ...], layout: str, lengths: list[int], seed: int,
-         kernel: str = "sdpa", broken: str | None = None, grad: bool = True) -> dict | None:
+         kernel: str = "sdpa", broken: str | None = None, grad: bool = True, padding: str | None = None
+         ) -> dict | None:
     """One step under ``R x U`` ranks; returns the largest differences from one process (None off the group).
-    ``grad=False``: forward only (torch's flex attention has no backward on the CPU)."""
+    ``grad=False``: forward only (torch's flex attention has no backward on the CPU). ``padding``: the ring
+    plan's (None: the layout's default)."""
     made = groups(shape, members)
     if made is None:
         return None
     ring, ulysses, every = made
     R, U = shape
-    sp = hf.SequenceParallel(ring, ulysses, layout=layout, kernel=kernel)
+    sp = hf.SequenceParallel(ring, ulysses, layout=layout, kernel=kernel, padding=padding)
     ids, pos, labels = row(lengths, seed)
     batch = sp.shard(ids, pos, labels)
     _rows_are_the_reference(batch, ids, pos, labels, lengths, layout)
     if broken == "ulysses":  # this rank takes its Ulysses peer's rows: a layout that breaks on purpose
         batch = _peer_piece(batch, ids, pos, labels)
+    if broken == "chunks":  # each chunk boundary one row off: the unpadded chunks taken one row wrong
+        batch = _rolled(batch, ids, pos, labels)
     net = copy.deepcopy(model(kind))
     net.set_attn_implementation("cpshard")
     with torch.set_grad_enabled(grad), sp.attend(batch):
@@ -173,14 +180,19 @@ def _rows_are_the_reference(batch, ids, pos, labels, lengths, layout) -> None:
     cut = ref_cumsum(lengths)
     docs = [(ids[0, a:b], pos[0, a:b], labels[0, a:b]) for a, b in zip(cut[:-1], cut[1:])]
     R, U, r, u, order = batch.plan.cp_size, batch.plan.tp_size, batch.ring_rank, batch.ulysses_rank, batch.plan.order
+    padding = batch.plan.padding.value
+    if padding == "none":  # no document padded; fewer than R * U pad rows, at the end
+        padded = list(batch.plan.input_padded_seqlens_py)
+        assert padded[:-1] == lengths[:-1] and 0 <= padded[-1] - lengths[-1] < R * U, (padded, lengths)
     for got, which, shift, fill in ((batch.input_ids, 0, 0, 0), (batch.position_ids, 1, 0, 0),
                                     (batch.labels, 2, 1, -100)):
-        want = ref_two_axis_rows([d[which] for d in docs], R, U, layout, r, u, order=order, shift=shift, fill=fill)
+        want = ref_two_axis_rows([d[which] for d in docs], R, U, layout, r, u, order=order, shift=shift, fill=fill,
+                                 padding=padding)
         assert torch.equal(got[0], want), (which, got, want)
     weights = torch.arange(ids.shape[1], dtype=torch.float64)[None, :, None].expand(1, -1, 3)
     for shift in (0, 2, -1):
         want = ref_two_axis_rows([weights[0, a:b] for a, b in zip(cut[:-1], cut[1:])], R, U, layout, r, u,
-                                 order=order, shift=shift, fill=-1.0)
+                                 order=order, shift=shift, fill=-1.0, padding=padding)
         assert torch.equal(batch.shard(weights, shift=shift, fill=-1.0)[0], want)
 
 
@@ -198,6 +210,17 @@ def _peer_piece(batch, ids, pos, labels):
         labels=shard(labels[0], plan, r, shift=1, fill=-100)[cut][None])
 
 
+def _rolled(batch, ids, pos, labels):
+    """The batch with its ring rank's rows rolled by one (every chunk boundary one row off), then cut."""
+    from cpshard import shard
+
+    plan, r, u = batch.plan, batch.ring_rank, batch.ulysses_rank
+    size = plan.local_len // plan.tp_size
+    cut = [torch.roll(x, 1)[u * size:(u + 1) * size][None]
+           for x in (shard(ids[0], plan, r), shard(pos[0], plan, r), shard(labels[0], plan, r, shift=1, fill=-100))]
+    return dataclasses.replace(batch, input_ids=cut[0], position_ids=cut[1], labels=cut[2])
+
+
 def _members(shape: tuple[int, int]) -> tuple[int, ...]:
     return tuple(SP_RANKS[:shape[0] * shape[1]]) if shape != (3, 1) else (2, 3, 4)
 
@@ -211,15 +234,16 @@ def _settings(n: int):
 
 
 def shapes(rank: int, world: int) -> dict:
-    """Llama and Qwen2 at every (R, U), both layouts, the explicit rows."""
+    """Llama and Qwen2 at every (R, U), both layouts, the explicit rows; zigzag under ``"minimal"`` on the
+    first row (the rest of that grid is what main proved before ``"none"`` became the default)."""
     out = {}
     for kind in ("llama", "qwen2"):
         for shape in SHAPES:
-            for layout in ("zigzag", "contiguous"):
-                for seed, lengths in enumerate(ROWS):
-                    got = step(kind, shape, _members(shape), layout, lengths, seed)
+            for layout, padding in [*PLANS, ("zigzag", "minimal")]:
+                for seed, lengths in enumerate(ROWS if padding == "none" or layout == "contiguous" else ROWS[:1]):
+                    got = step(kind, shape, _members(shape), layout, lengths, seed, padding=padding)
                     if got is not None:
-                        out[(kind, shape, layout, seed)] = got
+                        out[(kind, shape, f"{layout}/{padding}", seed)] = got
     return out
 
 
@@ -228,13 +252,14 @@ def drawn(rank: int, world: int) -> dict:
     out, drawn = {}, []
 
     @_settings(4)
-    @given(st.lists(st.integers(1, 12), min_size=1, max_size=5), st.sampled_from(["zigzag", "contiguous"]))
-    def check(lengths, layout):
+    @given(st.lists(st.integers(1, 12), min_size=1, max_size=5),
+           st.sampled_from([*PLANS, ("zigzag", "minimal")]))
+    def check(lengths, plan):
         drawn.append(lengths)  # the seed: the same on every rank, whichever groups it belongs to
         for shape in ((2, 2), (3, 1)):
-            got = step("qwen2", shape, _members(shape), layout, lengths, len(drawn))
+            got = step("qwen2", shape, _members(shape), plan[0], lengths, len(drawn), padding=plan[1])
             if got is not None:
-                out[(tuple(lengths), layout, shape)] = got
+                out[(tuple(lengths), plan, shape)] = got
 
     check()
     return out
@@ -266,17 +291,24 @@ def flash(rank: int, world: int) -> dict:
     fake_flash_attn.install()
     out = {}
     for shape in ((2, 2), (3, 1)):
-        for layout in ("zigzag", "contiguous"):
-            got = step("qwen2", shape, _members(shape), layout, ROWS[0], 0, kernel="flash")
+        for layout, padding in [*PLANS, *([("zigzag", "minimal")] if shape == (3, 1) else [])]:
+            got = step("qwen2", shape, _members(shape), layout, ROWS[0], 0, kernel="flash", padding=padding)
             if got is not None:
-                out[(shape, layout)] = got
+                out[(shape, f"{layout}/{padding}")] = got
     return out
 
 
 def broken(rank: int, world: int) -> dict:
-    """The Ulysses pieces in the wrong order: the comparison must see it."""
+    """The Ulysses pieces in the wrong order; the unpadded zigzag's rows one row off (Qwen2's windows, at
+    (3, 1)): the comparison must see each."""
+    out = {}
     got = step("llama", (2, 2), _members((2, 2)), "zigzag", ROWS[0], 0, broken="ulysses")
-    return {} if got is None else {"broken": got}
+    if got is not None:
+        out["ulysses"] = got
+    got = step("qwen2", (3, 1), _members((3, 1)), "zigzag", ROWS[0], 0, broken="chunks", grad=False)
+    if got is not None:
+        out["chunks"] = got
+    return out
 
 
 def refusals(rank: int, world: int) -> dict:

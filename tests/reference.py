@@ -633,11 +633,13 @@ def ref_document_lengths(position_ids) -> list:
     return lengths
 
 
-def ref_two_axis_rows(seqs, R: int, U: int, layout, r: int, u: int, order=None, shift: int = 0, fill=0):
-    """Rank ``(r, u)``'s rows: ring rank ``r``'s rows of the minimal-padding plan (``tp = U``), cut into ``U``
-    consecutive equal pieces, piece ``u``; pad rows 0 (``fill`` when shifted)."""
+def ref_two_axis_rows(seqs, R: int, U: int, layout, r: int, u: int, order=None, shift: int = 0, fill=0,
+                      padding: str = "minimal"):
+    """Rank ``(r, u)``'s rows: ring rank ``r``'s rows of the plan of ``padding`` (``tp = U``; ``"none"``: no
+    sequence padded, zigzag's chunks one row apart), cut into ``U`` consecutive equal pieces, piece ``u``; pad
+    rows 0 (``fill`` when shifted)."""
     rows = ref_shard(seqs, [len(s) for s in seqs], R, U, layout, r, shift=shift, fill=fill, order=order,
-                     padding="minimal")
+                     padding=padding)
     size = rows.shape[0] // U
     assert size * U == rows.shape[0]
     return rows[u * size:(u + 1) * size]

@@ -30,7 +30,8 @@ CASES = [
     ("verl_activation.py", ["--quick"], ["import verl + verl.models.mcore.model_forward", "on - off"]),
     ("torch_cp.py", ["--quick"], ["perdoc-ht", "cp-zz-full", "cp-contig", "refused", "host ms to build",
                                   "many short documents"]),
-    ("hf_sp.py", ["--quick", "--rows", "1", "--repeats", "1"], ["row-zigzag", "doc-2UR", "MiB each rank sends",
+    ("hf_sp.py", ["--quick", "--rows", "1", "--repeats", "1"], ["row-zigzag", "cp-zigzag-none", "zz-none exp",
+                                                                "doc-2UR", "MiB each rank sends",
                                                                 "of one rank's preparation"]),
 ]
 

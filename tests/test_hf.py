@@ -20,6 +20,9 @@ import cpshard.compat.hf as hf  # noqa: E402
 from reference import ref_document_lengths, ref_two_axis_rows  # noqa: E402
 
 LENGTHS = st.lists(st.integers(1, 9), min_size=1, max_size=6)
+#: (layout, padding): zigzag's default "none" and its "minimal", contiguous's default "minimal" and its "none"
+PLANS = st.sampled_from([("zigzag", "none"), ("zigzag", "minimal"), ("contiguous", "minimal"),
+                         ("contiguous", "none")])
 
 
 def _positions(lengths):
@@ -51,43 +54,59 @@ def test_float_position_ids_are_refused():
 
 
 @settings(max_examples=20, deadline=None)
-@given(LENGTHS, st.sampled_from(["zigzag", "contiguous"]), st.integers(0, 2**16))
-def test_one_rank_holds_the_whole_row_shifted_labels_included(lengths, layout, seed):
+@given(LENGTHS, PLANS, st.integers(0, 2**16))
+def test_one_rank_holds_the_whole_row_shifted_labels_included(lengths, plan, seed):
+    layout, padding = plan
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 50, (1, sum(lengths)), generator=g)
     labels = ids.clone()
     labels[torch.rand(ids.shape, generator=g) < 0.3] = -100
-    batch = hf.SequenceParallel(layout=layout).shard(ids, _positions(lengths), labels)
+    batch = hf.SequenceParallel(layout=layout, padding=padding).shard(ids, _positions(lengths), labels)
     cut = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     docs = [slice(a, b) for a, b in zip(cut[:-1], cut[1:])]
     for got, x, shift, fill in ((batch.input_ids, ids, 0, 0), (batch.position_ids, _positions(lengths), 0, 0),
                                 (batch.labels, labels, 1, -100)):
-        want = ref_two_axis_rows([x[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=fill)
+        want = ref_two_axis_rows([x[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=fill,
+                                 padding=padding)
         assert torch.equal(got[0], want)
     assert torch.equal(batch.restore(batch.input_ids[..., None])[0, :, 0], ids[0])
     weights = torch.rand(1, sum(lengths), 2, generator=g)
     for shift in (0, 1, -2):
-        want = ref_two_axis_rows([weights[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=7.0)
+        want = ref_two_axis_rows([weights[0, d] for d in docs], 1, 1, layout, 0, 0, shift=shift, fill=7.0,
+                                 padding=padding)
         assert torch.equal(batch.shard(weights, shift=shift, fill=7.0)[0], want)
     with pytest.raises(ValueError, match="x=tensor of shape"):
         batch.shard(weights[:, 1:])
 
 
-@settings(max_examples=15, deadline=None)
-@given(LENGTHS, st.integers(1, 3), st.sampled_from([1, 2, 4]), st.sampled_from(["zigzag", "contiguous"]))
-def test_shard_row_gives_every_rank_its_rows_without_groups(lengths, R, U, layout):
+@settings(max_examples=24, deadline=None)
+@given(LENGTHS, st.integers(1, 3), st.sampled_from([1, 2, 4]), PLANS, st.booleans())
+def test_shard_row_gives_every_rank_its_rows_without_groups(lengths, R, U, plan, default):
+    """Every rank's ids, positions and shifted labels against the naive reference, both paddings; under
+    ``"none"`` no document is padded and at most ``R * U - 1`` pad rows end the row. ``default``: the
+    padding left out, the layout's default (zigzag ``"none"``, contiguous ``"minimal"``)."""
+    layout, padding = plan
+    if default:
+        padding = "none" if layout == "zigzag" else "minimal"
     ids = torch.arange(100, 100 + sum(lengths))[None]
     pos = _positions(lengths)
     cut = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    docs = [ids[0, a:b] for a, b in zip(cut[:-1], cut[1:])]
+    places = [d - d[0] for d in docs]
     for r in range(R):
         for u in range(U):
             batch = hf.shard_row(ids, pos, ids, ring_size=R, ulysses_size=U, ring_rank=r, ulysses_rank=u,
-                                 layout=layout)
-            docs = [ids[0, a:b] for a, b in zip(cut[:-1], cut[1:])]
+                                 layout=layout, **({} if default else {"padding": padding}))
             order = batch.plan.order
-            assert torch.equal(batch.input_ids[0], ref_two_axis_rows(docs, R, U, layout, r, u, order=order))
-            assert torch.equal(batch.labels[0], ref_two_axis_rows(docs, R, U, layout, r, u, order=order, shift=1,
-                                                                  fill=-100))
+            assert batch.plan.padding.value == padding
+            for got, seqs, shift, fill in ((batch.input_ids, docs, 0, 0), (batch.position_ids, places, 0, 0),
+                                           (batch.labels, docs, 1, -100)):
+                want = ref_two_axis_rows(seqs, R, U, layout, r, u, order=order, shift=shift, fill=fill,
+                                         padding=padding)
+                assert torch.equal(got[0], want), (got, want)
+    if padding == "none":
+        padded = list(batch.plan.input_padded_seqlens_py)
+        assert padded[:-1] == lengths[:-1] and 0 <= padded[-1] - lengths[-1] < R * U
     with pytest.raises(ValueError, match="batch=a batch from shard_row"):
         batch.restore(batch.input_ids)
     with pytest.raises(ValueError, match="ring_rank=3: must be <= 2"):
@@ -102,9 +121,23 @@ def test_a_batch_for_other_sizes_is_refused():
         sp.attend(batch)
 
 
+def test_a_batch_of_another_padding_is_refused():
+    sp = hf.SequenceParallel(padding="minimal")
+    assert "padding='minimal'" in repr(sp) and hf.SequenceParallel().padding == "none"
+    assert hf.SequenceParallel(layout="contiguous").padding == "minimal"
+    batch = hf.shard_row(torch.arange(4)[None], _positions([4]), ring_size=1, ring_rank=0)
+    with pytest.raises(ValueError, match=r"batch=a batch of layout='zigzag', padding='none': must be sharded with "
+                                         r"this SequenceParallel's layout='zigzag', padding='minimal'"):
+        sp.attend(batch)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="kernel='ring': must be one of"):
         hf.SequenceParallel(kernel="ring")
+    with pytest.raises(ValueError, match=r"padding='aligned': must be one of \('none', 'minimal'\)"):
+        hf.SequenceParallel(padding="aligned")
+    with pytest.raises(ValueError, match="padding='ragged'"):
+        hf.shard_row(torch.arange(4)[None], _positions([4]), ring_size=2, ring_rank=0, padding="ragged")
     with pytest.raises(ValueError, match="layout="):
         hf.SequenceParallel(layout="striped")
     sp = hf.SequenceParallel()
@@ -231,3 +264,14 @@ def test_gradient_checkpointing_runs_its_backward_inside_attend():
         loss = sp.loss(saved(input_ids=batch.input_ids, position_ids=batch.position_ids).logits, batch)
     with pytest.raises(RuntimeError, match="gradient checkpointing"):
         loss.backward()
+
+
+def test_the_reference_tells_the_two_paddings_apart():
+    """The check above must fail on the wrong padding: rank 1 of R = 2 under ``"none"`` (documents of 3 and 5
+    tokens, chunks of 0/1 and 1/2 rows) is not its rows under ``"minimal"`` (documents padded to 4 and 8)."""
+    lengths = [3, 5]
+    ids = torch.arange(100, 108)[None]
+    docs = list(ids[0].split(lengths))
+    got = hf.shard_row(ids, _positions(lengths), ring_size=2, ring_rank=1).input_ids[0]
+    assert torch.equal(got, ref_two_axis_rows(docs, 2, 1, "zigzag", 1, 0, padding="none"))
+    assert not torch.equal(got, ref_two_axis_rows(docs, 2, 1, "zigzag", 1, 0, padding="minimal"))

@@ -1,6 +1,7 @@
 """``cpshard.compat.hf`` on gloo ranks (issue 42, item 3): transformers' Llama and Qwen2 in float64 under
 ``R`` ring ranks times ``U`` Ulysses ranks equal one process running each document alone: the loss to
-1e-10, every parameter gradient averaged over the ranks, and the restored logits. The sub-cases run in
+1e-10, every parameter gradient averaged over the ranks, and the restored logits; zigzag unpadded
+(``padding="none"``, its default) and padded (``"minimal"``). The sub-cases run in
 tests/hf_ranks.py, in one world of 5 gloo ranks whose sequence-parallel ranks are global ranks 1..4."""
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ def _exact(results: dict) -> None:
 def test_llama_and_qwen2_at_every_shape_and_layout_equal_one_process():
     results = _all("shapes")
     seen = {key[1][:3] for key in results}
-    assert len(seen) == 2 * 5 * 2  # two models, five (R, U), two layouts
+    assert len(seen) == 2 * 5 * 3  # two models, five (R, U), zigzag unpadded and padded, contiguous
+    assert {key[1][2] for key in results} == {"zigzag/none", "zigzag/minimal", "contiguous/minimal"}
     _exact(results)
 
 
 def test_drawn_documents_equal_one_process():
-    _exact(_all("drawn"))
+    results = _all("drawn")
+    assert {key[1][1] for key in results} >= {("zigzag", "none"), ("contiguous", "minimal")}, results
+    _exact(results)
 
 
 def test_one_key_value_head_at_two_and_four_ulysses_ranks():
@@ -59,14 +63,16 @@ def test_flex_kernel_equals_one_process():
 
 def test_flash_kernel_wiring_equals_one_process():
     results = _all("flash")
-    assert {key[1] for key in results} == {((2, 2), "zigzag"), ((2, 2), "contiguous"), ((3, 1), "zigzag"),
-                                          ((3, 1), "contiguous")}
+    assert {key[1] for key in results} == {((2, 2), "zigzag/none"), ((2, 2), "contiguous/minimal"),
+                                          ((3, 1), "zigzag/none"), ((3, 1), "contiguous/minimal"),
+                                          ((3, 1), "zigzag/minimal")}
     _exact(results)
 
 
 def test_a_broken_layout_is_caught():
     results = _all("broken")
-    assert len(results) == 4
+    assert {key for key in results} == {(rank, "ulysses") for rank in (1, 2, 3, 4)} | \
+        {(rank, "chunks") for rank in (2, 3, 4)}, results
     assert all(got["loss"] > 1e-6 for got in results.values()), results
 
 

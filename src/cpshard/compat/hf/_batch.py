@@ -3,8 +3,8 @@ Ulysses ranks: the documents read from the position ids, the plan, this rank's r
 
 Note [The two-axis layout]
 --------------------------
-One plan describes every rank's rows: ``ShardPlan.build(lengths, cp_size=R, tp_size=U,
-padding="minimal")`` (contiguous: with ``reorder="balanced"``). Ring rank ``r`` holds the plan's
+One plan describes every rank's rows: ``ShardPlan.build(lengths, cp_size=R, tp_size=U, padding=...)``
+(contiguous: with ``reorder="balanced"``; Note [Padding of the ring plan]). Ring rank ``r`` holds the plan's
 ``L = local_len`` rows, the ones ``cpshard.shard(x, plan, r)`` gives; the plan's ``tp_size`` keeps
 ``L`` divisible by ``U``, and Ulysses rank ``u`` of that ring rank holds the ``u``-th of ``U``
 consecutive equal pieces, rows ``u * L / U .. (u + 1) * L / U - 1``: Megatron's sequence-parallel
@@ -13,6 +13,18 @@ needed: a rank's rows are a slice of its ring rank's, every guarantee of ``shard
 ``unshard`` and the losses holds for the ring rank's rows, and the Ulysses all-to-all of attention
 puts exactly those rows back together (its group ranks are the pieces, in order). A two-axis plan type
 would repeat the ring plan's index service for the same rows.
+
+Note [Padding of the ring plan]
+-------------------------------
+Zigzag's default is ``padding="none"`` (SPEC "Zigzag without padding"): no document is padded, its
+``2R`` chunks may differ by one row, and only the total is extended, by at most ``R * U - 1`` rows at the
+end of the last document, so that every ring rank holds ``L`` rows divisible by ``U``. Nothing of this
+layer reads zigzag as equal chunks: the attention masks come from the plan's per-row sequence ids,
+positions and token masks, flash's metadata from its segments (``cpshard.plan.varlen``), and the shifts,
+restore and loss from the plan's index service, all of which hold for any plan. ``padding="minimal"``
+(each document padded to a multiple of ``2R``) stays selectable: the plan that equal-chunk kernels and
+micro-batch packing need. Contiguous pads no document under either (``"minimal"`` is its default and
+``"none"`` gives the same rows); anything else (``"aligned"``) is refused: it only adds pad rows here.
 """
 
 from __future__ import annotations
@@ -24,11 +36,14 @@ import numpy as np
 import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
-from cpshard.base.layout import Layout
+from cpshard.base.layout import Layout, Padding
 from cpshard.plan.values import ShardPlan
 
-__all__ = ["SequenceBatch", "build_plan", "check_layout", "document_lengths", "packed_rows", "piece", "rank_batch",
-           "shard_row"]
+__all__ = ["PADDINGS", "SequenceBatch", "build_plan", "check_layout", "check_padding", "document_lengths",
+           "packed_rows", "piece", "rank_batch", "shard_row"]
+
+#: the paddings of the ring plan (Note [Padding of the ring plan])
+PADDINGS = ("none", "minimal")
 
 
 def _row(name: str, x: Any, integer: bool = True) -> torch.Tensor:
@@ -72,15 +87,28 @@ def check_layout(layout: Any) -> Layout:
     return layout
 
 
-def build_plan(lengths: list[int], ring: int, ulysses: int, layout: str) -> ShardPlan:
-    """The ring plan of Note [The two-axis layout]."""
+def check_padding(padding: Any, layout: Layout) -> str:
+    """``"none"`` or ``"minimal"``; ``None``: the layout's default (zigzag ``"none"``, contiguous ``"minimal"``;
+    Note [Padding of the ring plan])."""
+    if padding is None:
+        return "none" if layout is Layout.ZIGZAG else "minimal"
+    value = Padding.parse(padding).value
+    if value not in PADDINGS:
+        fail("padding", repr(value), f"must be one of {PADDINGS} for a Hugging Face packed row ('aligned' pads "
+             "every document to 2 * R * U rows, which no kernel of this layer needs)",
+             "pass padding='none' (zigzag's default: no document padded) or 'minimal' (each document to 2 * R)")
+    return value
+
+
+def build_plan(lengths: list[int], ring: int, ulysses: int, layout: str, padding: str) -> ShardPlan:
+    """The ring plan of Note [The two-axis layout], padded as Note [Padding of the ring plan] says: the one
+    builder of this layer's plans."""
     reorder = "balanced" if layout == "contiguous" else None
-    return ShardPlan.build(lengths, cp_size=ring, tp_size=ulysses, layout=layout, padding="minimal",
-                           reorder=reorder)
+    return ShardPlan.build(lengths, cp_size=ring, tp_size=ulysses, layout=layout, padding=padding, reorder=reorder)
 
 
-def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulysses: int,
-                layout: str) -> tuple[ShardPlan, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulysses: int, layout: str,
+                padding: str) -> tuple[ShardPlan, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """The ring plan of a packed row and its ``(T,)`` token ids, positions and labels, checked. No communication."""
     ids = _row("input_ids", input_ids)
     pos = _row("position_ids", position_ids)
@@ -93,7 +121,7 @@ def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulyss
         if lab.shape != ids.shape:
             fail("labels", f"{lab.numel()} labels", f"must match input_ids' {ids.numel()} tokens (unshifted: "
                  "transformers' labels, -100 where ignored)", "pass the labels of the same packed row")
-    return build_plan(document_lengths(pos), ring, ulysses, layout), (ids, pos.to(ids.dtype), lab)
+    return build_plan(document_lengths(pos), ring, ulysses, layout, padding), (ids, pos.to(ids.dtype), lab)
 
 
 def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ring_rank: int,
@@ -110,16 +138,20 @@ def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def shard_row(input_ids: Any, position_ids: Any, labels: Any = None, *, ring_size: int, ulysses_size: int = 1,
-              ring_rank: int, ulysses_rank: int = 0, layout: str = "zigzag") -> SequenceBatch:
+              ring_rank: int, ulysses_rank: int = 0, layout: str = "zigzag", padding: str | None = None
+              ) -> SequenceBatch:
     """Rank ``(ring_rank, ulysses_rank)``'s :class:`SequenceBatch` of a packed row, without process groups:
     what :meth:`SequenceParallel.shard` computes, for a data loader's workers or a host-side benchmark.
     No communication. The batch serves ``sp.attend`` and ``sp.loss`` of the matching ``SequenceParallel``;
-    its ``restore`` needs the groups: call ``sp.restore(x, batch)``."""
+    its ``restore`` needs the groups: call ``sp.restore(x, batch)``. ``layout`` and ``padding`` as there
+    (Note [Padding of the ring plan])."""
     ring_size = check_int("ring_size", ring_size, minimum=1)
     ulysses_size = check_int("ulysses_size", ulysses_size, minimum=1)
     ring_rank = check_int("ring_rank", ring_rank, minimum=0, maximum=ring_size - 1)
     ulysses_rank = check_int("ulysses_rank", ulysses_rank, minimum=0, maximum=ulysses_size - 1)
-    plan, rows = packed_rows(input_ids, position_ids, labels, ring_size, ulysses_size, check_layout(layout).value)
+    layout = check_layout(layout)
+    plan, rows = packed_rows(input_ids, position_ids, labels, ring_size, ulysses_size, layout.value,
+                             check_padding(padding, layout))
     return rank_batch(plan, rows, ring_rank, ulysses_rank, None)
 
 

@@ -14,7 +14,7 @@ from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import Layout
 from cpshard.compat.hf._attention import KERNELS, Attending
-from cpshard.compat.hf._batch import SequenceBatch, build_plan, check_layout, packed_rows, rank_batch
+from cpshard.compat.hf._batch import SequenceBatch, build_plan, check_layout, check_padding, packed_rows, rank_batch
 from cpshard.distributed.agree import checks_enabled
 from cpshard.distributed.checks import agree
 from cpshard.distributed.collectives import gather_tokens
@@ -55,12 +55,16 @@ class SequenceParallel:
             groups meet in this rank only: rank ``(r, u)`` is group rank ``r`` of its ring group and
             ``u`` of its Ulysses group.
         layout: ``"zigzag"`` (default) or ``"contiguous"`` (with the balanced order of documents).
+        padding: the ring plan's padding (Note [Padding of the ring plan] in ``_batch.py``): ``"none"``
+            (zigzag's default: no document padded, at most ``R * U - 1`` pad rows at the end) or
+            ``"minimal"`` (zigzag: each document padded to a multiple of ``2 R``; contiguous's default,
+            which pads no document either way).
         kernel: ``"auto"`` (on CUDA flash-attn's varlen kernel where it is installed, else ``"flex"``; elsewhere
             ``"sdpa"``), ``"sdpa"``, ``"flex"`` or ``"flash"``.
     """
 
     def __init__(self, cp_group: Any = None, ulysses_group: Any = None, *, layout: Layout | str = "zigzag",
-                 kernel: str = "auto") -> None:
+                 padding: str | None = None, kernel: str = "auto") -> None:
         if cp_group is not None and hasattr(cp_group, "get_group") and hasattr(cp_group, "mesh_dim_names"):
             if ulysses_group is not None:
                 fail("ulysses_group", repr(ulysses_group), "must be None when cp_group is a DeviceMesh (its "
@@ -74,7 +78,7 @@ class SequenceParallel:
         layout = check_layout(layout)
         if kernel not in KERNELS:
             fail("kernel", repr(kernel), f"must be one of {KERNELS}", "pass kernel='sdpa' on any device")
-        self.layout, self.kernel = layout, kernel
+        self.layout, self.padding, self.kernel = layout, check_padding(padding, layout), kernel
         self.ring_size = 1 if cp_group is None else group_size(cp_group, "cp_group")
         self.ulysses_size = 1 if ulysses_group is None else group_size(ulysses_group, "ulysses_group")
         self.cp_group = cp_group if self.ring_size > 1 else None
@@ -92,13 +96,13 @@ class SequenceParallel:
 
     def __repr__(self) -> str:
         return (f"SequenceParallel(R={self.ring_size}, U={self.ulysses_size}, layout={self.layout.value!r}, "
-                f"kernel={self.kernel!r}, rank=({self.ring_rank}, {self.ulysses_rank}))")
+                f"padding={self.padding!r}, kernel={self.kernel!r}, rank=({self.ring_rank}, {self.ulysses_rank}))")
 
     # -- the batch --------------------------------------------------------------------------
 
     def plan(self, lengths: list[int]) -> ShardPlan:
         """The ring plan of documents of ``lengths`` (Note [The two-axis layout])."""
-        return build_plan(list(lengths), self.ring_size, self.ulysses_size, self.layout.value)
+        return build_plan(list(lengths), self.ring_size, self.ulysses_size, self.layout.value, self.padding)
 
     def shard(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
               check: bool | None = None) -> SequenceBatch:
@@ -112,7 +116,7 @@ class SequenceParallel:
         error, plan, rows = None, None, None
         try:
             plan, rows = packed_rows(input_ids, position_ids, labels, self.ring_size, self.ulysses_size,
-                                     self.layout.value)
+                                     self.layout.value, self.padding)
         except (ValueError, TypeError) as exc:
             error = exc
         grouped = self.cp_group is not None or self.ulysses_group is not None
@@ -165,6 +169,11 @@ class SequenceParallel:
                  f"{batch.ulysses_rank})", f"must be sharded for this SequenceParallel's R={self.ring_size}, "
                  f"U={self.ulysses_size} at rank ({self.ring_rank}, {self.ulysses_rank})",
                  "shard the batch with the same SequenceParallel")
+        if (plan.layout, plan.padding.value) != (self.layout, self.padding):
+            fail("batch", f"a batch of layout={plan.layout.value!r}, padding={plan.padding.value!r}",
+                 f"must be sharded with this SequenceParallel's layout={self.layout.value!r}, "
+                 f"padding={self.padding!r}", "shard the batch with the same SequenceParallel (or shard_row with "
+                 "its layout and padding)")
         return batch
 
     # -- attention, loss, restore -------------------------------------------------------------
