@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cpshard.compat._report import held_or_trial, report_main
-from cpshard.compat.verl import _activation, _patch
+from cpshard.compat.verl import _activation, _fsdp, _patch
 from cpshard.compat.verl._plans import verl_version
 
 __all__ = ["main", "status"]
@@ -42,10 +42,10 @@ def _entry_point() -> str | None:
 
 def status() -> dict[str, Any]:
     """What cpshard binds here: ``on`` (whether a patch is in force in this process after ``import verl``),
-    ``by``, ``verl``, ``layout``, ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of the whole
+    ``by``, ``verl``, ``layout``, ``ring`` (the FSDP backend's ring size), ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of the whole
     patch, or verl's import error), ``entry_point``."""
     out: dict[str, Any] = {"by": _switched_on_by(), "entry_point": _entry_point(), "on": False, "verl": None,
-                           "layout": None, "bound": [], "skipped": {}, "refused": {}, "error": None}
+                           "layout": None, "ring": None, "bound": [], "skipped": {}, "refused": {}, "error": None}
     try:
         import verl
 
@@ -57,7 +57,7 @@ def status() -> dict[str, Any]:
             out["verl"] = verl_version()
             out["error"] = f"cpshard's activation (run by `import verl`: {out['by']}): {out['error']}"
         return out
-    out.update(layout=held.layout, bound=list(held.bound), skipped=dict(held.skipped), refused=dict(held.refused))
+    out.update(layout=held.layout, ring=held.ring, bound=list(held.bound), skipped=dict(held.skipped), refused=dict(held.refused))
     out["process"] = _activation.process_patch() is held
     return out
 
@@ -82,11 +82,11 @@ def _text(report: dict[str, Any]) -> str:
     lines.append(("on in this process; bound:" if report["on"] else "off in this process; patch() would bind:")
                  + f" {len(report['bound'])} sites")
     lines.append(f"layout: {report['layout']}")
+    lines.append(f"FSDP backend: ring size {report['ring']} ({_fsdp.describe_ring(report['ring'])})")
     modules: dict[str, list[str]] = {}
     for site in report["bound"]:
-        cut = 2 if ".MegatronEngine." in site else 1  # a class's method: module, then Class.method
-        owner, name = site.rsplit(".", cut)[0], ".".join(site.rsplit(".", cut)[1:])
-        modules.setdefault(owner, []).append(name)
+        owner = _patch.owner(site)  # a class's method: module, then Class.method
+        modules.setdefault(owner, []).append(site[len(owner) + 1:])
     lines += [f"  {owner} ({len(names)}): {', '.join(names)}" for owner, names in modules.items()]
     for what in ("skipped", "refused"):
         lines.append(f"{what}: {len(report[what])}")
