@@ -17,32 +17,19 @@ All of issue's grid runs here (about a minute on two cores); nothing is left to 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-try:
-    import verl.utils.ulysses  # noqa: F401
-except ImportError as exc:  # scripts/setup.sh installs verl (constraints.txt, group verl); CI always runs these
-    pytest.skip(f"verl cannot be imported ({exc}); run scripts/setup.sh", allow_module_level=True)
-_MISSING = [m for m in ("transformers", "peft", "accelerate") if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(f"verl's FSDP engine needs {', '.join(_MISSING)}, not installed here: run scripts/setup.sh",
-                allow_module_level=True)
+import verl_fsdp_engine as E
 
-import verl_fsdp_engine as E  # noqa: E402 - after the skip
-from cpshard.spawn import run_ranks  # noqa: E402
+E.skip_without_verl()
+from cpshard.spawn import run_ranks  # noqa: E402 - after the skip
 
-LENGTHS = [5, 11, 7]
+LENGTHS = E.LENGTHS
 #: (sp, ring size, layout) under patch(): every (R, U) of sp 2 and 4, both layouts where R > 1
 CONFIGS = [(2, 1, "zigzag"), (2, 2, "zigzag"), (2, 2, "contiguous"), (4, 1, "zigzag"), (4, 2, "zigzag"),
            (4, 2, "contiguous"), (4, 4, "zigzag"), (4, 4, "contiguous")]
 PAST_HEADS = (4, 2, "zigzag")  # the 2-head model: sp 4 as 2 ring x 2 Ulysses ranks
-
-
-def _weights():
-    return torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(3))
 
 
 def _error(fn):
@@ -60,15 +47,15 @@ def _all_configs(rank, world, path, narrow):
     from cpshard.compat import verl as cv
 
     E.install_cpu_platform()
-    out = {"sp 1": E.step(E.build(path, sp=1), LENGTHS, _weights())}
+    out = {"sp 1": E.step(E.build(path, sp=1), LENGTHS, E.weights())}
     for sp, ring, layout in CONFIGS:
         with cv.patch(layout=layout, ring=ring) as p:
-            out[(sp, ring, layout)] = E.step(E.build(path, sp=sp), LENGTHS, _weights())
+            out[(sp, ring, layout)] = E.step(E.build(path, sp=sp), LENGTHS, E.weights())
             out[(sp, ring, layout)]["ring"] = p.ring
-    out["narrow sp 1"] = E.step(E.build(narrow, sp=1), LENGTHS, _weights())
+    out["narrow sp 1"] = E.step(E.build(narrow, sp=1), LENGTHS, E.weights())
     sp, ring, layout = PAST_HEADS
     with cv.patch(layout=layout, ring=ring):
-        out["narrow"] = E.step(E.build(narrow, sp=sp), LENGTHS, _weights())
+        out["narrow"] = E.step(E.build(narrow, sp=sp), LENGTHS, E.weights())
     with cv.patch(ring=4):  # 4 does not divide sp 2
         out["ring misfit"] = _error(lambda: E.build(path, sp=2))
     with cv.patch(ring=1):  # the 2-head model at sp 4 as 4 Ulysses ranks
@@ -83,19 +70,10 @@ def runs(tmp_path_factory):
     return run_ranks(_all_configs, 4, path, narrow, timeout=600, collective_timeout=300)
 
 
-def _gap(a, b):
-    """The largest absolute difference, over tensors or dicts of them."""
-    if isinstance(a, dict):
-        return max(_gap(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return (a - b).abs().max().item()
-    return abs(a - b)
-
-
 def _close(got, want):
     assert set(got["grads"]) == set(want["grads"])
     for key in ("log_probs", "entropy", "grads"):
-        assert _gap(got[key], want[key]) < 1e-5, key
+        assert E.gap(got[key], want[key]) < 1e-5, key
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 

@@ -38,6 +38,35 @@ from typing import Any
 import torch
 
 VOCAB = 64
+LENGTHS = [5, 11, 7]  # the packed documents of the engine tests
+
+
+def skip_without_verl() -> None:
+    """Skip the calling test module where verl or its FSDP engine's packages are missing."""
+    import pytest
+
+    try:
+        import verl.utils.ulysses  # noqa: F401
+    except ImportError as exc:  # scripts/setup.sh installs verl (constraints.txt, group verl); CI always runs these
+        pytest.skip(f"verl cannot be imported ({exc}); run scripts/setup.sh", allow_module_level=True)
+    missing = [m for m in ("transformers", "peft", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"verl's FSDP engine needs {', '.join(missing)}, not installed here: run scripts/setup.sh",
+                    allow_module_level=True)
+
+
+def weights() -> torch.Tensor:
+    """One loss weight per token of :data:`LENGTHS`, the same in every configuration."""
+    return torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(3))
+
+
+def gap(a: Any, b: Any) -> float:
+    """The largest absolute difference, over tensors or dicts of them."""
+    if isinstance(a, dict):
+        return max(gap(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return (a - b).abs().max().item()
+    return abs(a - b)
 
 
 def skip_dataset_package_init() -> None:
