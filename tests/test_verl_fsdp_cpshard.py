@@ -95,3 +95,17 @@ def test_a_ring_size_that_does_not_fit_raises_on_every_rank(runs):
     for r in runs:
         assert "CPSHARD_RING" in r["ring misfit"] and "ulysses_sequence_parallel_size 2" in r["ring misfit"]
         assert "CPSHARD_RING" in r["heads misfit"] and "num_attention_heads 2" in r["heads misfit"]
+
+
+if __name__ == "__main__":  # the table docs/verl.md records: python tests/test_verl_fsdp_cpshard.py
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = E.save_tiny_qwen2(f"{tmp}/a")
+        narrow = E.save_tiny_qwen2(f"{tmp}/b", heads=2, kv_heads=1)
+        ref = E.hf_reference(path, LENGTHS, E.weights())
+        ranks = run_ranks(_all_configs, 4, path, narrow, timeout=600, collective_timeout=300)
+    for config in ["sp 1", *CONFIGS]:
+        got = [r[config] for r in ranks]
+        print(config, *(f"{key} {max(E.gap(g[key], ref[key]) for g in got):.2g}"
+                        for key in ("log_probs", "entropy", "grads", "grad_norm")))
