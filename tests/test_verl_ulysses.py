@@ -365,13 +365,10 @@ def test_inside_a_ring_axis_the_helpers_without_two_axis_meaning_refuse():
     refuses another SP size or another row length; with ``group=`` given they are verl's as ever."""
     from types import SimpleNamespace
 
-    from cpshard.compat.verl._fsdp import RingRows
-    from cpshard.compat.verl._ulysses import ring_rows
-
     plan = SimpleNamespace(num_tokens=6, local_len=4, tp_size=1)
-    rows = RingRows(SimpleNamespace(ring_size=2, ulysses_size=1), SimpleNamespace(plan=plan), 2)
+    rows = cv.RingRows(SimpleNamespace(ring_size=2, ulysses_size=1), SimpleNamespace(plan=plan), 2)
     x = torch.arange(6)[None]
-    with ring_rows(rows):
+    with cv.ring_rows(rows):
         for call in (lambda: cv.slice_input_tensor(x, 1), lambda: cv.ulysses_pad(x, None, 2),
                      lambda: cv.gather_seq_scatter_heads(torch.ones(1, 3, 2, 1), 1, 2),
                      lambda: cv.gather_heads_scatter_seq(torch.ones(1, 6, 1, 1), 2, 1)):

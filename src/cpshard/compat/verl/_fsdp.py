@@ -109,7 +109,14 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class RingRows:
-    """The two-axis rows of one micro-batch, as verl's pad-and-slice and gather calls see them at ``R > 1``."""
+    """The two-axis rows of one micro-batch, as verl's pad-and-slice and gather calls see them at ``R > 1``.
+
+    ``seq``: the :class:`cpshard.compat.hf.SequenceParallel` of the two axes; ``batch``: this rank's
+    :class:`~cpshard.compat.hf.SequenceBatch` of the micro-batch; ``sp``: verl's SP size. Inside
+    ``with cpshard.compat.verl.ring_rows(rows):`` verl's ``ulysses_pad_and_slice_inputs`` cuts by the plan
+    (``slice``), ``gather_outputs_and_unpad`` restores through it (``gather``), and the other four Ulysses
+    helpers, called without ``group=``, raise (``refuse``). The FSDP engine's wrapper opens it per
+    micro-batch; an engine of one's own may too."""
 
     def __init__(self, seq: Any, batch: Any, sp: int) -> None:
         self.seq, self.batch, self.sp = seq, batch, sp

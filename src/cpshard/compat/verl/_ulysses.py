@@ -50,7 +50,7 @@ _RING: list[Any] = []  # the two-axis rows of the micro-batch in force (ring_row
 @contextlib.contextmanager
 def ring_rows(rows: Any) -> Iterator[None]:
     """Inside, the helpers called without ``group=`` follow ``rows`` (``slice``, ``gather``, ``refuse``:
-    :class:`cpshard.compat.verl._fsdp.RingRows`)."""
+    :class:`cpshard.compat.verl.RingRows`)."""
     _RING.append(rows)
     try:
         yield
