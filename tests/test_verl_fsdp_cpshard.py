@@ -2,7 +2,7 @@
 (``CPSHARD_RING`` 1) and a ring axis (``CPSHARD_RING`` 2 and 4) equal one process.
 
 tests/verl_fsdp_engine.py builds the engine as verl's ``TrainingWorker`` does (attention ``sdpa``, fp32,
-a tiny random Qwen2 of 4 query and 2 key/value heads). One gloo group of four ranks builds it at
+a tiny random Qwen2 of 4 query and 2 key/value heads, verl's default gradient checkpointing). One gloo group of four ranks builds it at
 Ulysses degree ``sp = 1`` (four data-parallel ranks given the same micro-batch) and then, each inside
 ``patch(layout=..., ring=R)``, at every ``(sp, R)`` of :data:`CONFIGS`, and runs ``infer_batch`` and one
 ``forward_backward_batch`` on packed documents of 5, 11 and 7 tokens. Without cpshard verl is wrong at
@@ -52,6 +52,8 @@ def _all_configs(rank, world, path, narrow):
         with cv.patch(layout=layout, ring=ring) as p:
             out[(sp, ring, layout)] = E.step(E.build(path, sp=sp), LENGTHS, E.weights())
             out[(sp, ring, layout)]["ring"] = p.ring
+    with cv.patch(layout="zigzag", ring=2):  # the configurations above recompute each layer in the backward
+        out["no checkpointing"] = E.step(E.build(path, sp=4, checkpointing=False), LENGTHS, E.weights())
     out["narrow sp 1"] = E.step(E.build(narrow, sp=1), LENGTHS, E.weights())
     sp, ring, layout = PAST_HEADS
     with cv.patch(layout=layout, ring=ring):
@@ -83,6 +85,14 @@ def test_engine_under_the_patch_equals_sp1(runs, config):
     for r in runs:
         assert r[config]["ring"] == config[1]
         _close(r[config], r["sp 1"])
+
+
+def test_with_and_without_gradient_checkpointing(runs):
+    """verl's default, ``enable_gradient_checkpointing``, runs every configuration above: the backward's
+    recomputation of the attention finds the micro-batch's plan (held until the next micro-batch or the end
+    of ``forward_backward_batch``). Without it, at sp 4 as 2 ring x 2 Ulysses ranks, the same numbers."""
+    for r in runs:
+        _close(r["no checkpointing"], r["sp 1"])
 
 
 def test_more_sp_ranks_than_heads_with_a_ring_axis(runs):

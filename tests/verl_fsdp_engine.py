@@ -172,15 +172,18 @@ def save_tiny_qwen2(path: str, *, seed: int = 0, heads: int = 4, kv_heads: int =
     return path
 
 
-def build(path: str, *, sp: int, clip_grad: float = 1e9) -> Any:
+def build(path: str, *, sp: int, clip_grad: float = 1e9, checkpointing: bool = True) -> Any:
     """verl's FSDP engine for the language model at ``path``, Ulysses degree ``sp``, as ``TrainingWorker``
-    builds it: ``EngineRegistry.new(...)`` then ``initialize()``. torch.distributed must be up."""
+    builds it: ``EngineRegistry.new(...)`` then ``initialize()``; ``checkpointing``: verl's
+    ``enable_gradient_checkpointing`` (its default: the layers' forward recomputed in the backward). torch.distributed
+    must be up."""
     install_cpu_platform()
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
     model_config = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True,
-                                 override_config={"attn_implementation": "sdpa"})
+                                 override_config={"attn_implementation": "sdpa"},
+                                 enable_gradient_checkpointing=checkpointing)
     model_config.model_type = "language_model"
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine_config = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=sp, use_torch_compile=False,
