@@ -43,6 +43,8 @@ def _error(fn):
 def _all_configs(rank, world, path, narrow):
     """verl's engine at sp 1, then under patch() at every configuration (rank bodies run in fresh processes:
     verl's platform is chosen before its engine module is imported)."""
+    import sys
+
     import verl_fsdp_engine as E
     from cpshard.compat import verl as cv
 
@@ -52,6 +54,7 @@ def _all_configs(rank, world, path, narrow):
         with cv.patch(layout=layout, ring=ring) as p:
             out[(sp, ring, layout)] = E.step(E.build(path, sp=sp), LENGTHS, E.weights())
             out[(sp, ring, layout)]["ring"] = p.ring
+            out["verl"] = f"{p.verl_version} ({sys.modules['verl'].__file__})"
     with cv.patch(layout="zigzag", ring=2):  # the configurations above recompute each layer in the backward
         out["no checkpointing"] = E.step(E.build(path, sp=4, checkpointing=False), LENGTHS, E.weights())
     out["narrow sp 1"] = E.step(E.build(narrow, sp=1), LENGTHS, E.weights())
@@ -115,6 +118,7 @@ if __name__ == "__main__":  # the table docs/verl.md records: python tests/test_
         narrow = E.save_tiny_qwen2(f"{tmp}/b", heads=2, kv_heads=1)
         ref = E.hf_reference(path, LENGTHS, E.weights())
         ranks = run_ranks(_all_configs, 4, path, narrow, timeout=600, collective_timeout=300)
+    print("verl", ranks[0]["verl"])
     for config in ["sp 1", *CONFIGS]:
         got = [r[config] for r in ranks]
         print(config, *(f"{key} {max(E.gap(g[key], ref[key]) for g in got):.2g}"
