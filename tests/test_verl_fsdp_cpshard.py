@@ -10,7 +10,8 @@ Ulysses degree ``sp = 1`` (four data-parallel ranks given the same micro-batch) 
 norm equal ``sp = 1``'s to float32 rounding, on every rank, for both layouts. A second model of 2 query
 heads runs at ``sp = 4`` as 2 ring x 2 Ulysses ranks: more SP ranks than heads, which verl refuses
 (``num_attention_heads % sp``). The errors: a ring size that does not divide ``sp``, and a Ulysses axis
-that does not divide the heads, raise on every rank when the engine is built, naming ``CPSHARD_RING``.
+that does not divide the heads, raise on every rank when the engine is built, naming ``CPSHARD_RING``;
+verl's padded path (``use_remove_padding=False``) raises on every rank at the micro-batch.
 
 All of issue's grid runs here (about a minute on two cores); nothing is left to run by hand.
 """
@@ -49,6 +50,8 @@ def _all_configs(rank, world, path, narrow):
     from cpshard.compat import verl as cv
 
     E.install_cpu_platform()
+    from verl.utils import tensordict_utils as tu
+
     out = {"sp 1": E.step(E.build(path, sp=1), LENGTHS, E.weights())}
     for sp, ring, layout in CONFIGS:
         with cv.patch(layout=layout, ring=ring) as p:
@@ -65,6 +68,12 @@ def _all_configs(rank, world, path, narrow):
         out["ring misfit"] = _error(lambda: E.build(path, sp=2))
     with cv.patch(ring=1):  # the 2-head model at sp 4 as 4 Ulysses ranks
         out["heads misfit"] = _error(lambda: E.build(narrow, sp=4))
+    with cv.patch(ring=1):  # verl's padded path: the attention could not see the documents
+        engine = E.build(path, sp=2)
+        data = E.batch(LENGTHS)
+        tu.assign_non_tensor(data, use_remove_padding=False)
+        with engine.eval_mode():
+            out["padded"] = _error(lambda: engine.infer_batch(data))
     return out
 
 
@@ -108,6 +117,11 @@ def test_a_ring_size_that_does_not_fit_raises_on_every_rank(runs):
     for r in runs:
         assert "CPSHARD_RING" in r["ring misfit"] and "ulysses_sequence_parallel_size 2" in r["ring misfit"]
         assert "CPSHARD_RING" in r["heads misfit"] and "num_attention_heads 2" in r["heads misfit"]
+
+
+def test_verls_padded_path_is_refused_on_every_rank(runs):
+    for r in runs:
+        assert r["padded"].startswith("use_remove_padding=False: is not supported under cpshard's sequence")
 
 
 if __name__ == "__main__":  # the table docs/verl.md records: python tests/test_verl_fsdp_cpshard.py

@@ -276,6 +276,12 @@ def prepare_hook(original: Any) -> Any:
     def prepare_model_inputs(self: Any, micro_batch: Any, *args: Any, **kwargs: Any) -> Any:
         axes = _axes(self)
         if axes is not None:
+            from verl.utils import tensordict_utils as tu
+
+            if not tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+                fail("use_remove_padding", "False", f"is not supported under cpshard's sequence parallelism (sp = "
+                     f"{axes.sp}): the attention reads the packed row's documents", "set use_remove_padding=True "
+                     "(verl's default)")
             ids = micro_batch["input_ids"]
             total = int(ids.offsets()[-1]) if getattr(ids, "is_nested", False) else 0
             static = self._get_packed_pad_size(total) if hasattr(self, "_get_packed_pad_size") else 0
