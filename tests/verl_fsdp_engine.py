@@ -274,8 +274,8 @@ ULYSSES_BINDERS = {
 
 @contextlib.contextmanager
 def drop_ins_bound():
-    """cpshard's Ulysses drop-ins bound by hand where the FSDP engine's path takes verl's (a test's
-    binding: ``cpshard.compat.verl.patch()`` does not bind them yet), restored on exit."""
+    """cpshard's Ulysses drop-ins bound by hand where the FSDP engine's path takes verl's, and nothing else
+    (``cpshard.compat.verl.patch()`` binds them too, and makes the attention cpshard's), restored on exit."""
     from cpshard.compat import verl as cv
 
     saved = []
