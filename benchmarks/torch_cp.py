@@ -30,6 +30,9 @@ balancer's indices (its ``_generate_indices()``, ``(B, S')``: the buffer's rows 
 * ``cp-zigzag``: cpshard's zigzag plans over ``cpshard.compat.torch_cp.to_buffer``'s padded buffer (every
   document padded to a multiple of ``2 * cp``: ``S'`` grows, the pad rows cost nothing; the padding is
   reported);
+* ``cp-zz-full``: cpshard's zigzag on the full row, no padding (``S' = S``):
+  ``plans_from_positions(..., layout="zigzag")``, each document's ``2 * cp`` chunks one row apart
+  (``padding="none"``), what torchtitan's ``"cpshard_zigzag"`` runs;
 * ``cp-contig``: cpshard's contiguous layout with its balanced order, no padding (``S' = S``).
 
 ``fit``: the share of rows whose longest document fits a rank's share (``S / cp`` tokens); ``bound``:
@@ -45,7 +48,8 @@ import argparse
 import math
 import random
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,7 +65,7 @@ MEDIAN_LOGNORMAL = 1024
 SIZES = (8192, 32768, 131072)
 CPS = (2, 4, 8, 16)
 DISTS = ("exp", "lognormal", "exp-2cp")
-NAMES = ("none", "headtail", "perdoc-ht", "ptrr", "cp-zigzag", "cp-contig")
+NAMES = ("none", "headtail", "perdoc-ht", "ptrr", "cp-zigzag", "cp-zz-full", "cp-contig")
 
 
 def lengths(rng: random.Random, dist: str, total: int, cp: int) -> list[int]:
@@ -128,18 +132,18 @@ def balancers(rows: list[list[int]], cp: int) -> dict[str, Callable[[], tuple[to
 
     def cpshard(layout: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor] | str]:
         def run() -> tuple[torch.Tensor, torch.Tensor] | str:
-            if layout == "zigzag":  # each document padded to a multiple of 2 * cp: a longer buffer
+            if layout == "zigzag-padded":  # each document padded to a multiple of 2 * cp: a longer buffer
                 total = max(ShardPlan.build(lens, cp_size=cp, layout="zigzag").total_len for lens in rows)
                 plans = [ShardPlan.build(lens, cp_size=cp, layout="zigzag", total_len=total) for lens in rows]
                 buffer_cost = torch_cp.to_buffer([[torch.arange(1, n + 1) for n in lens] for lens in rows], plans)
-            else:
-                plans = torch_cp.plans_from_positions(pos, cp_size=cp)
+            else:  # the row itself: zigzag's chunks one row apart, or the contiguous balanced order
+                plans = torch_cp.plans_from_positions(pos, cp_size=cp, layout=layout)
                 buffer_cost = cost
             return torch_cp.load_balancer(plans)._generate_indices(), buffer_cost
         return run
 
     return {"none": plain, "headtail": headtail, "perdoc-ht": perdoc, "ptrr": ptrr,
-            "cp-zigzag": cpshard("zigzag"), "cp-contig": cpshard("contiguous")}
+            "cp-zigzag": cpshard("zigzag-padded"), "cp-zz-full": cpshard("zigzag"), "cp-contig": cpshard("contiguous")}
 
 
 def scores(indices: torch.Tensor, cost: torch.Tensor, cp: int) -> list[float]:
@@ -191,18 +195,43 @@ def main() -> None:
                     s = scores(*got, cp)
                     cells.append(f"{statistics.mean(s):>7.3f}/{max(s):<7.3f}")
                 print(f"{size:>7} {cp:>3} {dist:>10} {fit:>5.0%} {bound:>6.3f} " + " ".join(cells) + f" {pad:>7}")
+                if dist == "exp":  # unpadded zigzag where chunks differ (the indices from the segments)
+                    exp_full = _timed(balancers(rows[:1], cp)["cp-zz-full"], repeats)
                 if dist == "exp-2cp":
                     times[size, cp] = {name: _timed(fn, repeats) for name, fn in balancers(rows[:1], cp).items()}
+                    times[size, cp]["zzfull/exp"] = exp_full
         print()
 
     print(f"host ms to build one row's balancer and its indices (least of {repeats}; exp-2cp rows; cpshard's: plans "
-          "from positions + indices; ptrr: the BlockMask given)")
-    header = f"{'S':>7} {'cp':>3} " + " ".join(f"{n:>10}" for n in NAMES)
+          "from positions + indices; ptrr: the BlockMask given; zzfull/exp: cp-zz-full on an exp row, whose "
+          "chunks differ)")
+    header = f"{'S':>7} {'cp':>3} " + " ".join(f"{n:>10}" for n in NAMES) + f" {'zzfull/exp':>10}"
     print(header)
     print("-" * len(header))
     for (size, cp), row in times.items():
         print(f"{size:>7} {cp:>3} " + " ".join(f"{v:>10.2f}" if isinstance(v, float) else f"{v:>10}"
                                               for v in row.values()))
+    print()
+    many_documents(sizes, cps, repeats)
+
+
+def many_documents(sizes: Sequence[int], cps: Sequence[int], repeats: int) -> None:
+    """Host ms of ``plans_from_positions`` (contiguous, balanced order) on rows of thousands of short
+    documents: all-zero positions (every token its own document: a collator that pads positions with 0),
+    alternating 0, 1 (pairs), and documents of 1-3 tokens drawn (a fixed seed)."""
+    print(f"host ms of plans_from_positions on rows of many short documents (least of {repeats}; contiguous)")
+    header = f"{'S':>7} {'cp':>3} {'all-zero':>10} {'pairs':>10} {'1-3 drawn':>10}"
+    print(header)
+    print("-" * len(header))
+    for size in sizes:
+        rng = random.Random(size)
+        drawn = []
+        while sum(drawn) < size:
+            drawn.append(min(rng.randint(1, 3), size - sum(drawn)))
+        rows = [torch.zeros(1, size, dtype=torch.long), (torch.arange(size) % 2)[None], positions([drawn])]
+        for cp in cps:
+            cells = [least_ms(lambda pos=pos: torch_cp.plans_from_positions(pos, cp_size=cp), repeats) for pos in rows]
+            print(f"{size:>7} {cp:>3} " + " ".join(f"{v:>10.2f}" for v in cells))
 
 
 if __name__ == "__main__":

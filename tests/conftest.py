@@ -49,6 +49,18 @@ _SPAWN = cpshard.spawn.set_default_context(_FORKED)
 assert _SPAWN.get_start_method() == "spawn", "cpshard.spawn no longer spawns: revisit tests/forked.py"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _environment_restored():
+    """Each test module leaves ``os.environ`` as it found it: a variable one module sets (verl's
+    ``VERL_PLATFORM=cpu`` for its CPU engine) would otherwise reach the processes a later module starts
+    on the same worker (Ray workers that then cannot import verl's engine)."""
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before):
+        del os.environ[name]
+    os.environ.update(before)
+
+
 @pytest.fixture
 def spawned():
     """``run_ranks`` as users get it: every rank a fresh ``spawn`` interpreter."""

@@ -64,7 +64,11 @@ def ref_alignment(cp: int, tp: int, layout, fp8: bool = False, padding: str = "a
 
     ``padding="minimal"``: only what the layout needs, ``2 * cp`` chunks for zigzag with
     ``cp > 1``, nothing (1) otherwise; ``tp`` is then met through the total alone.
+    ``padding="none"``: nothing (1) for every layout.
     """
+    if padding == "none":  # no sequence padded (SPEC "Zigzag without padding"); never with fp8
+        assert not fp8
+        return 1
     if padding == "minimal":
         if _layout_str(layout) == ZIGZAG and cp > 1:
             a = 2 * cp
@@ -144,6 +148,26 @@ def ref_cumsum(xs) -> list:
 # --------------------------------------------------------------------------------------------------
 
 
+def ref_zigzag_chunks(padded, cp: int) -> list:
+    """Per sequence, the sizes of its ``2 * cp`` zigzag chunks (SPEC "Which rows a rank holds" and
+    "Zigzag without padding"): ``P // (2 cp)`` rows each, then the ``P mod 2 cp`` extra rows dealt one
+    at a time by one counter over the whole buffer, extra ``c`` to rank ``c mod cp``: the first ``cp``
+    extras of a sequence to the ranks' first chunks, the rest to their second chunks."""
+    out = []
+    counter = 0
+    for p_i in padded:
+        sizes = [int(p_i) // (2 * cp)] * (2 * cp)
+        for t in range(int(p_i) % (2 * cp)):
+            r = counter % cp
+            counter += 1
+            if t < cp:
+                sizes[r] += 1
+            else:
+                sizes[2 * cp - 1 - r] += 1
+        out.append(sizes)
+    return out
+
+
 def ref_rank_rows(padded, cp: int, layout, rank: int) -> list:
     """Global padded row of each local row of ``rank`` (SPEC "Which rows a rank holds")."""
     layout = _layout_str(layout)
@@ -154,13 +178,11 @@ def ref_rank_rows(padded, cp: int, layout, rank: int) -> list:
     rows = []
     if layout == ZIGZAG:
         start = 0
-        for p_i in padded:
-            assert p_i % (2 * cp) == 0
-            c = p_i // (2 * cp)
-            for q in range(rank * c, (rank + 1) * c):
-                rows.append(start + q)
-            for q in range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c):
-                rows.append(start + q)
+        for p_i, sizes in zip(padded, ref_zigzag_chunks(padded, cp)):
+            first = ref_cumsum(sizes)  # chunk j: positions [first[j], first[j + 1])
+            for j in (rank, 2 * cp - 1 - rank):
+                for q in range(first[j], first[j + 1]):
+                    rows.append(start + q)
             start += p_i
     else:
         assert total % cp == 0
@@ -491,13 +513,13 @@ def ref_crossing_halo_rows(seqlens, padded, cp: int, layout, shifts, bshd: bool 
     ``-min(shifts)`` before it that exist in its sequence."""
     ahead, back = max(max(shifts), 0), max(-min(shifts), 0)
     where, rows = ref_holders(seqlens, padded, cp, layout, bshd)
+    cut = _layout_str(layout) == ZIGZAG and cp > 1
+    starts = [set(ref_cumsum(sizes)) for sizes in ref_zigzag_chunks(padded, cp)] if cut else []
     count = 0
     for r in range(cp):
         runs = []
         for i, p in rows[r]:
-            chunk = int(padded[i] if not bshd else padded[0]) // (2 * cp)
-            cut = _layout_str(layout) == ZIGZAG
-            joined = runs and runs[-1][0] == i and runs[-1][2] == p and not (cut and cp > 1 and p % chunk == 0)
+            joined = runs and runs[-1][0] == i and runs[-1][2] == p and not (cut and p in starts[0 if bshd else i])
             if joined:
                 runs[-1][2] = p + 1
             else:

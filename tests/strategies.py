@@ -94,8 +94,8 @@ def plan_cfgs(draw, *, big: bool = True, batch_max: int = 64, max_total: int | N
     cp = draw(st.sampled_from(CPS))
     tp = draw(st.sampled_from(TPS))
     layout = draw(st.sampled_from(LAYOUTS))
-    fp8 = draw(st.booleans())
-    padding = draw(st.sampled_from(["aligned", "aligned", "minimal"]))
+    padding = draw(st.sampled_from(["aligned", "aligned", "minimal", "none"]))
+    fp8 = padding != "none" and draw(st.booleans())  # fp8 pads every sequence: never with "none"
     a = ref_alignment(cp, tp, layout, fp8, padding)
     seqlens = draw(lengths_strategy(a, batch_max=batch_max, big=big))
     min_local_rows = draw(st.none() | st.integers(0, 40) | st.integers(0, 600))
@@ -267,8 +267,8 @@ def torch_cp_batches(draw, *, cps=(1, 2, 3, 4), fp8: bool = False, extra: bool =
     cp = draw(st.sampled_from(list(cps)))
     tp = draw(st.sampled_from([1, 1, 2]))
     layout = draw(st.sampled_from(LAYOUTS))
-    padding = draw(st.sampled_from(["aligned", "minimal"]))
-    use_fp8 = fp8 and draw(st.booleans())
+    padding = draw(st.sampled_from(["aligned", "minimal", "none"]))
+    use_fp8 = fp8 and padding != "none" and draw(st.booleans())
     reorder = draw(st.sampled_from([None, "balanced"])) if layout == "contiguous" else None
     a = ref_alignment(cp, tp, layout, use_fp8, padding)
     length = st.sampled_from(sorted({0, 1, max(a - 1, 0), a, a + 1, 2 * cp - 1})) | st.integers(0, longest)

@@ -72,7 +72,8 @@ def test_matches_per_token_oracle_with_gradients(lens, layout):
     want = oracle(q, k, v)
     weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
     want_grads = _grads(want, [q, k, v], weight)
-    variants = [{}, {"padding": "minimal"}] + ([{"reorder": "balanced"}] if layout is Layout.CONTIGUOUS else [])
+    variants = [{}, {"padding": "minimal"}, {"padding": "none"}] + (
+        [{"reorder": "balanced"}] if layout is Layout.CONTIGUOUS else [])
     for cp in (1, 2, 3, 4):
         for tp in (1, 2):
             for extra in variants:
@@ -92,7 +93,7 @@ def test_blocks_of_query_rows_match_the_oracle_with_gradients(layout):
     want = oracle(q, k, v)
     weight = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
     want_grads = _grads(want, [q, k, v], weight)
-    for cp, extra in ((1, {}), (2, {}), (3, {"padding": "minimal"}), (2, {"tp_size": 2})):
+    for cp, extra in ((1, {}), (2, {}), (3, {"padding": "minimal"}), (2, {"tp_size": 2}), (4, {"padding": "none"})):
         plan = ShardPlan.build(lens, cp_size=cp, layout=layout, **extra)
         for budget in (1, 7, 40, None):
             qs, ks, vs = ([shard(x, plan, r) for r in range(cp)] for x in (q, k, v))
@@ -200,7 +201,7 @@ def test_across_two_gloo_ranks():
 
 @props(150)
 @given(lens=st.lists(st.integers(0, 60), min_size=1, max_size=10), cp=st.integers(1, 6), tp=st.integers(1, 3),
-       layout=st.sampled_from(["zigzag", "contiguous"]), padding=st.sampled_from(["aligned", "minimal"]),
+       layout=st.sampled_from(["zigzag", "contiguous"]), padding=st.sampled_from(["aligned", "minimal", "none"]),
        reorder=st.booleans(), bshd=st.booleans())
 def test_attention_work_counts_every_rank_s_pairs(lens, cp, tp, layout, padding, reorder, bshd):
     """The one work model, in closed form for THD plans, equals a naive count over every rank's rows:

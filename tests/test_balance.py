@@ -202,3 +202,35 @@ def test_longest_first_places_each_sequence_as_documented(lens, unit, cp, local)
         work[r] += lens[i] * (lens[i] + 1) // 2
         bins[r].append(i)
     assert longest_first(lens, padded, local, cp) == [i for b in bins for i in b]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 2, 3, 5, 8, 40]), min_size=1, max_size=60), st.sampled_from([1, 2, 8]),
+       st.integers(1, 8), st.integers(1, 120))
+def test_longest_first_in_runs_places_the_lengths_as_one_by_one(lens, unit, cp, local):
+    """``longest_first_runs`` (one step per run of equal lengths: rows of thousands of short documents)
+    against ``longest_first`` (one by one): every buffer position holds a sequence of the same length
+    and padded length, so every rank holds the same rows and work; only which of equal sequences goes
+    where may differ. Short locals make ranks full (the emptiest-rank rule)."""
+    import numpy as np
+
+    from cpshard.index.balance import longest_first, longest_first_runs
+
+    padded = [-(-x // unit) * unit for x in lens]
+    one = longest_first(lens, padded, local, cp)
+    runs = longest_first_runs(np.array(lens), np.array(padded), local, cp).tolist()
+    assert sorted(runs) == list(range(len(lens)))
+    assert [(lens[i], padded[i]) for i in runs] == [(lens[i], padded[i]) for i in one]
+
+
+def test_rows_of_many_short_documents_keep_a_balanced_given_order_or_improve_it():
+    """Past 1,024 sequences no search runs (every token its own document: 0.3-3 s before): a given
+    order whose ranks already hold the mean is kept; one a long document unbalances is improved."""
+    from cpshard.index.balance import balanced_order, rank_work
+
+    ones = [1] * 8192
+    assert balanced_order(ones, ones, 8) == tuple(range(8192))
+    lens = [1] * 4096 + [1024, 1024]  # single tokens, then two long documents that share the last ranks
+    order = balanced_order(lens, lens, 4)
+    assert sorted(order) == list(range(len(lens)))
+    assert max(rank_work(lens, lens, order, 4)) < max(rank_work(lens, lens, range(len(lens)), 4))

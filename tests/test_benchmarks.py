@@ -28,7 +28,8 @@ CASES = [
     ("collective_counter.py", ["--quick"], ["import + first counted op", "baseline/new", "all_reduce"]),
     ("scale.py", ["--sizes", "64", "--repeats", "1", "--only", "index", "--only", "pack"], ["unshard cold", "/verl"]),
     ("verl_activation.py", ["--quick"], ["import verl + verl.models.mcore.model_forward", "on - off"]),
-    ("torch_cp.py", ["--quick"], ["perdoc-ht", "cp-contig", "refused", "host ms to build"]),
+    ("torch_cp.py", ["--quick"], ["perdoc-ht", "cp-zz-full", "cp-contig", "refused", "host ms to build",
+                                  "many short documents"]),
     ("hf_sp.py", ["--quick", "--rows", "1", "--repeats", "1"], ["row-zigzag", "doc-2UR", "MiB each rank sends",
                                                                 "of one rank's preparation"]),
 ]
@@ -85,5 +86,6 @@ def test_benchmark_runs_and_reports(started, script, args, expected):
         assert rows and all(line.rstrip().endswith("True") for line in rows), rows
     if script == "torch_cp.py":  # every balancer measured on every line but torch's per-document one
         rows = [line.split() for line in stdout.splitlines() if line.lstrip().startswith("8192")]
-        assert len(rows) == 6 + 2 and all(len(r) == 12 for r in rows[:6]), rows
+        assert len(rows) == 6 + 2 + 2 and all(len(r) == 13 for r in rows[:6]), rows  # + many short documents
+        assert all(len(r) == 5 for r in rows[8:]), rows
         assert all(r[7] == "refused" for r in rows[:6] if r[2] != "exp-2cp"), rows

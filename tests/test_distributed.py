@@ -56,7 +56,12 @@ def _gather_and_shift_cases(world):
             for i, lens in enumerate(_batches(world)):
                 for dtype, trailing in _DTYPES:
                     name = f"{layout.value}/tp{tp}/batch{i}/{dtype}{list(trailing)}"
-                    yield name, layout, tp, i, lens, dtype, trailing
+                    yield name, layout, tp, i, lens, dtype, trailing, "aligned"
+    for tp in (1, 2):  # zigzag without padding: chunks one row apart (SPEC, "Zigzag without padding")
+        for i, lens in enumerate(_batches(world)):
+            for dtype, trailing in _DTYPES[:2]:
+                yield f"zigzag-none/tp{tp}/batch{i}/{dtype}{list(trailing)}", Layout.ZIGZAG, tp, i, lens, dtype, \
+                    trailing, "none"
 
 
 SHIFTS = (1, 2, 3, -1, -3)  # negative: a look-back (SPEC, Shifts)
@@ -65,8 +70,8 @@ SHIFTS = (1, 2, 3, -1, -3)  # negative: a look-back (SPEC, Shifts)
 def _gather_and_shift(rank, world):
     """gather == unshard and shift_sharded == shard(shift) on every rank; one collective each."""
     checked = []
-    for name, layout, tp, i, lens, dtype, trailing in _gather_and_shift_cases(world):
-        plan = ShardPlan.build(lens, cp_size=world, tp_size=tp, layout=layout)
+    for name, layout, tp, i, lens, dtype, trailing, padding in _gather_and_shift_cases(world):
+        plan = ShardPlan.build(lens, cp_size=world, tp_size=tp, layout=layout, padding=padding)
         x = _data(lens, trailing, dtype, seed=100 * i + tp)
         parts = [shard(x, plan, r) for r in range(world)]
         with CollectiveCounter() as counter:

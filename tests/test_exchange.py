@@ -36,18 +36,22 @@ def emulate_shift_sharded(shards, plan, k, fill, pad_value):
     layout=st.sampled_from(list(Layout)),
     k=st.integers(-5, 5),
     bshd=st.booleans(),
+    unpadded=st.booleans(),
 )
-def test_emulated_exchange_equals_shifted_shard(lens, cp, tp, layout, k, bshd):
-    """THD and BSHD plans (each row of a padded batch is one sequence) take the same exchange."""
+def test_emulated_exchange_equals_shifted_shard(lens, cp, tp, layout, k, bshd, unpadded):
+    """THD and BSHD plans (each row of a padded batch is one sequence) take the same exchange; THD
+    plans also with ``padding="none"`` (zigzag chunks of unequal sizes)."""
     if bshd:
         lens, cp = lens[:6], min(cp, 5)  # a padded batch of B rows of max(lens): keep it small
-    plan = (BshdPlan if bshd else ShardPlan).build(lens, cp_size=cp, tp_size=tp, layout=layout)
+    padding = "none" if unpadded and not bshd else "aligned"
+    kw = dict(padding=padding) if padding == "none" else {}
+    plan = (BshdPlan if bshd else ShardPlan).build(lens, cp_size=cp, tp_size=tp, layout=layout, **kw)
     reference = ref_bshd_shard if bshd else ref_shard
     seqs = [torch.arange(n) * 10 + i for i, n in enumerate(lens)]
     shards = [shard(seqs, plan, r) for r in range(cp)]
     outs, exs = emulate_shift_sharded(shards, plan, k, fill=-7, pad_value=-1)
     for r in range(cp):
-        expected = reference(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7)
+        expected = reference(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7, **kw)
         assert torch.equal(outs[r].view(expected.shape), expected), (r, outs[r], expected)
     if cp == 1 or k == 0:
         assert all(ex.total_remote == 0 for ex in exs)
@@ -82,7 +86,7 @@ def _padded(plan):
     tp=st.integers(1, 3),
     layout=st.sampled_from(list(Layout)),
     k=st.integers(-12, 12),
-    kind=st.sampled_from(["aligned", "minimal", "balanced", "bshd"]),
+    kind=st.sampled_from(["aligned", "minimal", "none", "balanced", "bshd"]),
 )
 def test_crossing_rows_counted_in_closed_form(lens, cp, tp, layout, k, kind):
     """Every rank's ``total_remote`` (a closed form over the sequences, no segment built) is the naive
@@ -92,7 +96,7 @@ def test_crossing_rows_counted_in_closed_form(lens, cp, tp, layout, k, kind):
         plan = BshdPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
     else:
         balanced = kind == "balanced" and layout is Layout.CONTIGUOUS
-        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding="minimal" if kind == "minimal"
+        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=kind if kind in ("minimal", "none")
                                else "aligned", reorder="balanced" if balanced else None)
     want = ref_crossing_rows(plan.seqlens_py, _padded(plan), cp, layout, k, bshd=kind == "bshd")
     exs = [shift_exchange(plan, r, k) for r in range(cp)]
@@ -107,11 +111,13 @@ def test_crossing_rows_counted_in_closed_form(lens, cp, tp, layout, k, kind):
     layout=st.sampled_from(list(Layout)),
     k=st.integers(-9, 9),
     bshd=st.booleans(),
+    padding=st.sampled_from(["aligned", "none"]),
 )
-def test_one_ranks_exchange_reads_only_the_ranks_it_reaches(lens, cp, layout, k, bshd):
+def test_one_ranks_exchange_reads_only_the_ranks_it_reaches(lens, cp, layout, k, bshd, padding):
     """A rank's exchange is built from its own segments and those of the ranks within reach of its
     rows: field for field the exchange every rank's segments give, and no more ranks' segments kept."""
-    plan = (BshdPlan if bshd else ShardPlan).build(lens[:8] if bshd else lens, cp_size=cp, layout=layout)
+    kw = {} if bshd else dict(padding=padding)
+    plan = (BshdPlan if bshd else ShardPlan).build(lens[:8] if bshd else lens, cp_size=cp, layout=layout, **kw)
     ix = plan.indices()
     for r in range(cp):
         ex = shift_exchange(plan, r, k)
@@ -121,7 +127,7 @@ def test_one_ranks_exchange_reads_only_the_ranks_it_reaches(lens, cp, layout, k,
         assert (ex.send_splits, ex.recv_splits) == (whole.send_splits, whole.recv_splits)
     if bshd:
         return
-    fresh = ShardPlan.build(lens, cp_size=cp, layout=layout)
+    fresh = ShardPlan.build(lens, cp_size=cp, layout=layout, **kw)
     shift_exchange(fresh, 0, k)
     assert "every" not in fresh.indices().kept()
     assert fresh.indices().kept()["segments"] == len(fresh.indices().near(0, abs(k)).ranks)

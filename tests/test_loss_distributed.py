@@ -3,7 +3,7 @@ holding the whole batch (cp = 1, float64, tests/reference.py's naive losses).
 
 For each gradient convention, the ranks' parameter gradients reduced that way (averaged under
 "mean", summed under "sum") and the reported loss reduced the same way must equal cp = 1's to 1e-12
-of their size: cp 2 and 4, zigzag (tp 1 and 2, aligned and minimal padding), contiguous (aligned,
+of their size: cp 2 and 4, zigzag (tp 1 and 2, aligned, minimal and no padding), contiguous (aligned,
 and minimal with reorder="balanced"), BSHD; an empty sequence, a one-token sequence, a sequence with
 no labelled token, a rank with no labelled token, an all-padding micro-batch. Then: a rank-local token
 mean is wrong (what users report), Megatron's own schedule on the README's rows, the collectives
@@ -47,10 +47,11 @@ LOSSES = {
 
 
 def _plans(lens, world):
-    """Both layouts at every world size; the other variants split between cp = 2 and cp = 4."""
+    """Both layouts and unpadded zigzag at every world size; the other variants split between cp = 2 and 4."""
     yield "zigzag", ShardPlan.build(lens, cp_size=world)
     yield "contiguous/minimal/balanced", ShardPlan.build(lens, cp_size=world, layout="contiguous",
                                                          padding="minimal", reorder="balanced")
+    yield "zigzag/none", ShardPlan.build(lens, cp_size=world, padding="none")  # chunks one row apart
     if world == 2:
         yield "zigzag/tp2", ShardPlan.build(lens, cp_size=world, tp_size=2)
         yield "bshd", BshdPlan.build(lens, cp_size=world)
@@ -173,7 +174,7 @@ def _cases(world):
                 yield f"{batch}/{layout}/{variant}", plan, ids, mask
 
 
-CASES = 4 * 2 + 4 + 2
+CASES = 5 * 2 + 5 + 2
 
 
 def _cp_groups(rank, world, cp):

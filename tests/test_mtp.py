@@ -53,16 +53,19 @@ def emulate_multi_shift(shards, plan, shifts, pad_value, fill):
     tp=st.integers(1, 2),
     layout=st.sampled_from(list(Layout)),
     shifts=st.lists(st.integers(-6, 6), min_size=1, max_size=4, unique=True),
+    padding=st.sampled_from(["aligned", "none"]),
 )
-def test_halo_exchange_equals_shifted_shard(lens, cp, tp, layout, shifts):
-    """Every shift of one exchange equals SPEC's shard(shift(x, k)) (the naive reference), on every rank."""
-    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout)
+def test_halo_exchange_equals_shifted_shard(lens, cp, tp, layout, shifts, padding):
+    """Every shift of one exchange equals SPEC's shard(shift(x, k)) (the naive reference), on every rank;
+    also with ``padding="none"`` (zigzag chunks of unequal sizes)."""
+    plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=padding)
     seqs = [torch.arange(n) * 10 + i + 1 for i, n in enumerate(lens)]
     shards = [shard(seqs, plan, r, pad_value=0) for r in range(cp)]
     outs, mss = emulate_multi_shift(shards, plan, shifts, pad_value=-1, fill=-7)
     for r in range(cp):
         for s, k in enumerate(shifts):
-            expected = ref_shard(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7)
+            expected = ref_shard(seqs, lens, cp, tp, layout.value, r, shift=k, pad_value=-1, fill=-7,
+                                 padding=padding)
             assert torch.equal(outs[r][s], expected), (r, k, outs[r][s], expected)
     # each boundary moves at most max(shifts) rows ahead and -min(shifts) back: one halo per segment and side
     halo = max(max(shifts), 0) + max(-min(shifts), 0)
@@ -623,7 +626,7 @@ def test_megatron_version_is_the_imported_one():
     tp=st.integers(1, 3),
     layout=st.sampled_from(list(Layout)),
     shifts=st.lists(st.integers(-7, 7), min_size=1, max_size=4, unique=True),
-    kind=st.sampled_from(["aligned", "minimal", "balanced", "bshd"]),
+    kind=st.sampled_from(["aligned", "minimal", "none", "balanced", "bshd"]),
 )
 def test_crossing_halo_rows_counted_in_closed_form(lens, cp, tp, layout, shifts, kind):
     """Every rank's ``total_remote`` (a closed form over the sequences, no segment built) is the naive
@@ -634,7 +637,7 @@ def test_crossing_halo_rows_counted_in_closed_form(lens, cp, tp, layout, shifts,
         padded = [plan.max_seqlen]
     else:
         balanced = kind == "balanced" and layout is Layout.CONTIGUOUS
-        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding="minimal" if kind == "minimal"
+        plan = ShardPlan.build(lens, cp_size=cp, tp_size=tp, layout=layout, padding=kind if kind in ("minimal", "none")
                                else "aligned", reorder="balanced" if balanced else None)
         padded = list(plan.padded_seqlens_py)
     want = ref_crossing_halo_rows(plan.seqlens_py, padded, cp, layout, shifts, bshd=kind == "bshd")

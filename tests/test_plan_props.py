@@ -186,7 +186,7 @@ def test_plan_invariants(cfg: PlanCfg):
     for i, (p_i, n_i) in enumerate(zip(P, n)):
         assert p_i >= n_i
         assert p_i % a == 0, (i, p_i, a)
-        if cfg.layout == "zigzag":
+        if cfg.layout == "zigzag" and cfg.padding != "none":
             assert p_i % (2 * cp) == 0 or cp == 1
         # only the last sequence may carry more than the minimal padding
         if i < len(P) - 1:
@@ -232,7 +232,7 @@ def test_global_rows_partition(cfg: PlanCfg):
         assert rows.tolist() == ref_rank_rows(P, cfg.cp, cfg.layout, r)
         every += rows.tolist()
     assert sorted(every) == list(range(T))
-    if cfg.layout == "zigzag":
+    if cfg.layout == "zigzag" and cfg.padding != "none":
         # sequence i starts at local row S_i / cp on every rank
         S = ref_cumsum(P)
         for r in range(cfg.cp):
@@ -262,3 +262,79 @@ def test_row_metadata(cfg: PlanCfg):
         assert sid.tolist() == [i for (_, i, _, _) in info]
         total_tokens += int(mask.sum())
     assert total_tokens == sum(cfg.seqlens)
+
+
+# --------------------------------------------------------------------------------------------------
+# padding="none": zigzag chunks one row apart (SPEC "Zigzag without padding")
+# --------------------------------------------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 9) | st.integers(0, 400), min_size=1, max_size=12), st.integers(1, 8),
+       st.booleans())
+@props(150)
+@example([1, 1, 1], 3, True)  # three 1-token documents: one a rank
+@example([0, 5, 3, 1, 7], 2, True)
+def test_unpadded_zigzag_chunks_and_balance(lens, cp, full):
+    """The reference's chunks (written from the definition) differ by at most one row per sequence and give
+    every rank T / cp rows; the plan's rows are the reference's; every rank's causal work lies within the
+    rounding bound of the ideal T-th share: each chunk bound is within 2 cp rows of ``j P / (2 cp)``,
+    and moving one of a rank's four bounds by d rows changes its work by at most d (P + d + 1)."""
+    from reference import ref_rank_order, ref_zigzag_chunks
+
+    if full:  # a full row: the tokens are the rows, nothing padded at all
+        lens = lens + [(-sum(lens)) % cp or cp] if sum(lens) % cp or not sum(lens) else lens
+    plan = ShardPlan.build(lens, cp_size=cp, padding="none")
+    P = list(plan.padded_seqlens_py)
+    assert P[:-1] == lens[:-1] and P[-1] >= lens[-1] and sum(P) % cp == 0
+    if full:
+        assert P == lens and plan.padding_overhead == 0.0
+    for sizes, p in zip(ref_zigzag_chunks(P, cp), P):
+        assert sum(sizes) == p and max(sizes) - min(sizes) <= 1
+    for r in range(cp):
+        assert plan.global_rows(r).tolist() == ref_rank_rows(P, cp, "zigzag", r)
+        assert len(ref_rank_rows(P, cp, "zigzag", r)) == sum(P) // cp
+    rearrange, restore = plan.indices().rank_order()  # the torch balancer's indices, from the held chunks
+    assert rearrange.tolist() == ref_rank_order(P, None, cp, "zigzag") and (rearrange[restore] == range(sum(P))).all()
+    work = []
+    for r in range(cp):
+        work.append(sum(p + 1 for (_, _, p, tok) in ref_row_info(plan.seqlens_py, P, cp, "zigzag", r) if tok))
+    assert plan.indices().work() == work
+    if full and cp > 1:
+        ideal = sum(n * (n + 1) // 2 for n in lens) / cp
+        slack = sum(4 * (2 * cp) * (n + 2 * cp + 1) for n in lens)
+        assert all(abs(w - ideal) <= slack for w in work), (work, ideal, slack)
+
+
+def test_unpadded_zigzag_is_refused_where_equal_chunks_are_needed():
+    """Megatron's PackedSeqParams and ThdCpRoute, verl's Megatron drop-ins, fp8 and the packing refuse a
+    zigzag plan with padding="none", naming it; its contiguous twin passes where only the layout matters."""
+    import pytest
+
+    import cpshard
+    from cpshard.compat import verl as cpverl
+    from cpshard.megatron import packed_seq_params
+    from cpshard.megatron.route import cp_partition_route
+
+    plan = ShardPlan.build([5, 3, 1, 7], cp_size=2, padding="none")
+    assert not plan.equal_chunks and plan.twin("contiguous").equal_chunks
+    assert ShardPlan.build([8, 4], cp_size=2, padding="minimal").equal_chunks
+    assert not ShardPlan.build([8, 4], cp_size=2, padding="none").equal_chunks  # by the mode, whatever the lengths
+    with pytest.raises(ValueError, match=r"plan=ShardPlan\(.*padding='none'.*Megatron's PackedSeqParams .*"
+                                         r"padding='minimal'"):
+        packed_seq_params(plan)
+    with pytest.raises(ValueError, match=r"unequal sizes.*Megatron's ThdCpRoute"):
+        cp_partition_route(plan.twin("contiguous"), 0)
+    with pytest.raises(ValueError, match=r"unequal sizes.*verl's Megatron drop-ins"):
+        cpverl.preprocess_thd_engine(torch.nested.nested_tensor([torch.arange(n) for n in (5, 3, 1, 7)],
+                                                                layout=torch.jagged), None, plan=plan,
+                                     cp_size=2, cp_rank=0, tp_size=1)
+    with pytest.raises(ValueError, match=r"padding='none': pads no sequence, and fp8"):
+        ShardPlan.build([5], cp_size=2, padding="none", fp8=True)
+    with pytest.raises(ValueError, match=r"padding='none': deals zigzag's extra rows"):
+        cpshard.pack([5, 3, 1, 7], max_tokens=64, cp_size=2, padding="none")
+    # the closed forms of equal chunks answer None or refuse: the index service reads the segments
+    from cpshard.index.closed import thd_restore, thd_restore_by_rank, thd_rows
+
+    assert plan.indices().unequal_chunks() and thd_restore(plan) is None and thd_restore_by_rank(plan) is None
+    with pytest.raises(AssertionError, match=r"padding='none'"):
+        thd_rows(plan, torch.arange(16).numpy())

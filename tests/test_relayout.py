@@ -36,7 +36,7 @@ def _x(lens, trailing=(), dtype=torch.int64, seed=0):
 def _pairs(draw):
     cp = draw(st.integers(1, 8))
     tp = draw(st.integers(1, 4))
-    padding = draw(st.sampled_from(["aligned", "minimal"]))
+    padding = draw(st.sampled_from(["aligned", "minimal", "none"]))
     lens = draw(st.lists(st.sampled_from([0, 1, 2, 2 * cp - 1, 2 * cp, 2 * cp + 1]) | st.integers(0, 40),
                          min_size=1, max_size=9))
     src_layout = draw(st.sampled_from(["zigzag", "contiguous"]))
@@ -47,7 +47,7 @@ def _pairs(draw):
     else:
         choice = draw(st.sampled_from(["zigzag", "caller", "balanced"]))
         if choice == "zigzag":
-            if any(p % (2 * cp) for p in src.padded_seqlens_py) and cp > 1:
+            if any(p % (2 * cp) for p in src.padded_seqlens_py) and cp > 1 and padding != "none":
                 with pytest.raises(ValueError, match="2 \\* cp_size"):
                     twin(src, "zigzag", "caller")
                 dst = twin(src, "contiguous", "caller")
@@ -92,9 +92,13 @@ def test_one_ranks_route_from_closed_forms_equals_the_every_rank_permutation(cas
     canon_dst = [dst.indices().canonical(r) for r in range(cp)]
     moved = sum(len(set(canon_src[r].tolist()) - set(canon_dst[r].tolist())) for r in range(cp))
     every = permutation(np.concatenate(canon_src), np.concatenate(canon_dst), cp, rows)
-    assert thd_moved(src, dst) == thd_moved(dst, src) == moved == every[2]
+    assert moved == every[2]
+    closed = not (src.indices().unequal_chunks() or dst.indices().unequal_chunks())  # else the permutation
+    if closed:
+        assert thd_moved(src, dst) == thd_moved(dst, src) == moved
     for r in range(cp):
-        assert thd_rows(src, canon_src[r]).tolist() == list(range(r * rows, (r + 1) * rows))
+        if closed:
+            assert thd_rows(src, canon_src[r]).tolist() == list(range(r * rows, (r + 1) * rows))
         got, want = relayout_route(src, dst, r), build_route(*every, cp, rows, r)
         for field in dataclasses.fields(want):
             a, b = getattr(got, field.name), getattr(want, field.name)

@@ -91,13 +91,13 @@ def positions_of(rows):
 @props(40)
 @given(st.sampled_from([1, 2, 3, 4]), st.sampled_from(["zigzag", "contiguous"]), st.integers(1, 3), st.data())
 def test_plans_from_positions(cp, layout, B, data):
-    unit = 2 * cp if layout == "zigzag" else 1
-    S = cp * 2 * data.draw(st.integers(1, 6))
+    """Rows of any documents (1-token ones, ones shorter than 2 * cp), either layout: nothing padded."""
+    S = cp * data.draw(st.integers(1, 12))
     rows = []
     for _ in range(B):
         lens, left = [], S
         while left:
-            n = unit * data.draw(st.integers(1, max(1, left // unit)))
+            n = data.draw(st.sampled_from([1, 2, 2 * cp - 1]) | st.integers(1, left))
             lens.append(min(n, left))
             left -= lens[-1]
         rows.append(lens)
@@ -107,8 +107,10 @@ def test_plans_from_positions(cp, layout, B, data):
         assert plan.input_seqlens_py == tuple(lens) and plan.total_len == S and plan.cp_size == cp
         assert plan.input_padded_seqlens_py == tuple(lens)  # a full row: nothing padded
         balanced = layout == "contiguous" and cp > 1
-        assert plan == ShardPlan.build(lens, cp_size=cp, layout=layout, padding="minimal",
+        assert plan == ShardPlan.build(lens, cp_size=cp, layout=layout,
+                                       padding="none" if layout == "zigzag" else "minimal",
                                        reorder="balanced" if balanced else None, total_len=S)
+        assert [plan.local_len] * cp == [len(plan.global_rows(r)) for r in range(cp)] == [S // cp] * cp
     one = torch_cp.plans_from_positions(positions_of(rows)[0], cp_size=cp, layout=layout)
     assert one == plans[:1]
 
@@ -127,8 +129,9 @@ def test_plans_from_positions_keep_the_callers_order_on_request():
     (torch.tensor([[0, 1, 2, 3], [0, 1, 1, 0]]), {}, r"positions\[1, 2\]=1"),
     (torch.tensor([[0, 1, 2]]), {}, r"S=3 positions.*divide by cp_size \* tp_size = 2"),
     (torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), {"tp_size": 3}, r"cp_size \* tp_size = 6"),
-    (torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]]), {"layout": "zigzag"},
-     r"positions\[0\]=document 1 of length 2: every document of a full row must divide by 4 .*layout='contiguous'"),
+    (torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]]), {"layout": "zigzag", "padding": "minimal"},
+     r"positions\[0\]=document 1 of length 2: every document of a full row must divide by 4 .*padding at its "
+     r"default \(zigzag: 'none'"),
     (torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), {"padding": "aligned"}, r"document 0 of length 3: .* divide by 2"),
     (torch.zeros((1, 0), dtype=torch.long), {}, r"must be \(B, S\) with B >= 1, or \(S,\), with S >= 1"),
     # no row at all (B = 0): an IndexError from inside before; a meta tensor: torch's NotImplementedError
@@ -228,3 +231,96 @@ def test_a_torch_without_the_interface_is_named():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
     assert f"tested on torch {torch_cp.TESTED_TORCH}" in out and "_load_balancer" in out
     assert "install torch==2.13.0, or shard by hand with cpshard.compat.torch_cp.rearrange_indices" in out
+
+
+# -- the edges: pad values, (B, H, S, D) buffers, the mesh, the block mask's length ----------------------
+
+
+def test_pad_value_must_fit_the_documents_dtype():
+    """Before: 1.5 on int64 rows padded with 1 and -1 on uint8 rows with 255, silently (``shard`` refused both)."""
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(ValueError, match=r"pad_value=1.5: does not fit rows of integer dtype torch.int64"):
+        torch_cp.to_buffer([[torch.zeros(5, dtype=torch.long), torch.zeros(3, dtype=torch.long)]], plan, pad_value=1.5)
+    with pytest.raises(ValueError, match=r"pad_value=-1: is outside the range of torch.uint8"):
+        torch_cp.to_buffer([[torch.zeros(5, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8)]], plan,
+                           pad_value=-1)
+    with pytest.raises(ValueError, match=r"pad_value=1.5"):
+        shard(torch.zeros(8, dtype=torch.long), ShardPlan.build([8], cp_size=2), 0, pad_value=1.5)  # the same rule
+    ok = torch_cp.to_buffer([[torch.ones(5, dtype=torch.uint8), torch.ones(3, dtype=torch.uint8)]], plan, pad_value=7)
+    assert ok.dtype == torch.uint8 and ok[0, 5].item() == 7
+
+
+@props(30)
+@given(torch_cp_batches(), st.sampled_from([(2, 3), (1,)]))
+def test_seq_dim_buffers_equal_the_transposed_sequence_first_ones(batch, trailing):
+    """``(B, H, S, D)`` buffers (``seq_dim=2``, documents ``(H, n, D)``) are the ``(B, S, H, D)`` ones
+    transposed, and ``from_buffer(..., seq_dim=2)`` gives each document back in its own layout."""
+    plans, _ = batch
+    docs = documents(plans, trailing)  # (n, H, ...) each
+    heads_first = [[d.movedim(0, 1) for d in row] for row in docs]  # (H, n, ...)
+    want = torch_cp.to_buffer(docs, plans, pad_value=-3).movedim(1, 2)
+    got = torch_cp.to_buffer(heads_first, plans, pad_value=-3, seq_dim=2)
+    assert got.shape == want.shape and torch.equal(got, want) and got.is_contiguous()
+    back = torch_cp.from_buffer(got, plans, seq_dim=2)
+    assert all(torch.equal(x, y) for row, mine in zip(back, heads_first) for x, y in zip(row, mine, strict=True))
+    with pytest.raises(ValueError, match=r"seq_dim=4: must name a dimension of the 4-dimensional buffer"
+                       if len(trailing) == 2 else r"seq_dim=4"):
+        torch_cp.from_buffer(got, plans, seq_dim=4)
+
+
+def test_seq_dim_errors():
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(ValueError, match=r"buffer=tensor of shape \(1, 2, 11, 4\): must be \(B, \.\.\., S, \.\.\.\) = "
+                       r"\(1, \.\.\., 12, \.\.\.\)"):
+        torch_cp.from_buffer(torch.zeros(1, 2, 11, 4), [plan], seq_dim=2)
+    with pytest.raises(ValueError, match=r"seq_dim=0: must be >= 1"):
+        torch_cp.from_buffer(torch.zeros(1, 12), [plan], seq_dim=0)
+    with pytest.raises(ValueError, match=r"documents\[0\]\[1\]=.*shape \(2, 4\).*along dimension 1 as \(2, 3\)"):
+        torch_cp.to_buffer([[torch.zeros(2, 5), torch.zeros(2, 4)]], [plan], seq_dim=2)
+
+
+def test_positions_given_raggedly_or_not_at_all_are_named():
+    """Before: NumPy's "inhomogeneous shape" ValueError, and "dtype object" for None."""
+    with pytest.raises(ValueError, match=r"positions=list of rows of lengths \[3, 2\]: must be rectangular"):
+        torch_cp.plans_from_positions([[0, 1, 2], [0, 1]], cp_size=1)
+    with pytest.raises(TypeError, match=r"positions=None: must be the batch's position ids"):
+        torch_cp.plans_from_positions(None, cp_size=1)
+
+
+def test_a_mesh_that_is_not_a_1d_device_mesh_is_refused():
+    class Group:  # what a ProcessGroup offers load_balancer: a size, no device type
+        def size(self):
+            return 2
+
+    class Mesh2D:
+        device_type, ndim, shape = "cpu", 2, (2, 2)
+
+        def size(self):
+            return 4
+
+    plan = ShardPlan.build([5, 3], cp_size=2)
+    with pytest.raises(TypeError, match=r"mesh=Group: must be a 1-D DeviceMesh.*DeviceMesh.from_group"):
+        torch_cp.load_balancer(plan, mesh=Group())
+    with pytest.raises(ValueError, match=r"mesh=a DeviceMesh of 2 dimensions \(2, 2\).*world_mesh\['cp'\]"):
+        torch_cp.load_balancer(plan, mesh=Mesh2D(), check=True)
+
+
+def test_plans_may_be_built_inside_the_balancer():
+    """``load_balancer(lambda: ...)``: the plans a function returns (so that with checks on its refusal
+    is carried by the agreement: tests/torch_cp_ranks.py)."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    balancer = torch_cp.load_balancer(lambda: torch_cp.plans_from_positions(pos, cp_size=2))
+    assert torch.equal(balancer._generate_indices(), torch_cp.rearrange_indices(
+        torch_cp.plans_from_positions(pos, cp_size=2)))
+    with pytest.raises(ValueError, match=r"positions\[0, 0\]=1: must be 0"):
+        torch_cp.load_balancer(lambda: torch_cp.plans_from_positions(pos + 1, cp_size=2))
+
+
+@pytest.mark.parametrize("total, cp, want", [(1, 1, 128), (256, 2, 256), (300, 2, 512), (1000, 3, 1152)])
+def test_block_mask_len_is_the_next_length_torchs_cp_block_mask_takes(total, cp, want):
+    got = torch_cp.block_mask_len(total, cp)
+    assert got == want and got >= total and got % (cp * torch_cp.BLOCK_SIZE) == 0
+    assert got - total < cp * torch_cp.BLOCK_SIZE  # the smallest
+    plan = ShardPlan.build([total // 2, total - total // 2], cp_size=cp, layout="contiguous", padding="minimal",
+                           total_len=got)
+    assert plan.total_len == got

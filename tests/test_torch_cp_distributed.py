@@ -31,7 +31,7 @@ def _examples(world, name):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_torch_shard_and_unshard_with_the_balancer(world):
-    assert _examples(world, "shard_unshard") >= 8  # two explicit batches and the drawn ones
+    assert _examples(world, "shard_unshard") >= 8  # three explicit batches (one full row, unpadded zigzag), drawn ones
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -59,7 +59,14 @@ def test_ranks_whose_plans_differ_raise_on_every_rank_with_checks_on():
     """Before: torch's shard and unshard returned other rows on each rank, no error (load_balancer had no
     check). With ``check=True`` and ``mesh=``, one all-gather of every rank's plans first."""
     seen = run_suite("torch_cp_ranks", ("plans_differ",), 2, timeout=120, collective_timeout=60)
-    for rank, (differ, refused, alike) in enumerate(r["plans_differ"] for r in seen):
+    for rank, (differ, refused, alike, built, group, two_d) in enumerate(r["plans_differ"] for r in seen):
+        # plans built inside the balancer (a function): rank 1's bad positions make every rank raise
+        assert built[0] == "raised" and "ranks [1] built no plan" in built[1], built
+        if rank == 1:
+            assert built[2].startswith("positions[0, 0]=1: must be 0"), built
+        # a process group or a 2-D mesh: refused by name on every rank (before: AttributeError, torch's own)
+        assert group.startswith("TypeError: mesh=ProcessGroup: must be a 1-D DeviceMesh"), group
+        assert two_d.startswith("ValueError: mesh=a DeviceMesh of 2 dimensions (1, 2)"), two_d
         assert differ[0] == "raised" and "built different plans" in differ[1] and "num_seqs=2" in differ[1], differ
         # rank 1's plans are for cp = 1: every rank names it, rank 1's own error chained as the cause
         assert refused[0] == "raised" and "ranks [1] built no plan (see that rank's own error)" in refused[1], refused

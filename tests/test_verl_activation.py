@@ -317,6 +317,58 @@ def test_activation_takes_over_a_with_block(monkeypatch):
     assert vutil.preprocess_thd_engine is original
 
 
+def test_enable_patch_names_the_process_patch_after_it_is_switched_on_again(monkeypatch):
+    """Before: ``enable.PATCH`` was the first patch for good: after ``PATCH.undo()`` and a new activation it
+    named the undone one, whose ``undo()`` did nothing. Now it is read afresh."""
+    import verl.models.mcore.util as vutil
+
+    monkeypatch.delenv("CPSHARD_LAYOUT", raising=False)
+    original = vutil.preprocess_thd_engine
+    enable = importlib.import_module("cpshard.compat.verl.enable")
+    try:
+        first = cv.activate()  # on (again, where an earlier test switched the import's patch off)
+        assert enable.PATCH is first is cv.active() and first.state == "in force"
+        first.undo()
+        assert enable.PATCH is first and first.state == "off" and cv.active() is None
+        second = cv.activate()
+        assert second is not first and enable.PATCH is second
+        enable.PATCH.undo()  # switches cpshard off: the patch in force, not the stale one
+        assert vutil.preprocess_thd_engine is original and cv.active() is None
+    finally:
+        if cv.active() is not None:
+            cv.active().undo()
+
+
+def test_undo_under_another_librarys_wrapper_is_partly_in_force(monkeypatch, capsys):
+    """Before: undo() logged "restored" while a site another library had wrapped still reached cpshard.
+    Now the site is named in ``unrestored``, ``active()`` returns the patch with state "partly in force",
+    and the report says so; once the wrapper is gone the patch is off."""
+    import functools
+
+    import verl.utils.seqlen_balancing as sb
+
+    monkeypatch.delenv("CPSHARD_LAYOUT", raising=False)
+    site = "verl.utils.seqlen_balancing.rearrange_micro_batches"
+    p = cv.patch()
+    ours = sb.rearrange_micro_batches
+    original = p.original(site)
+
+    @functools.wraps(ours)
+    def other_librarys(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    sb.rearrange_micro_batches = other_librarys
+    try:
+        p.undo()
+        assert p.state == "partly in force" and cv.active() is p and list(p.unrestored) == [site]
+        assert "still reach cpshard" in p.unrestored[site]
+        assert status_main([]) == 0
+        assert "partly in force in this process" in capsys.readouterr().out
+    finally:
+        sb.rearrange_micro_batches = original
+    assert p.state == "off" and cv.active() is None
+
+
 def test_the_entry_point_imports_nothing_more_unless_asked():
     """verl imports the entry point in every process of everyone who has cpshard installed: unless
     CPSHARD_VERL=1 it must not pull in the drop-ins or the communication layer."""

@@ -82,6 +82,18 @@ def _explicit(world: int, layout: str, total: int | None = None):
     return [ShardPlan.build(r, **kw, total_len=S) for r in rows], rows
 
 
+def _full_row(world: int, total: int | None = None):
+    """A batch of full rows of ``S`` tokens (``6 cp`` unless ``total``) under unpadded zigzag: documents of
+    1, ``2 cp - 1`` and more tokens, none dividing by ``2 cp`` in the second row, nothing padded
+    (plans_from_positions' zigzag: ``padding="none"``)."""
+    S = total or 6 * world
+    rows = [[1, 2 * world - 1, S - 2 * world], [5, S - 8, 3]]
+    positions = torch.tensor([[p for n in r for p in range(n)] for r in rows])
+    plans = torch_cp.plans_from_positions(positions, cp_size=world, layout="zigzag")
+    assert all(p.input_padded_seqlens_py == tuple(r) for p, r in zip(plans, rows))
+    return plans, rows
+
+
 def _search(world: int, examples: int, layout: str, check, total: int | None = None, longest: int = 12) -> int:
     """Run ``check(plans, seed)`` on the explicit batch of ``layout`` and on drawn batches (``examples``
     in all, the same on every rank); ``seed`` counts the batches checked before. Returns how many ran."""
@@ -90,6 +102,7 @@ def _search(world: int, examples: int, layout: str, check, total: int | None = N
     @_settings(examples)
     @given(torch_cp_batches(cps=(world,), total=total, longest=longest))
     @example(_explicit(world, layout, total))
+    @example(_full_row(world, total))
     def search(batch):
         check(batch[0], len(seen))
         seen.append(len(batch[0]))
@@ -112,6 +125,7 @@ def shard_unshard(rank: int, world: int) -> int:
     @given(torch_cp_batches(cps=(world,)), st.sampled_from([(), (3,)]))
     @example(_explicit(world, "zigzag"), (3,))
     @example(_explicit(world, "contiguous"), ())
+    @example(_full_row(world), (3,))
     def check(batch, trailing):
         plans, _ = batch
         docs = torch_cp_documents(plans, trailing)
@@ -326,6 +340,23 @@ def plans_differ(rank: int, world: int) -> list[tuple]:
         except ValueError as exc:
             return ("raised", str(exc), str(exc.__cause__))  # the refusing rank's own error: the cause
 
+    def from_positions():  # rank 1's positions refused inside the agreement: plans given as a function
+        pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]) + (1 if rank == 1 else 0)
+        return torch_cp.load_balancer(lambda: torch_cp.plans_from_positions(pos, cp_size=world), mesh=mesh,
+                                      check=True)._generate_indices()
+
+    def refused_mesh(bad):
+        try:
+            torch_cp.load_balancer([ShardPlan.build([8], cp_size=world)], mesh=bad, check=True)
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    from torch.distributed.device_mesh import DeviceMesh
+
     return [seen(lambda: round_trip([4, 4] if rank == 0 else [8])),
             seen(lambda: round_trip([8], cp_size=1 if rank == 1 else world)),
-            seen(lambda: round_trip([8]))]
+            seen(lambda: round_trip([8])),
+            seen(from_positions),
+            refused_mesh(mesh.get_group()),
+            refused_mesh(DeviceMesh("cpu", torch.arange(world).view(1, world)))]

@@ -222,7 +222,8 @@ def hf_reference(path: str, lengths: list[int], weights: torch.Tensor, *, seed: 
     gradients and their norm of :func:`weighted_loss`'s loss."""
     from transformers import AutoModelForCausalLM
 
-    install_cpu_platform()
+    # no install_cpu_platform() here: this runs in the test process, which must keep verl's modules and
+    # environment as they are for the modules after it (test_verl_ray's driver binds what its workers import)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     ids = batch(lengths, seed=seed)["input_ids"]
     logits = torch.cat([model(input_ids=d.unsqueeze(0)).logits[0] for d in ids.unbind()])

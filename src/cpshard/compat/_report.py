@@ -8,15 +8,17 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["held_or_trial", "report_main"]
+__all__ = ["held_or_trial", "report_main", "state_line"]
 
 
-def held_or_trial(active: Callable[[], Any], patch: Callable[[], Any], logger: str) -> tuple[Any, bool]:
-    """``(the patch in force, True)``, or ``(patch() made and undone, False)`` with the ``logger`` quiet
-    meanwhile (the report says what it bound). A refusal of ``patch()`` propagates."""
+def held_or_trial(active: Callable[[], Any], patch: Callable[[], Any], logger: str) -> tuple[Any, str]:
+    """``(the patch in force, its state)`` (``"in force"``, or ``"partly in force"``: undone, but a site
+    another library wrapped still holds its wrapper over cpshard's), or ``(patch() made and undone,
+    "off")`` with the ``logger`` quiet meanwhile (the report says what it bound). A refusal of
+    ``patch()`` propagates."""
     held = active()
     if held is not None:
-        return held, True
+        return held, held.state
     quiet = logging.getLogger(logger)
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -25,7 +27,17 @@ def held_or_trial(active: Callable[[], Any], patch: Callable[[], Any], logger: s
             pass
     finally:
         quiet.setLevel(level)
-    return trial, False
+    return trial, "off"
+
+
+def state_line(report: dict[str, Any]) -> list[str]:
+    """The report's lines of a patch partly in force: the sites ``undo()`` left behind another library's
+    objects, and why (none where the patch is in force or off)."""
+    if report.get("state") != "partly in force":
+        return []
+    return ([f"partly in force in this process: undone, but {len(report['unrestored'])} sites hold another "
+             "library's object set over cpshard's (calls through them may still reach cpshard):"]
+            + [f"  {site}: {reason}" for site, reason in report["unrestored"].items()])
 
 
 def report_main(argv: Sequence[str] | None, prog: str, doc: str, status: Callable[[], dict[str, Any]],

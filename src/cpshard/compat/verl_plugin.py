@@ -34,7 +34,7 @@ def _wanted() -> bool:
 
 try:
     if _wanted():
-        from cpshard.compat.verl._activation import activate
+        from cpshard.compat.verl import activate
 
         activate()
 except Exception:

@@ -10,6 +10,12 @@ sequence at buffer offset ``cu`` with padded length ``P``,
 - **zigzag**: with ``h = P / (2 cp)``, position ``p`` is in chunk ``k = p // h``, held by rank
   ``min(k, 2 cp - 1 - k)`` at its local row ``cu / cp + p % h`` (plus ``h`` in the second chunk).
 
+These forms take every zigzag chunk of a sequence to have ``P / (2 cp)`` rows. A plan built with
+``padding="none"`` may have chunks one row apart (Note [Zigzag chunks of any length] in
+``index/segments.py``), and a sequence's first local row then differs between the ranks: for such a
+plan (``segments.unequal_chunks``) :func:`thd_restore` and :func:`thd_restore_by_rank` answer None,
+:func:`thd_rows` and :func:`thd_moved` refuse, and the index service reads the segments instead.
+
 :meth:`~cpshard.plan.indices.PlanIndices.unshard` (:func:`thd_restore`) and
 :meth:`~cpshard.plan.indices.PlanIndices.relayout` (:func:`thd_rows`, :func:`thd_moved`) read them,
 so that the first restore or relayout of a large plan builds one rank's segments, not every rank's.
@@ -67,7 +73,7 @@ def zigzag_rows(pos: np.ndarray, h: np.ndarray | int, base: np.ndarray, cp: int,
     return pos
 
 
-def thd_restore(plan: Any) -> np.ndarray:
+def thd_restore(plan: Any) -> np.ndarray | None:
     """:meth:`PlanIndices.unshard` of a THD plan in closed form, per token (no segments of every rank).
 
     Each token's row of the rank-concatenated buffer (the forms in this module's docstring), in the
@@ -82,6 +88,8 @@ def thd_restore(plan: Any) -> np.ndarray:
     cp = plan.cp_size
     if plan.layout is not Layout.ZIGZAG or cp == 1:
         return _index.expand_np(cu, lens, i32)  # token p of a sequence: cu_padded + p
+    if _index.unequal_chunks(padded, cp, plan.layout):
+        return None
     pos = _index.expand_np(np.zeros(plan.num_seqs, dtype=np.int64), lens, i32)  # each token's position
     h = padded // (2 * cp)
     held = h[lens > 0]  # one chunk size for every sequence that holds a token: divide by one number
@@ -148,9 +156,17 @@ def thd_restore_by_rank(plan: Any) -> tuple[list[np.ndarray], list[int], np.ndar
     lens = _index.int64_array(plan.input_seqlens_py)  # caller's order
     padded, cu = _placement(plan, None)
     held = padded[lens > 0]
-    if not held.size or held.min() != held.max() or not by_position_pays(int(held[0]), plan.num_tokens):
+    if (not held.size or held.min() != held.max() or not by_position_pays(int(held[0]), plan.num_tokens)
+            or _index.unequal_chunks(padded, cp, plan.layout)):
         return None
     return zigzag_by_rank(lens, cu // cp, int(held[0]) // (2 * cp), cp)
+
+
+def _equal_chunks(plan: Any, padded: np.ndarray | None) -> None:
+    if _index.unequal_chunks(_index.int64_array(plan.padded_seqlens_py) if padded is None else padded, plan.cp_size,
+                             plan.layout):
+        raise AssertionError("a closed form of equal zigzag chunks asked of a plan whose chunks differ "
+                             "(padding='none'): the index service reads its segments")
 
 
 def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None) -> np.ndarray:
@@ -165,6 +181,7 @@ def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None)
     [0, 1, 6, 7, 8, 9, 2, 3, 4, 10, 11, 5]
     """
     padded, cu = _placement(plan, padded)
+    _equal_chunks(plan, padded)
     start = np.concatenate([[0], np.cumsum(padded)])  # caller's padded buffer
     seq = np.searchsorted(start, canonical, side="right") - 1
     pos = canonical - start[seq]
@@ -172,10 +189,6 @@ def thd_rows(plan: Any, canonical: np.ndarray, padded: np.ndarray | None = None)
     if plan.layout is not Layout.ZIGZAG or cp == 1:
         return cu[seq] + pos
     return zigzag_rows(pos, padded[seq] // (2 * cp), cu[seq] // cp, cp, plan.local_len)
-
-
-def _overlap(lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) -> np.ndarray:
-    return np.maximum(np.minimum(hi1, hi2) - np.maximum(lo1, lo2), 0)
 
 
 def thd_moved(src: Any, dst: Any, padded: tuple[np.ndarray, np.ndarray] | None = None) -> int:
@@ -190,10 +203,12 @@ def thd_moved(src: Any, dst: Any, padded: tuple[np.ndarray, np.ndarray] | None =
     ``padded``: both plans' padded lengths as int64 in buffer order, where the caller keeps them.
     """
     cp = src.cp_size
+    given = padded or (None, None)
+    for plan, lengths in zip((src, dst), given):
+        _equal_chunks(plan, lengths)
     zigzag = [p.layout is Layout.ZIGZAG and cp > 1 for p in (src, dst)]
     if all(zigzag) or cp == 1:
         return 0
-    given = padded or (None, None)
     (padded, cu_a), (_, cu_b) = _placement(src, given[0]), _placement(dst, given[1])
     if zigzag[0]:  # a: the contiguous twin, whose ranks are enumerated; b: the other
         cu_a, cu_b = cu_b, cu_a
@@ -210,7 +225,7 @@ def thd_moved(src: Any, dst: Any, padded: tuple[np.ndarray, np.ndarray] | None =
     if zigzag[0] or zigzag[1]:
         h = size // (2 * cp)
         other = 2 * cp - 1 - rank
-        kept = _overlap(lo, hi, rank * h, (rank + 1) * h) + _overlap(lo, hi, other * h, (other + 1) * h)
+        kept = _index.overlap(lo, hi, rank * h, (rank + 1) * h) + _index.overlap(lo, hi, other * h, (other + 1) * h)
     else:
-        kept = _overlap(lo, hi, rank * L - cu_b[seq], (rank + 1) * L - cu_b[seq])
+        kept = _index.overlap(lo, hi, rank * L - cu_b[seq], (rank + 1) * L - cu_b[seq])
     return int(total - kept.sum())

@@ -203,7 +203,8 @@ def remote_halo_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: L
     (``j c < n``) has ``min(A, n - (j + 1) c)`` entries after and ``min(j c, B)`` before, summed over
     ``j`` as arithmetic series; of them only those in the mirror chunk ``2 cp - 1 - j`` stay on the
     rank: the after-halo of chunk ``cp - 1 - u`` at offsets ``[2 u c, (2 u + 1) c)``, the
-    before-halo of chunk ``cp + u`` at the same offsets (``u < A / 2`` resp. ``B / 2``).
+    before-halo of chunk ``cp + u`` at the same offsets (``u < A / 2`` resp. ``B / 2``). Zigzag chunks
+    of unequal sizes (``padding="none"``): per chunk, the halo less its overlap with the mirror chunk.
 
     >>> remote_halo_rows(np.array([8]), np.array([8]), 2, Layout.ZIGZAG, False, (1,))  # chunk 2's halo is rank 0's
     2
@@ -212,6 +213,14 @@ def remote_halo_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: L
     if cp == 1 or not (ahead or back):
         return 0
     n = seqlens
+    if not alone and _index.unequal_chunks(padded, cp, layout):  # chunks of unequal sizes: per chunk
+        lo, hi, mirror_lo, mirror_hi = _index.zigzag_pairs(padded, cp)
+        n = n[:, None]
+        after_end = hi + np.clip(n - hi, 0, ahead)
+        before_lo = lo - np.minimum(lo, back)
+        crossing = (after_end - hi - _index.overlap(hi, after_end, mirror_lo, mirror_hi)
+                    + lo - before_lo - _index.overlap(before_lo, lo, mirror_lo, mirror_hi))
+        return int(np.where((hi > lo) & (lo < n), crossing, 0).sum())
     if layout is Layout.ZIGZAG:
         c = np.maximum(padded // (2 * cp), 1)
         last = np.maximum(-(-n // c) - 1, 0)  # the last chunk holding a token (0 for an empty sequence)

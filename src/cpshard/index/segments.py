@@ -11,11 +11,35 @@ The global padded buffer concatenates the padded sequences; sequence ``i`` owns 
 ``S_i .. S_i + P_i - 1``. A rank's rows are described as a short list of **segments**
 ``(sequence i, first position p0, length c)`` in local order:
 
-- zigzag (``cp > 1``), with ``c_i = P_i / (2 cp)``: two segments per sequence, positions
-  ``[r c_i, (r + 1) c_i)`` then ``[(2cp - 1 - r) c_i, (2cp - r) c_i)``;
+- zigzag (``cp > 1``): two segments per sequence, its chunks ``r`` and ``2 cp - 1 - r`` of the ``2 cp``
+  chunks that tile ``[0, P_i)`` (:func:`zigzag_bounds`); with ``c_i = P_i / (2 cp)`` (every padding
+  but ``"none"``) positions ``[r c_i, (r + 1) c_i)`` then ``[(2cp - 1 - r) c_i, (2cp - r) c_i)``;
 - contiguous: one per sequence, the intersection of ``[S_i, S_i + P_i)`` with ``[r L, (r + 1) L)``
   (often empty: a rank may hold nothing of a sequence);
 - ``cp = 1``: the whole padded sequence.
+
+Note [Zigzag chunks of any length]
+----------------------------------
+Under ``padding="none"`` a padded length ``P_i`` need not divide by ``2 cp``. Write ``P_i = 2 cp q_i +
+m_i`` with ``0 <= m_i < 2 cp``. Chunk ``j`` of sequence ``i`` has ``q_i`` rows, plus one where it takes
+one of the ``m_i`` **extra** rows; the chunks still tile ``[0, P_i)`` in order, and rank ``r`` still holds
+chunks ``r`` and ``2 cp - 1 - r``. The extras are dealt by one counter running over the whole buffer:
+with ``o_i = (m_0 + ... + m_{i-1}) mod cp``, the ``t``-th extra of sequence ``i`` (``0 <= t < m_i``)
+goes to rank ``(o_i + t) mod cp``, to its front chunk (``r``) for ``t < cp`` and to its back chunk
+(``2 cp - 1 - r``) for ``t >= cp``.
+
+*Chunks differ by at most one row*: each chunk takes at most one extra, since the ``t < cp`` go to
+``min(m_i, cp)`` distinct ranks' front chunks and the ``t >= cp`` to ``m_i - cp < cp`` distinct ranks'
+back chunks. *Every rank holds exactly* ``T / cp`` *rows*, ``T = sum_i P_i``, whenever ``cp`` divides
+``T``: rank ``r`` holds ``2 q_i`` rows of sequence ``i`` plus its extras, and the extras of all
+sequences are the counter values ``0 .. M - 1`` (``M = sum_i m_i``), value ``c`` on rank ``c mod cp``.
+So rank ``r`` holds ``2 sum_i q_i + #{c < M : c mod cp = r}`` rows, and ``cp`` divides ``M = T - 2 cp
+sum_i q_i``, so every rank has ``M / cp`` extras. *Equal chunks where they exist*: with every ``m_i =
+0`` this is the zigzag above, so the rule generalises it and nothing changes for any other padding.
+*Causal balance*: rank ``r``'s chunks of sequence ``i`` begin within ``m_i < 2 cp`` positions of where
+equal chunks of ``P_i / (2 cp)`` rows would, so its work on ``i`` differs from ``1 / cp`` of the
+sequence's by ``O(cp P_i)`` pairs against ``O(P_i**2 / cp)``: within rounding, and the counter turns
+the ranks that take the extras from one sequence to the next.
 
 Everything per row (global row, sequence id, position, where a shifted row reads from, which rows
 are pad or fill) is one expansion of per-segment values: a ``repeat`` of the segment value plus an
@@ -151,6 +175,87 @@ def sourced_rows(pos: np.ndarray, tokens: np.ndarray, remaining: np.ndarray, len
     return np.minimum(np.maximum(-shift - pos, 0), tokens), tokens
 
 
+def unequal_chunks(padded: np.ndarray, cp_size: int, layout: Layout) -> bool:
+    """Whether some zigzag sequence's chunks differ in size (a padded length not a multiple of ``2 cp``,
+    which only ``padding="none"`` builds): the closed forms that take one chunk size per sequence
+    (``index/closed.py``) do not apply, and the index service falls back to the segments."""
+    return layout is Layout.ZIGZAG and cp_size > 1 and bool((padded % (2 * cp_size)).any())
+
+
+def _windowed(x: np.ndarray | int, start: np.ndarray, width: np.ndarray, cp: int) -> np.ndarray:
+    """``#{s in [0, x): (s - start) mod cp < width}`` for ``0 <= x, width <= cp`` and ``0 <= start < cp``:
+    how many of the ranks below ``x`` lie in the cyclic window of ``width`` ranks from ``start``."""
+    end = np.minimum(start + width, cp)
+    return np.clip(x - start, 0, end - start) + np.minimum(x, np.maximum(start + width - cp, 0))
+
+
+def zigzag_extras(padded: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(q, front, back, start)`` per sequence (buffer order): the zigzag chunk size ``q = P // (2 cp)``,
+    how many front chunks (``0 .. cp - 1``) and back chunks (``cp .. 2 cp - 1``) hold one extra row, and
+    the rank the first extra goes to (Note [Zigzag chunks of any length])."""
+    q, m = np.divmod(padded, 2 * cp)
+    start = (np.cumsum(m) - m) % cp
+    front = np.minimum(m, cp)
+    return q, front, m - front, start
+
+
+def zigzag_bounds(padded: np.ndarray, cp: int) -> np.ndarray:
+    """``(B, 2 cp + 1)`` int64: the first position of each of a sequence's ``2 cp`` zigzag chunks, and
+    ``P`` (Note [Zigzag chunks of any length]); chunk ``j`` is ``[bounds[j], bounds[j + 1])``, held by
+    rank ``min(j, 2 cp - 1 - j)``. Equal chunks of ``P / (2 cp)`` rows where ``2 cp`` divides ``P``.
+
+    >>> zigzag_bounds(np.array([8, 5, 3]), 2).tolist()  # the 5's extra: rank 0; the 3's: ranks 1, 0, then 1
+    [[0, 2, 4, 6, 8], [0, 2, 3, 4, 5], [0, 1, 2, 3, 3]]
+    """
+    q, front, back, start = (v[:, None] for v in zigzag_extras(padded, cp))
+    j = np.arange(cp + 1, dtype=np.int64)[None, :]
+    low = j * q + _windowed(j, start, front, cp)  # chunks 0 .. cp - 1 begin here (then the back chunks)
+    high = padded[:, None] - j * q - _windowed(j, start, back, cp)  # the back chunk of rank j - 1 begins here
+    return np.concatenate([low, high[:, -2::-1]], axis=1)
+
+
+def zigzag_pairs(padded: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(lo, hi, mirror_lo, mirror_hi)``, each ``(B, 2 cp)``: every zigzag chunk ``j`` as ``[lo, hi)`` and
+    the chunk ``2 cp - 1 - j`` its rank also holds (:func:`zigzag_bounds`)."""
+    bounds = zigzag_bounds(padded, cp)
+    lo, hi = bounds[:, :-1], bounds[:, 1:]
+    return lo, hi, lo[:, ::-1], hi[:, ::-1]
+
+
+def overlap(lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) -> np.ndarray:
+    """How many positions ``[lo1, hi1)`` and ``[lo2, hi2)`` share (elementwise)."""
+    return np.maximum(np.minimum(hi1, hi2) - np.maximum(lo1, lo2), 0)
+
+
+def zigzag_held(padded: np.ndarray, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(seq, rank, start, length)``: every non-empty zigzag chunk, its sequence, the rank holding it, its
+    first position and rows (:func:`zigzag_bounds`' chunks), each rank's in its local order once sorted
+    stably by rank. ``O(sum_i min(P_i, 2 cp))``: a sequence shorter than ``2 cp`` rows lists only the
+    chunks that take its extra rows, so a batch of many short sequences at a large ``cp`` stays cheap."""
+    q, front, back, start = zigzag_extras(padded, cp)
+    count = np.where(q > 0, 2 * cp, front + back)
+    seq = np.repeat(np.arange(padded.size, dtype=np.int64), count)
+    t = expand_np(np.zeros(padded.size, dtype=np.int64), count)  # the chunk's index in its sequence's list
+    q, front, back, start, p = q[seq], front[seq], back[seq], start[seq], padded[seq]
+    extra = (start + t) % cp  # a short sequence's extra t: on that rank, its first chunk for t < cp
+    j = np.where(q > 0, t, np.where(t < cp, extra, 2 * cp - 1 - extra))
+    rank = np.minimum(j, 2 * cp - 1 - j)
+    first = _windowed(rank, start, np.where(j < cp, front, back), cp)
+    upto = _windowed(rank + 1, start, np.where(j < cp, front, back), cp)
+    begin = np.where(j < cp, rank * q + first, p - (rank + 1) * q - upto)
+    return seq, rank, begin, q + upto - first
+
+
+def zigzag_chunks(padded: np.ndarray, cp: int, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(front_pos, front_len, back_pos, back_len)`` per sequence: ``rank``'s chunks ``rank`` and
+    ``2 cp - 1 - rank`` (:func:`zigzag_bounds`'s, over one rank: ``O(B)``)."""
+    q, front, back, start = zigzag_extras(padded, cp)
+    before, upto = _windowed(rank, start, front, cp), _windowed(rank + 1, start, front, cp)
+    back_upto = _windowed(rank + 1, start, back, cp)
+    back_len = q + back_upto - _windowed(rank, start, back, cp)
+    return rank * q + before, q + upto - before, padded - (rank + 1) * q - back_upto, back_len
+
+
 def rank_segments(padded: np.ndarray, seqlens: np.ndarray, cp_size: int, layout: Layout, rank: int) -> Segments:
     """``rank``'s segments for sequences of ``seqlens`` tokens padded to ``padded`` (Note above)."""
     b = padded.size
@@ -160,9 +265,9 @@ def rank_segments(padded: np.ndarray, seqlens: np.ndarray, cp_size: int, layout:
     if cp_size == 1:
         return Segments.of(ids, np.zeros(b, dtype=np.int64), padded.copy(), total, seqlens)
     if layout is Layout.ZIGZAG:
-        chunk = padded // (2 * cp_size)
-        pos = np.stack([rank * chunk, (2 * cp_size - 1 - rank) * chunk], 1).reshape(-1)
-        return Segments.of(np.repeat(ids, 2), pos, np.repeat(chunk, 2), local, seqlens)
+        front_pos, front_len, back_pos, back_len = zigzag_chunks(padded, cp_size, rank)
+        pos = np.stack([front_pos, back_pos], 1).reshape(-1)
+        return Segments.of(np.repeat(ids, 2), pos, np.stack([front_len, back_len], 1).reshape(-1), local, seqlens)
     starts = np.cumsum(padded) - padded
     lo = starts.clip(rank * local, (rank + 1) * local)
     hi = (starts + padded).clip(rank * local, (rank + 1) * local)
@@ -172,11 +277,11 @@ def rank_segments(padded: np.ndarray, seqlens: np.ndarray, cp_size: int, layout:
 def held_segments(padded: np.ndarray, cp_size: int, layout: Layout, alone: bool = False) -> int:
     """How many non-empty segments every rank's lists hold together, for sequences padded to ``padded``
     (:func:`rank_segments` of every rank, those of positive length counted), in closed form: no
-    segment is built. A padded sequence of ``P > 0`` rows gives ``2 cp`` chunks of ``P / (2 cp) > 0``
-    rows under zigzag (``cp > 1``), one segment at ``cp = 1``, and under contiguous one per rank its
-    rows ``[S, S + P)`` meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows. With
-    ``alone`` each sequence is split over the ranks on its own (the rows of a BSHD batch): ``cp``
-    segments each under contiguous.
+    segment is built. A padded sequence of ``P > 0`` rows gives ``2 cp`` non-empty chunks under zigzag
+    (``cp > 1``) where ``P >= 2 cp``, else ``P`` chunks of one row (Note [Zigzag chunks of any
+    length]), one segment at ``cp = 1``, and under contiguous one per rank its rows ``[S, S + P)``
+    meet: ``ceil((S + P) / L) - floor(S / L)`` with ``L`` a rank's rows. With ``alone`` each sequence
+    is split over the ranks on its own (the rows of a BSHD batch): ``cp`` segments each under contiguous.
 
     >>> held_segments(np.array([6, 4, 0]), 2, Layout.CONTIGUOUS), held_segments(np.array([8, 0]), 2, Layout.ZIGZAG)
     (3, 4)
@@ -184,8 +289,10 @@ def held_segments(padded: np.ndarray, cp_size: int, layout: Layout, alone: bool 
     filled = padded > 0
     if cp_size == 1:
         return int(filled.sum())
-    if layout is Layout.ZIGZAG or alone:
-        return (2 if layout is Layout.ZIGZAG else 1) * cp_size * int(filled.sum())
+    if layout is Layout.ZIGZAG:
+        return int(np.minimum(padded, 2 * cp_size).sum())
+    if alone:
+        return cp_size * int(filled.sum())
     local = int(padded.sum()) // cp_size
     starts = (np.cumsum(padded) - padded)[filled]
     ends = starts + padded[filled]

@@ -162,7 +162,9 @@ def remote_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout
       stays in its chunk when ``p mod c < c - k`` (counted as above), or joins chunk ``j`` to its
       mirror ``2 cp - 1 - j``, ``d = 2 cp - 1 - 2 j`` chunks on, which a reach of ``k`` allows only
       for ``d`` in ``{floor(k / c), floor(k / c) + 1}``: ``p = j c + a`` with ``d c - k <= a < (d +
-      1) c - k``.
+      1) c - k``;
+    - zigzag chunks of unequal sizes (``padding="none"``), per chunk: the pairs starting in chunk ``j``
+      whose second row lies in chunk ``j`` or its mirror.
 
     >>> remote_rows(np.array([8]), np.array([8]), 2, Layout.ZIGZAG, False, 1)  # chunks 0|1|2|3 on ranks 0|1|1|0
     2
@@ -171,6 +173,11 @@ def remote_rows(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout
     if cp == 1 or k == 0:
         return 0
     m = np.maximum(seqlens - k, 0)
+    if not alone and _index.unequal_chunks(padded, cp, layout):  # chunks of unequal sizes: per chunk
+        lo, hi, mirror_lo, mirror_hi = _index.zigzag_pairs(padded, cp)
+        first = np.minimum(hi, m[:, None])  # the pairs (p, p + k) starting in chunk j: p in [lo, first)
+        stay = _index.overlap(lo, first, lo - k, hi - k) + _index.overlap(lo, first, mirror_lo - k, mirror_hi - k)
+        return int(m.sum() - stay.sum())
     if layout is Layout.ZIGZAG:
         c = np.maximum(padded // (2 * cp), 1)  # an empty sequence (P = 0) has no pair: any c counts none
         w = np.maximum(c - k, 0)
@@ -200,7 +207,8 @@ def reach(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout, alon
     so that it needs only these ranks' segments. Contiguous: the ranks of the buffer's rows ``[r L -
     span, (r + 1) L + span)`` (of the columns for a BSHD plan, whose ``padded`` are ``M``); zigzag:
     the ranks of the chunks within ``ceil(span / c)`` of ``rank``'s two, ``c`` the shortest chunk of
-    a sequence holding a token.
+    a sequence holding a token (every chunk of it has at least ``P // (2 cp)`` rows; where that is 0,
+    under ``padding="none"``, empty chunks lie between held ones, and every rank is named).
 
     >>> reach(np.array([16, 16]), np.array([16, 16]), 4, Layout.ZIGZAG, False, 0, 1)  # chunks 0, 7 -> 1, 6
     [0, 1]
@@ -209,6 +217,8 @@ def reach(padded: np.ndarray, seqlens: np.ndarray, cp: int, layout: Layout, alon
         return [0]
     if layout is Layout.ZIGZAG:
         filled = padded[seqlens > 0] // (2 * cp)
+        if filled.size and not filled.min():  # a sequence shorter than 2 cp rows has empty chunks to skip
+            return list(range(cp))
         c = max(int(filled.min()), 1) if filled.size else 1
         w = -(-span // c)
         # the chunks within w of either of the rank's two, clipped to the 2 cp chunks: at most 2 cp

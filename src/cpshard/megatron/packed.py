@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import check_int, fail
-from cpshard.base.layout import Layout
+from cpshard.base.layout import Layout, require_equal_chunks
 from cpshard.megatron._import import import_megatron, megatron_version
 from cpshard.plan.args import parse_seqlens
 from cpshard.plan.values import ShardPlan
@@ -186,6 +186,7 @@ def _build(plan: ShardPlan, *, device: torch.device | str | None = None, cp_grou
     if not isinstance(plan, ShardPlan):
         fail("plan", type(plan).__name__, "must be a THD ShardPlan (PackedSeqParams describes packed sequences)",
              "build one with ShardPlan.build", kind=TypeError)
+    require_equal_chunks(plan, "Megatron's PackedSeqParams (TransformerEngine's THD zigzag)")
     cls = packed_seq_params_class()
     extra: dict[str, Any] = {}
     if supports_cp_partition_mode(cls):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cpshard.base.errors import check_rank, fail
-from cpshard.base.layout import Layout
+from cpshard.base.layout import Layout, require_equal_chunks
 from cpshard.index.segments import to_device
 from cpshard.plan.twins import twin
 from cpshard.plan.values import ShardPlan
@@ -64,6 +64,7 @@ def cp_partition_route(plan: ShardPlan, cp_rank: int, device: torch.device | str
              "build the plan without reorder='balanced'")
     cp_rank = check_rank(cp_rank, plan.cp_size)
     zigzag = plan if plan.layout is Layout.ZIGZAG else twin(plan, Layout.ZIGZAG)
+    require_equal_chunks(zigzag, "Megatron's ThdCpRoute")
     contiguous = twin(zigzag, Layout.CONTIGUOUS)
     cls = route_type if route_type is not None else route_class()
     rows, cp = math.prod(plan.local_shape), plan.cp_size

@@ -40,6 +40,10 @@ class Problem:
 
 def make_problem(seqlens: Sequence[int], max_tokens: int, cp: int, tp: int, layout: Layout,
                  padding: Padding) -> Problem:
+    if padding is Padding.NONE and layout is Layout.ZIGZAG and cp > 1:
+        fail("padding", "'none'", "deals zigzag's extra rows over a micro-batch's sequences together, so a "
+             "sequence's per-rank work is not its own, which the packing's model needs", "pack with "
+             "padding='minimal' (each sequence a multiple of 2 * cp) or layout='contiguous'")
     unit = sequence_unit(cp, tp, layout, False, padding)
     keep = math.lcm(unit, cp * tp)
     n = np.array(seqlens, dtype=np.int64)

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from cpshard.base.errors import check_int, check_real, fail
@@ -24,6 +25,9 @@ def parse_seqlens(seqlens: Any, name: str = "seqlens") -> tuple[int, ...]:
     values: list[Any]
     if type(seqlens) in (list, tuple) and plain_ints(seqlens):
         return tuple(seqlens)  # the common case, checked at C speed
+    if isinstance(seqlens, np.ndarray) and seqlens.ndim == 1 and seqlens.dtype.kind in "iu" and seqlens.size \
+            and seqlens.min() >= 0:
+        return tuple(seqlens.tolist())  # a NumPy array of counts (plans_from_positions'), checked in NumPy
     if isinstance(seqlens, torch.Tensor) and seqlens.is_meta:
         fail(name, "a tensor on the meta device", "must hold real values", "pass the lengths on a real device")
     if isinstance(seqlens, torch.Tensor) and seqlens.is_nested:

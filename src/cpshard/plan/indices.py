@@ -469,6 +469,11 @@ class PlanIndices:
         out in the caller's order (Note [Twin plans and their route] in ``twins.py``): a row at padded
         position ``p`` of caller's sequence ``i`` is ``cu_padded_caller[i] + p``. Not kept: the
         permutation built from it is."""
+        segs = self.segments(cp_rank)
+        return segs.expand(self._caller_starts()[segs.seq] + segs.pos)
+
+    def _caller_starts(self) -> np.ndarray:
+        """Per buffer sequence, its first row in the caller's padded buffer (:meth:`canonical`'s numbering)."""
         plan = self.plan
         cu = _index.int64_array(plan._cu_padded_py())  # buffer order
         start = cu[:-1]
@@ -477,8 +482,7 @@ class PlanIndices:
             caller = np.empty_like(start)
             caller[order] = np.diff(cu)
             start = np.concatenate([[0], np.cumsum(caller)])[order]
-        segs = self.segments(cp_rank)
-        return segs.expand(start[segs.seq] + segs.pos)
+        return start
 
     def permutation(self, dst: Plan) -> tuple[np.ndarray, np.ndarray, int]:
         """Where every rank's rows go under the twin ``dst`` (``route.permutation``): two
@@ -497,7 +501,8 @@ class PlanIndices:
                 return self.relayout(dst, cp_rank, torch.device("cpu")).to(device)
             plan, rows = self.plan, math.prod(self.plan.local_shape)
             (padded, alone), (dst_padded, dst_alone) = self.split(), dst.indices().split()
-            if not (alone or dst_alone):  # THD twins: this rank's rows, by closed forms (plan.closed)
+            if not (alone or dst_alone or self.unequal_chunks() or dst.indices().unequal_chunks()):
+                # THD twins of equal zigzag chunks: this rank's rows, by closed forms (index/closed.py)
                 moved = self._kept("route", ("moved", dst), lambda: _closed.thd_moved(plan, dst, (padded, dst_padded)))
                 return _route.rank_route(_closed.thd_rows(dst, self.canonical(cp_rank), dst_padded),
                                          _closed.thd_rows(plan, dst.indices().canonical(cp_rank), padded),
@@ -512,12 +517,19 @@ class PlanIndices:
         rows, then rank 1's, ...), and ``restore`` its inverse. What a load balancer that rearranges
         the caller's buffer before cutting it into ``cp`` equal pieces hands its framework
         (``cpshard.compat.torch_cp``). Over the rows at once, by the closed forms of
-        ``index/closed.py`` (no rank's segments)."""
+        ``index/closed.py`` (no rank's segments); zigzag's from its held chunks, of any sizes."""
         def make() -> tuple[np.ndarray, np.ndarray]:
             total = self.plan.total_len
-            restore = _closed.thd_rows(self.plan, np.arange(total, dtype=np.int64), self.split()[0])
+            every = np.arange(total, dtype=np.int64)
+            if self.plan.layout is Layout.ZIGZAG and self.plan.cp_size > 1:  # every rank's chunks at once
+                seq, rank, start, length = _index.zigzag_held(self.split()[0], self.plan.cp_size)
+                by_rank = np.argsort(rank.astype(np.uint16) if rank.size and rank.max() < 1 << 16 else rank,
+                                     kind="stable")  # a radix sort of 16-bit keys
+                rearrange = _index.expand_np((self._caller_starts()[seq] + start)[by_rank], length[by_rank])
+                return rearrange, np.argsort(rearrange, kind="stable")
+            restore = _closed.thd_rows(self.plan, every, self.split()[0])
             rearrange = np.empty(total, dtype=np.int64)
-            rearrange[restore] = np.arange(total, dtype=np.int64)
+            rearrange[restore] = every
             return rearrange, restore
         return self._kept("host", "rank_order", make)
 
@@ -526,6 +538,13 @@ class PlanIndices:
         is split over the ranks on its own (a BSHD row) rather than the buffer as a whole (THD): what
         the closed forms of the exchanges read (the plan kind's ``_split``)."""
         return self._kept("host", "split", self.plan._split)
+
+    def unequal_chunks(self) -> bool:
+        """Whether some zigzag chunks differ in size (``padding="none"``): ``index/closed.py`` then does not apply."""
+        def make() -> bool:
+            padded, alone = self.split()
+            return not alone and _index.unequal_chunks(padded, self.plan.cp_size, self.plan.layout)
+        return self._kept("host", "unequal", make)
 
     def near(self, cp_rank: int, span: int) -> _index.AllSegments:
         """The segments of ``cp_rank`` and of every rank holding a row within ``span`` positions of one

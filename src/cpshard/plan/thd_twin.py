@@ -32,14 +32,15 @@ def thd_twin_values(lens: tuple[int, ...], padded: tuple[int, ...], cp: int, tp:
             fail("order", "'balanced'", f"balances the contiguous layout (zigzag is balanced by its chunks; "
                  f"layout={target.value!r})", "pass layout='contiguous', or order='same'")
         new_order = tuple(balanced_order(lens, padded, cp)) if cp > 1 else None
-    if target is Layout.ZIGZAG and cp > 1:
+    if target is Layout.ZIGZAG and cp > 1 and padding is not Padding.NONE:
         bad = [i for i, p in enumerate(padded) if p % (2 * cp)]
         if bad:
             i = bad[0]
             fail("plan", f"a {layout.value} plan whose sequence {i} is padded to {padded[i]}",
                  f"a zigzag twin needs every padded length to divide by 2 * cp_size = {2 * cp} ({len(bad)} do "
                  "not)", "build the plan with layout='zigzag' (its padding, 2 * cp * tp per sequence or "
-                 "2 * cp with padding='minimal', serves both layouts) and take its contiguous twin")
+                 "2 * cp with padding='minimal', serves both layouts) and take its contiguous twin, or build it "
+                 "with padding='none' (zigzag chunks one row apart)")
     if fp8:
         base = alignment(cp, tp, target)
         if sum(padded) % fp8_total_alignment(base):

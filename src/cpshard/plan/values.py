@@ -33,7 +33,7 @@ from cpshard.base.layout import (
     shared_alignment,
 )
 from cpshard.index import segments as _index
-from cpshard.index.balance import balanced_order, rank_work, zigzag_works
+from cpshard.index.balance import balanced_permutation, rank_work, zigzag_works
 from cpshard.plan.args import check_shift, int_tuple, jagged_lengths, parse_plan_args
 from cpshard.index.closed import thd_restore, thd_restore_by_rank
 from cpshard.plan.indices import DeviceTensors, PlanIndices
@@ -115,6 +115,12 @@ class Plan:
     def local_len(self) -> int:
         """Length of a rank's share of the sequence dimension, ``total_len / cp_size``."""
         return self.total_len // self.cp_size
+
+    @property
+    def equal_chunks(self) -> bool:
+        """Whether zigzag's chunks are equal, as Megatron's ``PackedSeqParams`` and TransformerEngine need: False
+        for a zigzag plan at ``cp > 1`` with ``padding="none"``, whatever its lengths (SPEC.md)."""
+        return not (self.layout is Layout.ZIGZAG and self.cp_size > 1 and self.padding is Padding.NONE)
 
     @property
     def padding_overhead(self) -> float:
@@ -204,7 +210,7 @@ class Plan:
         is the one its layout derives when every padded length divides by it (so a twin's twin is the
         plan again), else, for a zigzag twin of a contiguous plan whose lengths all divide by ``2 * cp``,
         minimal padding's ``2 * cp``. Where no twin exists (a zigzag twin needs every padded length to
-        divide by ``2 * cp``) the error names the padding to build with. Each plan kind builds its own
+        divide by ``2 * cp``, but under ``padding="none"``) the error names the padding to build with. Each plan kind builds its own
         (``_twin``); Note [Twin plans and their route] in ``twins.py``.
         """
         target = self.layout if layout is None else Layout.parse(layout)
@@ -349,8 +355,9 @@ class ShardPlan(Plan):
 
         ``padding="minimal"`` pads each sequence only as far as the layout needs (``2 * cp`` for
         zigzag, nothing for contiguous; the last sequence keeps every rank's rows divisible by
-        ``tp``). ``reorder="balanced"`` (contiguous layout) permutes the sequences so that causal
-        attention work is spread evenly over the ranks: ``order`` records the permutation,
+        ``tp``). ``padding="none"``: none, zigzag's chunks one row apart (SPEC.md, "Zigzag without
+        padding"; :attr:`equal_chunks`). ``reorder="balanced"`` (contiguous layout) permutes the
+        sequences so that causal attention work is spread evenly over the ranks: ``order`` records the permutation,
         ``seqlens``/``cu_seqlens*`` and the per-rank views follow the new order, and ``shard``
         takes, ``unshard``/``gather`` return, the caller's order.
 
@@ -380,8 +387,9 @@ class ShardPlan(Plan):
         order = None
         if reorder is not None and cp_size > 1:
             # each sequence keeps its padded length (extensions included: the balance sees the final rows)
-            order = tuple(balanced_order(lens, padded, cp_size))
-            lens, padded = tuple(lens[i] for i in order), tuple(padded[i] for i in order)
+            order = balanced_permutation(lens, padded, cp_size)  # None: the given order, nothing to permute
+            if order is not None:
+                lens, padded = tuple(map(lens.__getitem__, order)), tuple(map(padded.__getitem__, order))
         unit = sequence_unit(cp_size, tp_size, layout, fp8, padding)
         if total_len is not None:
             unit = shared_alignment(padded, unit)
@@ -422,7 +430,7 @@ class ShardPlan(Plan):
         guarantee, the int32 range of the offsets, is checked here."""
         _check_total(sum(padded))
         plan = object.__new__(cls)
-        if order is not None and order == tuple(range(len(order))):
+        if order is not None and all(map(int.__eq__, order, itertools.count())):  # the identity: none
             order = None
         for name, value in (("seqlens_py", seqlens), ("padded_seqlens_py", padded), ("cp_size", cp_size),
                             ("tp_size", tp_size), ("layout", layout), ("fp8", fp8),
@@ -484,7 +492,8 @@ class ShardPlan(Plan):
         if total % cp or (total // cp) % tp:
             fail(name, padded, f"total {total} must split into cp_size={cp} equal parts "
                  f"each divisible by tp_size={tp}", build)
-        if self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and any(p % (2 * cp) for p in padded):
+        if self.layout is Layout.ZIGZAG and cp > 1 and a % (2 * cp) and self.equal_chunks and any(
+                p % (2 * cp) for p in padded):
             fail(name, padded, f"every zigzag length must divide by 2 * cp_size = {2 * cp}", build)
         if self.fp8 and total % fp8_total_alignment(base):
             fail(name, padded, f"with fp8 the total {total} must divide by "
@@ -565,8 +574,8 @@ class ShardPlan(Plan):
     def __repr__(self) -> str:
         lens: list[object] = list(self.seqlens_py)
         shown = lens if len(lens) <= 8 else lens[:6] + ["..."] + lens[-1:]
-        extra = (", fp8=True" if self.fp8 else "") + (", padding='minimal'" if self.padding is Padding.MINIMAL
-                                                       else "") + (", reordered" if self.order else "")
+        padding = "" if self.padding is Padding.ALIGNED else f", padding={self.padding.value!r}"
+        extra = (", fp8=True" if self.fp8 else "") + padding + (", reordered" if self.order else "")
         return (f"ShardPlan(seqlens={shown}, cp_size={self.cp_size}, tp_size={self.tp_size}, "
                 f"layout={self.layout.value!r}{extra}, alignment={self.alignment}, total_len={self.total_len}, "
                 f"local_len={self.local_len})")

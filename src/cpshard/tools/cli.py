@@ -360,8 +360,8 @@ def _verify_parser(sub: Any) -> argparse.ArgumentParser:
     v.add_argument("--layouts", type=_names("--layouts", Layout, "zigzag,contiguous"), default=None,
                    help="layouts (default zigzag,contiguous; not with --model hybrid)")
     v.add_argument("--padding", type=_names("--padding", Padding, "aligned,minimal"), default=None,
-                   help="plan paddings: aligned, minimal, or both as aligned,minimal (default aligned; with "
-                   "--model hybrid aligned,minimal)")
+                   help="plan paddings: aligned, minimal, none, or several as aligned,minimal (default aligned; "
+                   "with --model hybrid aligned,minimal)")
     v.add_argument("--reorder", action="store_true", help="also run every contiguous configuration with "
                    "reorder='balanced' (sequences permuted to even out causal work; not with --model hybrid, "
                    "which runs both orders of its contiguous twin)")

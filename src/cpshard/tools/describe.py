@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from cpshard.base.layout import Layout
 from cpshard.plan.bshd import BshdPlan
 from cpshard.plan.causal import attention_work
 from cpshard.plan.values import ShardPlan
@@ -55,15 +54,14 @@ def _picture(plan: ShardPlan) -> list[str]:
             glob.append("|")
         glob += [_row_label(i, p, lens[i]) for p in range(plan.padded_seqlens_py[i])]
     cells.append(glob)
-    zigzag = plan.layout is Layout.ZIGZAG and plan.cp_size > 1
     for r in range(plan.cp_size):
         seqs, poss = plan.sequence_ids(r).tolist(), plan.position_ids(r).tolist()
-        # zigzag rows split at chunk boundaries, contiguous rows at sequence boundaries
-        chunk = [p // max(plan.padded_seqlens_py[s] // (2 * plan.cp_size), 1) if zigzag else 0
-                 for s, p in zip(seqs, poss)]
+        # rows split where a segment begins: at zigzag's chunks (of any size), contiguous rows' sequences
+        segs = plan.indices().segments(r)
+        cuts = set(segs.start[segs.length > 0].tolist())
         line: list[str] = []
         for j, (s, p) in enumerate(zip(seqs, poss)):
-            if j and (s, chunk[j]) != (seqs[j - 1], chunk[j - 1]):
+            if j and j in cuts:
                 line.append("|")
             line.append(_row_label(s, p, lens[s]))
         cells.append(line)

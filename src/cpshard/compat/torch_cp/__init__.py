@@ -29,21 +29,56 @@ Sources read (not copied): torch 2.13.0's ``_context_parallel/_load_balancer.py`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from cpshard.base.errors import fail
+from cpshard.base.errors import check_int, fail
 from cpshard.compat.torch_cp._buffer import document_mask_mod, from_buffer, rearrange_indices, to_buffer
 from cpshard.compat.torch_cp._plans import document_lengths, plans_from_positions
 from cpshard.compat.torch_cp._torch import TESTED_TORCH, balancer_class, ring_sdpa_active, torch_cp
 from cpshard.plan.values import ShardPlan
 
-__all__ = ["TESTED_TORCH", "document_lengths", "document_mask_mod", "from_buffer", "load_balancer",
-           "plans_from_positions", "rearrange_indices", "ring_sdpa_active", "to_buffer", "torch_names"]
+__all__ = ["BLOCK_SIZE", "TESTED_TORCH", "block_mask_len", "document_lengths", "document_mask_mod", "from_buffer",
+           "load_balancer", "plans_from_positions", "rearrange_indices", "ring_sdpa_active", "to_buffer",
+           "torch_names"]
+
+#: torch's CP block mask (``_create_cp_block_mask``) cuts each rank's rows into blocks of this many
+BLOCK_SIZE = 128
 
 
-def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | str | None = None,
+def block_mask_len(total_len: int, cp_size: int, *, block_size: int = BLOCK_SIZE) -> int:
+    """The smallest row length ``S >= total_len`` that torch's CP block mask takes: ``S % (cp_size *
+    block_size) == 0`` (torch 2.13 raises ``NotImplementedError: Q_LEN ... is not divisible by CP mesh
+    world size * BLOCK_SIZE`` otherwise). Pass it as ``total_len=`` when building each row's plan
+    (the last document's padding takes the rest), so that a padded row (zigzag's documents padded to
+    ``2 * cp``) still gets a flex-attention block mask under CP.
+
+    >>> block_mask_len(300, 2)
+    512
+    """
+    total_len = check_int("total_len", total_len, minimum=1)
+    unit = check_int("cp_size", cp_size, minimum=1) * check_int("block_size", block_size, minimum=1)
+    return -(-total_len // unit) * unit
+
+
+def _check_mesh(mesh: Any) -> None:
+    """A process group or a mesh of several dimensions, refused by name (the same on every rank: before
+    any agreement, which needs the mesh's group)."""
+    if mesh is None:
+        return
+    if not (hasattr(mesh, "size") and hasattr(mesh, "device_type")):  # a ProcessGroup has size() alone
+        fail("mesh", type(mesh).__name__, "must be a 1-D DeviceMesh of the context-parallel ranks (torch's shard "
+             "reads the mesh's local rank and device type, which a process group does not carry)",
+             "pass DeviceMesh.from_group(group, device_type) or init_device_mesh(device_type, (cp,))", kind=TypeError)
+    if getattr(mesh, "ndim", 1) != 1:
+        fail("mesh", f"a DeviceMesh of {mesh.ndim} dimensions {tuple(mesh.shape)}", "must be the 1-D "
+             "context-parallel mesh: torch cuts each row into one piece per rank of it",
+             "pass the CP sub-mesh, e.g. world_mesh['cp']")
+
+
+def load_balancer(plans: list[ShardPlan] | ShardPlan | Callable[[], Any], *, device: torch.device | str | None = None,
                   mesh: Any = None, check: bool | None = None) -> Any:
     """A torch ``_LoadBalancer`` (``torch.distributed.tensor.experimental._context_parallel``) over
     one :class:`~cpshard.ShardPlan` per batch row, for ``_context_parallel_shard``,
@@ -63,15 +98,24 @@ def load_balancer(plans: list[ShardPlan] | ShardPlan, *, device: torch.device | 
     that refuses its own, raise on every rank: torch's shard and unshard carry no cpshard header, and
     ranks with other plans get other rows silently. ``None`` follows
     :func:`cpshard.distributed.set_checks`; without ``mesh`` nothing is shared.
+
+    ``plans`` may also be a function of no arguments that returns them (e.g. ``lambda:
+    plans_from_positions(positions, cp_size=cp)``): its ``ValueError`` / ``TypeError`` (a rank's bad
+    positions) is then carried by the agreement too, so every rank raises, not only the one whose
+    input was bad. ``mesh`` must be a 1-D ``DeviceMesh`` (a process group or a 2-D mesh is refused by
+    name, ``TypeError`` / ``ValueError``).
     """
     from cpshard.distributed.agree import checks_enabled
     from cpshard.distributed.checks import agree, checks_on, plan_fingerprint
 
+    _check_mesh(mesh)
     group, checked = None, False
     if mesh is not None and check is not False and (check is not None or checks_enabled()):
         group = mesh.get_group()  # only then: a mesh is read for its size and device type otherwise
         checked = checks_on(check, None, group)
     try:
+        if callable(plans):
+            plans = plans()
         balancer = balancer_class()(plans, device if device is not None or mesh is None else mesh.device_type)
         if mesh is not None and mesh.size() != balancer.cp_size:
             fail("mesh", f"a device mesh of {mesh.size()} ranks", f"must have the plans' cp_size={balancer.cp_size} "

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cpshard.base.errors import check_tensor, fail
+from cpshard.base.dtypes import check_fill
+from cpshard.base.errors import check_int, check_tensor, fail
 from cpshard.compat.torch_cp._plans import check_plans
 from cpshard.index.segments import expand_np
 from cpshard.plan.values import ShardPlan
@@ -61,12 +62,27 @@ def token_rows(plan: ShardPlan) -> np.ndarray:
     return expand_np(np.cumsum(padded) - padded, np.asarray(plan.input_seqlens_py, dtype=np.int64))
 
 
+def _seq_dim(seq_dim: Any, dims: int, what: str) -> int:
+    """``seq_dim`` checked against a ``dims``-dimensional ``what`` (the batch's dimension 0 is not it)."""
+    seq_dim = check_int("seq_dim", seq_dim, minimum=1)
+    if seq_dim >= dims:
+        fail("seq_dim", seq_dim, f"must name a dimension of the {dims}-dimensional {what} after the batch's "
+             "(1 for (B, S, ...), 2 for (B, H, S, D))", "pass the dimension that holds the sequence")
+    return seq_dim
+
+
 def to_buffer(documents: Sequence[Sequence[torch.Tensor]], plans: Sequence[ShardPlan] | ShardPlan, *,
-              pad_value: Any = 0) -> torch.Tensor:
+              pad_value: Any = 0, seq_dim: int = 1) -> torch.Tensor:
     """THE way to build the buffer the indices of this package refer to: ``(B, S, ...)``, row ``b``
     holding ``documents[b]`` (tensors ``(n_i, ...)`` in the caller's order, one trailing shape and
-    dtype throughout), each padded at its end to ``plans[b]``'s padded length with ``pad_value``.
-    :func:`from_buffer` is its inverse. On the documents' device.
+    dtype throughout), each padded at its end to ``plans[b]``'s padded length with ``pad_value``
+    (checked against the documents' dtype as :func:`cpshard.shard` checks it: ``1.5`` on int64 rows
+    or ``-1`` on uint8 rows is a ``ValueError``). :func:`from_buffer` is its inverse. On the
+    documents' device.
+
+    ``seq_dim``: the buffer's sequence dimension (1: ``(B, S, ...)``; 2: ``(B, H, S, D)``, the layout
+    attention takes); each document then holds its tokens along ``seq_dim - 1`` (``(H, n_i, D)``).
+    The buffer is built in that layout (contiguous), no transpose needed.
 
     >>> from cpshard import ShardPlan
     >>> plan = ShardPlan.build([5, 3], cp_size=2, total_len=12)
@@ -77,7 +93,7 @@ def to_buffer(documents: Sequence[Sequence[torch.Tensor]], plans: Sequence[Shard
     if isinstance(documents, torch.Tensor) or not isinstance(documents, Sequence) or len(documents) != len(plans):
         fail("documents", type(documents).__name__, f"must be a list of {len(plans)} rows (one per plan), each a "
              "list of the row's documents", "pass [[doc, doc, ...], ...] in the caller's order", kind=TypeError)
-    first = None
+    first, dim = None, 0
     for b, (docs, plan) in enumerate(zip(documents, plans)):
         lens = plan.input_seqlens_py
         if isinstance(docs, torch.Tensor) or not isinstance(docs, Sequence) or len(docs) != len(lens):
@@ -86,37 +102,52 @@ def to_buffer(documents: Sequence[Sequence[torch.Tensor]], plans: Sequence[Shard
                  kind=TypeError)
         for i, doc in enumerate(docs):
             doc = check_tensor(f"documents[{b}][{i}]", doc)
-            first = doc if first is None else first
-            if doc.dim() == 0 or doc.shape[0] != lens[i] or doc.shape[1:] != first.shape[1:] \
+            if first is None:
+                first, dim = doc, _seq_dim(seq_dim, max(doc.dim(), 1) + 1, "buffer (B and a document's)") - 1
+            doc = doc.movedim(dim, 0) if doc.dim() > dim else doc
+            if doc.dim() == 0 or doc.shape[0] != lens[i] or doc.shape[1:] != first.movedim(dim, 0).shape[1:] \
                     or doc.dtype != first.dtype or doc.device != first.device:
-                fail(f"documents[{b}][{i}]", f"{doc.dtype} tensor of shape {tuple(doc.shape)} on {doc.device}",
-                     f"must hold the plan's {lens[i]} tokens as ({lens[i]}, {', '.join(map(str, first.shape[1:]))}"
-                     f"{'...' if first.dim() <= 1 else ''}) {first.dtype} rows on {first.device}, like the first "
-                     "document", "pass every document with the length its plan holds and one trailing shape")
+                want = list(first.shape) or [lens[i]]
+                want[dim] = lens[i]
+                fail(f"documents[{b}][{i}]", f"{doc.dtype} tensor of shape {tuple(docs[i].shape)} on {doc.device}",
+                     f"must hold the plan's {lens[i]} tokens along dimension {dim} as {tuple(want)} {first.dtype} "
+                     f"rows on {first.device}, like the first document",
+                     "pass every document with the length its plan holds and one trailing shape")
     assert first is not None  # a plan holds at least one sequence
-    out = torch.full((len(plans), plans[0].total_len, *first.shape[1:]), pad_value, dtype=first.dtype,
-                     device=first.device)
+    pad_value = check_fill("pad_value", pad_value, first.dtype)
+    shape = list(first.shape)
+    shape[dim] = plans[0].total_len
+    out = torch.full((len(plans), *shape), pad_value, dtype=first.dtype, device=first.device)
+    rows_first = out.movedim(dim + 1, 1)  # a view: (B, S, ...) whatever seq_dim
     for b, (docs, plan) in enumerate(zip(documents, plans)):
         if plan.num_tokens:
             rows = torch.from_numpy(token_rows(plan)).to(first.device)
-            out[b].index_copy_(0, rows, torch.cat(list(docs)))
+            rows_first[b].index_copy_(0, rows, torch.cat([doc.movedim(dim, 0) for doc in docs]))
     return out
 
 
-def from_buffer(buffer: torch.Tensor, plans: Sequence[ShardPlan] | ShardPlan) -> list[list[torch.Tensor]]:
+def from_buffer(buffer: torch.Tensor, plans: Sequence[ShardPlan] | ShardPlan, *,
+                seq_dim: int = 1) -> list[list[torch.Tensor]]:
     """The documents of a ``(B, S, ...)`` buffer (:func:`to_buffer`'s, or one restored by torch's
     ``context_parallel_unshard``): per batch row, a list of ``(n_i, ...)`` tensors in the caller's
-    order, pad rows dropped. Each is a new tensor (an ``index_select``), differentiable."""
+    order, pad rows dropped. Each is a new tensor (an ``index_select``), differentiable.
+    ``seq_dim``: the buffer's sequence dimension, as :func:`to_buffer` takes it (2 for ``(B, H, S, D)``:
+    documents ``(H, n_i, D)``)."""
     plans = check_plans(plans)
     buffer = check_tensor("buffer", buffer)
     S = plans[0].total_len
-    if buffer.dim() < 2 or buffer.shape[0] != len(plans) or buffer.shape[1] != S:
-        fail("buffer", f"tensor of shape {tuple(buffer.shape)}", f"must be (B, S, ...) = ({len(plans)}, {S}, ...): "
-             "one row per plan, each plan's total_len long", "pass the buffer to_buffer built (or its unshard)")
+    dim = _seq_dim(seq_dim, max(buffer.dim(), 2), "buffer")
+    if buffer.dim() < 2 or buffer.shape[0] != len(plans) or buffer.shape[dim] != S:
+        lead = "..., " * (dim - 1)
+        fail("buffer", f"tensor of shape {tuple(buffer.shape)}",
+             f"must be (B, {lead}S, ...) = ({len(plans)}, {lead}{S}, ...): one row per plan, each plan's total_len "
+             "long", "pass the buffer to_buffer built (or its unshard), with the seq_dim it was built with")
+    rows_first = buffer.movedim(dim, 1)
     out = []
     for b, plan in enumerate(plans):
         rows = torch.from_numpy(token_rows(plan)).to(buffer.device)
-        out.append(list(buffer[b].index_select(0, rows).split(list(plan.input_seqlens_py))))
+        docs = rows_first[b].index_select(0, rows).split(list(plan.input_seqlens_py))
+        out.append([doc.movedim(0, dim - 1) for doc in docs])
     return out
 
 

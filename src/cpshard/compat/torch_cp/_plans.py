@@ -22,6 +22,7 @@ from cpshard.plan.values import ShardPlan
 __all__ = ["check_plans", "document_lengths", "plans_from_positions"]
 
 _BALANCED_FOR_CONTIGUOUS: Any = "balanced for contiguous"
+_NONE_FOR_ZIGZAG: Any = "none for zigzag, minimal for contiguous"
 
 
 def check_plans(plans: Any, name: str = "plans") -> list[ShardPlan]:
@@ -55,7 +56,16 @@ def _positions_array(positions: Any) -> np.ndarray:
                  "pass the integer position ids the model takes, e.g. positions.long()", kind=TypeError)
         array = check_real("positions", positions).detach().cpu().numpy()  # a meta tensor: refused, named
     else:
-        array = np.asarray(positions)
+        if positions is None:
+            fail("positions", "None", "must be the batch's position ids, (B, S) or (S,)",
+                 "pass them (torchtitan: extra_kwargs['positions'])", kind=TypeError)
+        try:
+            array = np.asarray(positions)
+        except ValueError:  # NumPy's "inhomogeneous shape"
+            fail("positions", f"{type(positions).__name__} of rows of lengths "
+                 f"{[len(row) if hasattr(row, '__len__') else 1 for row in positions][:8]}",
+                 "must be rectangular (B, S): every batch row S long", "pad every row to the same S (a last document "
+                 "of positions 0, 1, ...), or pass a (B, S) tensor")
         if array.dtype.kind not in "iu":
             fail("positions", f"array of dtype {array.dtype}", "must hold integers (position ids)",
                  "pass a (B, S) integer tensor", kind=TypeError)
@@ -76,6 +86,11 @@ def document_lengths(positions: Any) -> list[list[int]]:
     >>> document_lengths(torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]]))
     [[3, 2, 1, 2]]
     """
+    return [row.tolist() for row in _row_lengths(positions)]
+
+
+def _row_lengths(positions: Any) -> list[np.ndarray]:
+    """:func:`document_lengths` as one int64 array a row (what the plans are built from: no Python list)."""
     pos = _positions_array(positions)
     starts = pos == 0
     bad = np.flatnonzero(~starts[:, 0])
@@ -90,16 +105,12 @@ def document_lengths(positions: Any) -> list[list[int]]:
              "or 0 (a new document)", "pass per-document positions that restart at 0 at each document and count "
              "up by 1 (torchtitan's convention)")
     S = pos.shape[1]
-    out = []
-    for row in starts:  # per batch row (a plan each): the document starts, then their differences
-        first = np.flatnonzero(row)
-        out.append(np.diff(np.append(first, S)).tolist())
-    return out
+    return [np.diff(np.append(np.flatnonzero(row), S)) for row in starts]  # a row's starts, then their gaps
 
 
 def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str = Layout.CONTIGUOUS,
                          reorder: Reorder | str | None = _BALANCED_FOR_CONTIGUOUS, tp_size: int = 1,
-                         padding: Padding | str = Padding.MINIMAL) -> list[ShardPlan]:
+                         padding: Padding | str = _NONE_FOR_ZIGZAG) -> list[ShardPlan]:
     """One :class:`ShardPlan` per batch row of position ids ``positions`` ``(B, S)`` or ``(S,)`` that
     restart at 0 at each document (torchtitan's convention; :func:`document_lengths`), each with
     ``total_len=S``: the plan's padded buffer is the row itself, so the row's tokens are the buffer
@@ -109,34 +120,40 @@ def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str =
       never padded (``padding="minimal"``), so any row works whose ``S`` divides by ``cp * tp``; the
       balanced order spreads the causal work over the ranks (SPEC.md, "Balanced order").
       ``reorder=None`` keeps the caller's order.
-    - ``layout="zigzag"``: each document is cut into ``2 * cp`` chunks, so every document length
-      must divide by ``2 * cp`` (``2 * cp * tp`` with ``padding="aligned"``): a full row has no room
-      for pad rows. Otherwise a ``ValueError`` names the first document that does not; use the
-      contiguous layout, or build plans of the documents' own lengths and their buffer with
-      :func:`~cpshard.compat.torch_cp.to_buffer` (which pads each document).
+    - ``layout="zigzag"`` with ``padding="none"`` (its default): each document is cut into ``2 * cp``
+      chunks whose sizes differ by at most one row, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 -
+      r``, the extra rows dealt so that every rank holds ``S / cp`` rows (SPEC.md, "Zigzag without
+      padding"): any documents, nothing padded, the causal balance of zigzag within rounding.
 
-    ``padding="aligned"`` pads every document to SPEC's alignment, which a full row has no room for
-    unless the lengths already divide by it (the error names the document that does not).
+    ``padding="minimal"`` (zigzag) or ``"aligned"`` pads every document to a multiple of ``2 * cp``
+    (``2 * cp * tp`` aligned, ``cp * tp`` contiguous aligned), which a full row has no room for
+    unless the lengths already divide by it: the error names the first document that does not. A
+    zigzag plan with ``padding="none"`` is refused, by name, where a kernel needs equal chunks
+    (Megatron's ``PackedSeqParams``, :attr:`ShardPlan.equal_chunks`); torch's CP attention does not.
     """
     cp_size = check_int("cp_size", cp_size, minimum=1)
     tp_size = check_int("tp_size", tp_size, minimum=1)
-    layout, padding = Layout.parse(layout), Padding.parse(padding)
+    layout = Layout.parse(layout)
+    if padding is _NONE_FOR_ZIGZAG:
+        padding = Padding.NONE if layout is Layout.ZIGZAG else Padding.MINIMAL
+    padding = Padding.parse(padding)
     if reorder is _BALANCED_FOR_CONTIGUOUS:
         reorder = Reorder.BALANCED if layout is Layout.CONTIGUOUS else None
-    lengths = document_lengths(positions)
-    S = sum(lengths[0])
+    lengths = _row_lengths(positions)
+    S = int(lengths[0].sum())
     if S % (cp_size * tp_size):
         fail("positions", f"rows of S={S} positions", f"S must divide by cp_size * tp_size = {cp_size * tp_size}: "
              "torch cuts each row into cp equal pieces (and each piece splits over tp)",
              f"pad every row to a multiple of {cp_size * tp_size} tokens (a last document of positions 0, 1, ...)")
     unit = alignment(cp_size, tp_size, layout, padding)
     for b, lens in enumerate(lengths):
-        odd = next((i for i, n in enumerate(lens) if n % unit), None)
+        odd = None if unit == 1 else next(iter(np.flatnonzero(lens % unit).tolist()), None)
         if odd is not None:
             fail(f"positions[{b}]", f"document {odd} of length {lens[odd]}", f"every document of a full row must "
                  f"divide by {unit} under layout={layout.value!r} with padding={padding.value!r} (no room for pad "
                  "rows)",
-                 "use layout='contiguous' (padding='minimal': no padding), or build plans of the documents' own "
-                 "lengths and their buffer with cpshard.compat.torch_cp.to_buffer, which pads each document")
+                 "leave padding at its default (zigzag: 'none', chunks one row apart; contiguous: 'minimal'), "
+                 "or build plans of the documents' own lengths and their buffer with "
+                 "cpshard.compat.torch_cp.to_buffer, which pads each document")
     return [ShardPlan.build(lens, cp_size=cp_size, tp_size=tp_size, layout=layout, padding=padding,
                             reorder=reorder, total_len=S) for lens in lengths]

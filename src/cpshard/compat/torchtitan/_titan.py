@@ -19,23 +19,41 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import os
+import sys
+import types
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from cpshard.base.errors import fail
 
-__all__ = ["API", "CP_SHARD_PARAMETERS", "INSTALL", "PACKAGE", "TESTED_TORCHTITAN", "api", "register_override",
-           "torchtitan_version"]
+__all__ = ["API", "CP_SHARD_PARAMETERS", "INSTALL", "PACKAGE", "PREPARE_PARAMETERS", "TESTED_TORCHTITAN", "api",
+           "register_override", "torchtitan_version", "where_to_find"]
 
 TESTED_TORCHTITAN = "0.3.0"
 API = "torchtitan.distributed.context_parallel.api"
 PACKAGE = "torchtitan.distributed.context_parallel"
 #: torchtitan 0.3.0's ``cp_shard`` parameters, in order (what the replacement takes, and passes on)
 CP_SHARD_PARAMETERS = ["cp_mesh", "inputs", "attention_masks", "load_balancer_type", "input_seq_dim", "ptrr_mask_key"]
+#: torchtitan 0.3.0's ``prepare_context_parallel_input`` parameters, in order (what its replacement takes)
+PREPARE_PARAMETERS = ["inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type", "ptrr_mask_key"]
 #: what torchtitan's context-parallel module needs to import on a CPU machine (scripts/setup.sh, constraints.txt)
 INSTALL = ("pip install --no-deps torchtitan==0.3.0 triton==3.9.0 tyro==1.0.17 docstring_parser==0.18.0 "
            "spmd_types==0.2.3 (scripts/setup.sh's torchtitan step)")
+
+
+def where_to_find() -> str:
+    """The fix of a torchtitan that does not import: the ``.venv-torchtitan`` folder scripts/setup.sh
+    fills (a ``--target`` folder, not a virtual environment: it goes on ``PYTHONPATH``) where one is
+    found beside the working directory, else how to install it."""
+    found = [os.path.abspath(p) for p in (".venv-torchtitan", os.path.join("..", ".venv-torchtitan"))
+             if os.path.isdir(os.path.join(p, "torchtitan"))]
+    if found:
+        return (f"torchtitan is installed in {found[0]} (scripts/setup.sh's --target folder): put it on the path, "
+                f"PYTHONPATH={found[0]}:$PYTHONPATH")
+    return (f"install it into this environment: {INSTALL}; or, after scripts/setup.sh, put its folder on the path: "
+            "PYTHONPATH=.venv-torchtitan:$PYTHONPATH")
 
 
 def torchtitan_version() -> str | None:
@@ -56,8 +74,8 @@ def api() -> ModuleType:
         module = importlib.import_module(API)
     except ImportError as err:
         fail("torchtitan", version or "not installed", f"cannot import {API} ({type(err).__name__}: {err}); "
-             f"cpshard.compat.torchtitan was tested on torchtitan {TESTED_TORCHTITAN}", f"install it: {INSTALL}",
-             kind=ImportError)
+             f"looked in sys.path {sys.path}; cpshard.compat.torchtitan was tested on torchtitan "
+             f"{TESTED_TORCHTITAN}", where_to_find(), kind=ImportError)
     cp_shard = getattr(module, "cp_shard", None)
     prepare = getattr(module, "prepare_context_parallel_input", None)
     if not callable(cp_shard) or not callable(prepare):
@@ -68,10 +86,14 @@ def api() -> ModuleType:
         fail("torchtitan", version, f"{API}.cp_shard takes ({', '.join(got)}), but cpshard's replacement is written "
              f"for torchtitan {TESTED_TORCHTITAN}'s ({', '.join(CP_SHARD_PARAMETERS)})",
              f"install torchtitan=={TESTED_TORCHTITAN}")
-    code = prepare.__code__
-    if "positions" not in code.co_varnames or "cp_shard" not in code.co_names:
-        fail("torchtitan", version, f"{API}.prepare_context_parallel_input no longer passes its positions to the "
-             f"module's cp_shard (cpshard follows torchtitan {TESTED_TORCHTITAN})",
+    got = list(inspect.signature(_unwrapped(prepare)).parameters)
+    if not isinstance(prepare, types.FunctionType) or prepare.__closure__:
+        fail("torchtitan", version, f"{API}.prepare_context_parallel_input is {type(prepare).__name__}, not a plain "
+             f"module function as torchtitan {TESTED_TORCHTITAN}'s (cpshard swaps its code: every reference reaches "
+             "cpshard)", f"install torchtitan=={TESTED_TORCHTITAN}, or undo what replaced it")
+    if got != PREPARE_PARAMETERS:
+        fail("torchtitan", version, f"{API}.prepare_context_parallel_input takes ({', '.join(got)}), but cpshard's "
+             f"replacement is written for torchtitan {TESTED_TORCHTITAN}'s ({', '.join(PREPARE_PARAMETERS)})",
              f"install torchtitan=={TESTED_TORCHTITAN}")
     return module
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cpshard.compat._report import held_or_trial, report_main
+from cpshard.compat._report import held_or_trial, report_main, state_line
 from cpshard.compat.verl import _activation, _fsdp, _patch
 from cpshard.compat.verl._plans import verl_version
 
@@ -42,22 +42,27 @@ def _entry_point() -> str | None:
 
 def status() -> dict[str, Any]:
     """What cpshard binds here: ``on`` (whether a patch is in force in this process after ``import verl``),
-    ``by``, ``verl``, ``layout``, ``ring`` (the FSDP backend's ring size), ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of the whole
-    patch, or verl's import error), ``entry_point``."""
-    out: dict[str, Any] = {"by": _switched_on_by(), "entry_point": _entry_point(), "on": False, "verl": None,
-                           "layout": None, "ring": None, "bound": [], "skipped": {}, "refused": {}, "error": None}
+    ``state`` (``"in force"``, ``"partly in force"``: undone, but a site another library wrapped still
+    holds its wrapper over cpshard's, named in ``unrestored``; ``"off"``), ``by``, ``verl``, ``layout``,
+    ``ring`` (the FSDP backend's ring size), ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of
+    the whole patch, or verl's import error), ``entry_point``."""
+    out: dict[str, Any] = {"by": _switched_on_by(), "entry_point": _entry_point(), "on": False, "state": "off",
+                           "verl": None, "layout": None, "ring": None, "bound": [], "skipped": {}, "refused": {},
+                           "unrestored": {}, "error": None}
     try:
         import verl
 
         out["verl"] = getattr(verl, "__version__", None)
-        held, out["on"] = held_or_trial(_patch.active, _patch.patch, "cpshard.compat.verl")
+        held, out["state"] = held_or_trial(_patch.active, _patch.patch, "cpshard.compat.verl")
+        out["on"] = out["state"] == "in force"
     except Exception as exc:  # noqa: BLE001  (verl's import, or the patch's refusal: reported)
         out["error"] = f"{type(exc).__name__}: {exc}"
         if _raised_by_activation(exc):  # verl imported cpshard's activation (enable), which refused
             out["verl"] = verl_version()
             out["error"] = f"cpshard's activation (run by `import verl`: {out['by']}): {out['error']}"
         return out
-    out.update(layout=held.layout, ring=held.ring, bound=list(held.bound), skipped=dict(held.skipped), refused=dict(held.refused))
+    out.update(layout=held.layout, ring=held.ring, bound=list(held.bound), skipped=dict(held.skipped),
+               refused=dict(held.refused), unrestored=dict(held.unrestored))
     out["process"] = _activation.process_patch() is held
     return out
 
@@ -79,8 +84,10 @@ def _text(report: dict[str, Any]) -> str:
              f"verl.plugins entry point: {report['entry_point'] or 'not registered'} (patches where CPSHARD_VERL=1)"]
     if report["error"]:
         return "\n".join([*lines, f"refused: {report['error']}"])
-    lines.append(("on in this process; bound:" if report["on"] else "off in this process; patch() would bind:")
+    lines.append(("on in this process; bound:" if report["on"] else "partly in force in this process; it had bound:"
+                  if report["state"] == "partly in force" else "off in this process; patch() would bind:")
                  + f" {len(report['bound'])} sites")
+    lines += state_line(report)
     lines.append(f"layout: {report['layout']}")
     lines.append(f"FSDP backend: ring size {report['ring']} ({_fsdp.describe_ring(report['ring'])})")
     modules: dict[str, list[str]] = {}

@@ -16,7 +16,7 @@ import logging
 from cpshard.compat.verl import _fsdp, _layout, _patch
 from cpshard.compat.verl._patch import VerlPatch
 
-__all__ = ["activate"]
+__all__ = ["activate", "last_process_patch", "process_patch"]
 
 logger = logging.getLogger("cpshard.compat.verl")
 _PROCESS: list[VerlPatch | None] = [None]
@@ -48,7 +48,7 @@ def activate() -> VerlPatch:
         current = _PROCESS[0]
         if current is not None and current.active:
             return current
-        held = _patch.active()
+        held = VerlPatch.in_force()
         block = _layout.current()
         if held is not None:  # a with patch() block: its bindings become the process's
             logger.info("cpshard.compat.verl: switched on for this process; the patch in force is undone and "
@@ -69,3 +69,8 @@ def process_patch() -> VerlPatch | None:
     """The patch :func:`activate` made, while it is active."""
     current = _PROCESS[0]
     return current if current is not None and current.active else None
+
+
+def last_process_patch() -> VerlPatch | None:
+    """The patch :func:`activate` made last, in force or undone since (``enable.PATCH``)."""
+    return _PROCESS[0]

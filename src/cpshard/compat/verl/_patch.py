@@ -131,8 +131,10 @@ def _name(owner: Any) -> str:
 
 def active() -> VerlPatch | None:
     """The patch whose bindings are in place in this process (``cpshard.compat.verl.enable``'s, or a
-    ``with patch():`` block's), else None."""
-    return VerlPatch.in_force()
+    ``with patch():`` block's), else one undone but partly in force (``state == "partly in force"``: a
+    site another library wrapped still holds its wrapper over cpshard's, named in ``unrestored``), else
+    None."""
+    return VerlPatch.in_force() or VerlPatch.partly()
 
 
 def patch(layout: Layout | str | None = None, *, ring: int | None = None) -> VerlPatch:
@@ -206,7 +208,7 @@ def _patch(layout: Layout | str | None, scope: str, ring: int | None = None) -> 
         setting = _layout.Setting(True, override, source)
         version = verl_version()
         result = VerlPatch(version, _layout.describe(setting), _fsdp.ring_setting(ring))
-        if active() is not None:  # another patch holds the sites: only the layout, if given
+        if VerlPatch.in_force() is not None:  # another patch holds the sites: only the layout, if given
             if layout is not None:
                 result._previous = _layout.switch(setting)
             result.layout = _layout.describe()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
-from cpshard.base.layout import Layout, alignment, fp8_total_alignment, total_problem
+from cpshard.base.layout import Layout, alignment, fp8_total_alignment, require_equal_chunks, total_problem
 from cpshard.compat.verl import _rows
 from cpshard.compat.verl import _layout
 from cpshard.distributed.collectives import gather, gather_tokens
@@ -192,6 +192,7 @@ def _given_plan(plan: Any, kind: type[Any], cp_size: int | None, layout: Layout 
     if not isinstance(plan, kind):
         fail("plan", type(plan).__name__, f"must be a {kind.__name__}",
              f"build it with cpshard.compat.verl.{'thd_plan' if kind is ShardPlan else 'bshd_plan'}", kind=TypeError)
+    require_equal_chunks(plan, "verl's Megatron drop-ins (Megatron's THD attention)")
     if cp_size is not None and plan.cp_size != cp_size:
         fail("plan", repr(plan), f"is for cp_size={plan.cp_size}, not the {cp_size} ranks of this call",
              "build the plan for this context-parallel group")
