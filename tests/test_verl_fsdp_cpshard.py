@@ -13,7 +13,7 @@ heads runs at ``sp = 4`` as 2 ring x 2 Ulysses ranks: more SP ranks than heads, 
 that does not divide the heads, raise on every rank when the engine is built, naming ``CPSHARD_RING``;
 verl's padded path (``use_remove_padding=False``) raises on every rank at the micro-batch.
 
-All of issue's grid runs here (about a minute on two cores); nothing is left to run by hand.
+The whole grid runs here, in CI (about a minute on two cores); nothing is left to run by hand.
 """
 
 from __future__ import annotations
