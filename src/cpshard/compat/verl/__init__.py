@@ -25,8 +25,8 @@ lists those rows:
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
 ``_thd`` and ``_bshd`` (the drop-ins), ``_ulysses`` (the FSDP backend's six Ulysses helpers of
 ``verl/utils/ulysses.py``, at one ring rank, and inside a ring axis by the micro-batch's plan), ``_fsdp``
-(verl's FSDP engine on cpshard: its attention, ``CPSHARD_RING``'s ring axis), ``_layout`` (the layout of a site verl passes none),
-``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
+(verl's FSDP engine on cpshard: its attention, ``CPSHARD_RING``'s ring axis), ``_layout`` (the layout of a
+site verl passes none), ``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
 ``_rows`` (verl's per-row rules over the plan's segments), ``_pack`` (the packing drop-in
 :func:`rearrange_micro_batches`, and verl's own partition), ``_patch`` (:func:`patch`,
 :class:`VerlPatch`), ``_activation`` with ``enable`` and ``plugin`` (cpshard on in every process of a

@@ -26,9 +26,9 @@ def activate() -> VerlPatch:
     """Switch cpshard on in this process until ``undo()``: :func:`cpshard.compat.verl.patch`, once.
 
     Idempotent and thread-safe: every call returns the same :class:`VerlPatch` while it is active.
-    ``CPSHARD_LAYOUT`` and ``CPSHARD_RING`` are read (and checked: ``ValueError``) first; then verl is imported, outside the
-    lock (which may itself run this through ``VERL_USE_EXTERNAL_MODULES``: that inner call does the
-    work), then the patch binds under the lock. A ``with patch():`` block in force is taken over: its
+    ``CPSHARD_LAYOUT`` and ``CPSHARD_RING`` are read (and checked: ``ValueError``) first; then verl is
+    imported, outside the lock (which may itself run this through ``VERL_USE_EXTERNAL_MODULES``: that inner
+    call does the work), then the patch binds under the lock. A ``with patch():`` block in force is taken over: its
     bindings stay for the process, and its layout gives way to ``CPSHARD_LAYOUT``, the process's
     setting, which every process of a job reads alike (a block's ``patch(layout=...)`` override that
     differs is dropped, with a WARNING naming it and the variable to set). The ``cpshard.compat.verl``

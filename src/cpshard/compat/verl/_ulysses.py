@@ -40,8 +40,8 @@ from cpshard.base.errors import check_int, check_tensor, fail
 from cpshard.distributed.groups import read_group
 from cpshard.distributed.ulysses import all_gather_dim, exchange_dims
 
-__all__ = ["ULYSSES_DROP_INS", "gather_heads_scatter_seq", "ring_rows", "gather_outputs_and_unpad", "gather_seq_scatter_heads",
-           "slice_input_tensor", "ulysses_pad", "ulysses_pad_and_slice_inputs", "verl_group"]
+__all__ = ["ULYSSES_DROP_INS", "gather_heads_scatter_seq", "gather_outputs_and_unpad", "gather_seq_scatter_heads",
+           "ring_rows", "slice_input_tensor", "ulysses_pad", "ulysses_pad_and_slice_inputs", "verl_group"]
 
 
 _RING: list[Any] = []  # the two-axis rows of the micro-batch in force (ring_rows)
