@@ -5,8 +5,8 @@ tests/verl_fsdp_engine.py builds the engine as verl's ``TrainingWorker`` does (a
 a tiny random Qwen2 of 4 query and 2 key/value heads, verl's default gradient checkpointing). One gloo
 group of four ranks builds it at Ulysses degree ``sp = 1`` (four data-parallel ranks given the same
 micro-batch) and then, each inside ``patch(layout=..., ring=R)``, at every ``(sp, R)`` of
-:data:`CONFIGS`, and runs ``infer_batch`` and one ``forward_backward_batch`` on packed documents of 5, 11 and 7 tokens. Without cpshard verl is wrong at
-``sp = 2`` here (tests/test_verl_fsdp_engine.py); with it every log-prob, entropy, gradient and the grad
+:data:`CONFIGS`, and runs ``infer_batch`` and one ``forward_backward_batch`` on packed documents of 5,
+11 and 7 tokens. Without cpshard verl is wrong at ``sp = 2`` here (tests/test_verl_fsdp_engine.py); with it every log-prob, entropy, gradient and the grad
 norm equal ``sp = 1``'s to float32 rounding, on every rank, for both layouts. A second model of 2 query
 heads runs at ``sp = 4`` as 2 ring x 2 Ulysses ranks: more SP ranks than heads, which verl refuses
 (``num_attention_heads % sp``). The errors: a ring size that does not divide ``sp``, and a Ulysses axis
