@@ -1,17 +1,17 @@
 """verl 0.9.1's own FSDP engine under ``cpshard.compat.verl.patch()``, on gloo, on the CPU: plain Ulysses
 (``CPSHARD_RING`` 1) and a ring axis (``CPSHARD_RING`` 2 and 4) equal one process.
 
-tests/verl_fsdp_engine.py builds the engine as verl's ``TrainingWorker`` does (attention ``sdpa``, fp32,
-a tiny random Qwen2 of 4 query and 2 key/value heads, verl's default gradient checkpointing). One gloo
-group of four ranks builds it at Ulysses degree ``sp = 1`` (four data-parallel ranks given the same
-micro-batch) and then, each inside ``patch(layout=..., ring=R)``, at every ``(sp, R)`` of
-:data:`CONFIGS`, and runs ``infer_batch`` and one ``forward_backward_batch`` on packed documents of 5,
-11 and 7 tokens. Without cpshard verl is wrong at ``sp = 2`` here (tests/test_verl_fsdp_engine.py); with it every log-prob, entropy, gradient and the grad
-norm equal ``sp = 1``'s to float32 rounding, on every rank, for both layouts. A second model of 2 query
-heads runs at ``sp = 4`` as 2 ring x 2 Ulysses ranks: more SP ranks than heads, which verl refuses
-(``num_attention_heads % sp``). The errors: a ring size that does not divide ``sp``, and a Ulysses axis
-that does not divide the heads, raise on every rank when the engine is built, naming ``CPSHARD_RING``;
-verl's padded path (``use_remove_padding=False``) raises on every rank at the micro-batch.
+tests/verl_fsdp_engine.py builds the engine as verl's ``TrainingWorker`` does (attention ``sdpa``, fp32, a
+tiny random Qwen2 of 4 query and 2 key/value heads, verl's default gradient checkpointing). One gloo group of
+four ranks builds it at Ulysses degree ``sp = 1`` (four data-parallel ranks given the same micro-batch) and
+then, each inside ``patch(layout=..., ring=R)``, at every ``(sp, R)`` of :data:`CONFIGS`, and runs
+``infer_batch`` and one ``forward_backward_batch`` on packed documents of 5, 11 and 7 tokens. Without cpshard
+verl is wrong at ``sp = 2`` here (tests/test_verl_fsdp_engine.py); with it every log-prob, entropy, gradient
+and the grad norm equal ``sp = 1``'s to float32 rounding, on every rank, for both layouts. A second model of 2
+query heads runs at ``sp = 4`` as 2 ring x 2 Ulysses ranks: more SP ranks than heads, which verl refuses
+(``num_attention_heads % sp``). The errors: a ring size that does not divide ``sp``, and a Ulysses axis that
+does not divide the heads, raise on every rank when the engine is built, naming ``CPSHARD_RING``; verl's
+padded path (``use_remove_padding=False``) raises on every rank at the micro-batch.
 
 The whole grid runs here, in CI (about a minute on two cores); nothing is left to run by hand.
 """
