@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 GLOO = {"test_attention", "test_benchmarks", "test_distributed", "test_faults", "test_hf_distributed", "test_loss_distributed",
         "test_docs", "test_mtp_distributed", "test_readme", "test_relayout", "test_scan", "test_spawn",
         "test_torch_cp_distributed", "test_torchtitan", "test_ulysses_exchange", "test_verify", "test_verl_compat",
-        "test_verl_fsdp_engine", "test_verl_pack", "test_verl_ray",
+        "test_verl_fsdp_cpshard", "test_verl_fsdp_engine", "test_verl_pack", "test_verl_ray",
         "test_verl_ulysses"}
 
 

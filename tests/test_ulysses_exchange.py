@@ -93,3 +93,49 @@ def test_one_rank_and_local_refusals() -> None:
         exchange_dims(x, None, scatter_dim=1, gather_dim=3)
     with pytest.raises(ValueError, match="grad"):
         all_gather_dim(x, None, dim=1, grad="mean")
+
+
+def _axes_main(rank: int, world: int, ring: int, halves: bool) -> dict:
+    """Every process splits its own SP group (the world, or its half when ``halves``) into ``ring`` ring ranks."""
+    import torch.distributed as dist
+
+    from cpshard.distributed.axes import split_axes
+    from cpshard.distributed.groups import group_ranks
+
+    half = world // 2
+    groups = [dist.new_group(list(range(h * half, (h + 1) * half))) for h in range(2)]
+    sp = groups[rank // half] if halves else dist.group.WORLD
+    ring_group, ulysses_group = split_axes(sp, ring)
+    return {"ring": group_ranks(ring_group), "ulysses": group_ranks(ulysses_group)}
+
+
+@pytest.mark.parametrize("ring, halves", [(1, False), (2, False), (4, False), (2, True)])
+def test_split_axes_makes_the_two_axes_of_each_group(ring: int, halves: bool) -> None:
+    """Group rank ``r * U + u`` is ring rank ``r`` and Ulysses rank ``u``: the Ulysses groups are runs of ``U``
+    consecutive group ranks, the ring groups every ``U``-th; each process gets the two that hold it."""
+    world = 4
+    got = run_ranks(_axes_main, world, ring, halves)
+    for rank, axes in enumerate(got):
+        members = list(range(2 * (rank // 2), 2 * (rank // 2) + 2)) if halves else list(range(world))
+        u_size = len(members) // ring
+        i = members.index(rank)
+        r, u = divmod(i, u_size)
+        assert axes["ulysses"] == tuple(members[r * u_size:(r + 1) * u_size])
+        assert axes["ring"] == tuple(members[u::u_size])
+
+
+def _misfit_main(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from cpshard.distributed.axes import split_axes
+
+    try:
+        split_axes(dist.group.WORLD, 3)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_split_axes_refuses_a_ring_that_does_not_divide_the_group() -> None:
+    for message in run_ranks(_misfit_main, 2):
+        assert message.startswith("ring=3: must divide the size of the group (2 ranks)")

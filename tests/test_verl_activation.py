@@ -14,6 +14,7 @@ import importlib.metadata
 import itertools
 import logging
 import os
+import re
 import sys
 import threading
 import types
@@ -179,6 +180,33 @@ def test_an_invalid_layout_is_an_error_and_changes_nothing(monkeypatch):
     with pytest.raises(ValueError, match=r"^layout='ring': must be"):
         cv.patch(layout="ring")
     assert vutil.preprocess_thd_engine is original and cv.active() is None
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-2", "1.5", "true"])
+def test_an_invalid_ring_size_is_an_error_at_activation_and_changes_nothing(monkeypatch, value):
+    """``CPSHARD_RING`` that is not a positive integer: a ValueError naming the variable and the value, from
+    ``patch()`` and ``activate()``, before anything is bound (its fit to verl's SP size is checked when the
+    FSDP engine makes its groups: tests/test_verl_fsdp_cpshard.py)."""
+    import verl.utils.ulysses as vul
+
+    original = vul.gather_outputs_and_unpad
+    monkeypatch.setenv("CPSHARD_RING", value)
+    for call in (cv.patch, cv.activate):
+        with pytest.raises(ValueError, match=rf"^CPSHARD_RING='{re.escape(value)}': must be a positive integer"):
+            call()
+    monkeypatch.delenv("CPSHARD_RING")
+    with pytest.raises(ValueError, match=r"^ring=0: must be a positive integer"):
+        cv.patch(ring=0)
+    assert vul.gather_outputs_and_unpad is original and cv.active() is None
+
+
+def test_the_ring_size_is_the_patchs(monkeypatch):
+    monkeypatch.setenv("CPSHARD_RING", "2")
+    with cv.patch() as p:
+        assert p.ring == 2 and "ring 2" in repr(p)
+        assert "verl.utils.ulysses.gather_outputs_and_unpad" in p.bound
+    with cv.patch(ring=4) as p:  # the argument over the variable
+        assert p.ring == 4
 
 
 def test_a_site_that_cannot_import_is_skipped_with_its_reason(monkeypatch, caplog, capsys):
@@ -429,7 +457,8 @@ def test_what_a_fresh_process_logs_under_patch_and_activate():
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     records = [line.split("|", 1) for line in done.stderr.splitlines() if line.startswith(("INFO|", "WARNING|"))]
-    summary = [level for level, text in records if "calls cpshard at 29 sites (pid" in text]
+    # 29 Megatron sites and 22 of verl's Ulysses helpers (the FSDP engine's module needs `datasets`: skipped here)
+    summary = [level for level, text in records if "calls cpshard at 51 sites (pid" in text]
     assert summary == ["INFO"], done.stderr
     assert any(level == "WARNING" and text.startswith("cpshard.compat.verl: skipped ") for level, text in records)
     outside = {text.split(": ", 1)[1].split(" ", 1)[0]: level for level, text in records

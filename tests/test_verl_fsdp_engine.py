@@ -10,34 +10,21 @@ process, each document alone.
 - At ``sp = 1`` verl's numbers are the reference's to float32 rounding: the harness is sound.
 - At ``sp = 2`` with ``sdpa`` verl runs without an error and is wrong: its Ulysses hook replaces only
   transformers' flash-attention forward, so each rank attends over its own half of the packed row.
-  The test asserts that it is wrong (the numbers are in docs/verl.md); cpshard's patch (issue 43, item 2)
-  is to turn this into an equality.
+  The test asserts that it is wrong (the numbers are in docs/verl.md); under cpshard's patch it equals
+  ``sp = 1`` (tests/test_verl_fsdp_cpshard.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
-try:
-    import verl.utils.ulysses  # noqa: F401
-except ImportError as exc:  # scripts/setup.sh installs verl (constraints.txt, group verl); CI always runs these
-    pytest.skip(f"verl cannot be imported ({exc}); run scripts/setup.sh", allow_module_level=True)
-_MISSING = [m for m in ("transformers", "peft", "accelerate") if importlib.util.find_spec(m) is None]
-if _MISSING:
-    pytest.skip(f"verl's FSDP engine needs {', '.join(_MISSING)}, not installed here: run scripts/setup.sh",
-                allow_module_level=True)
+import verl_fsdp_engine as E
 
-import verl_fsdp_engine as E  # noqa: E402 - after the skip
-from cpshard.spawn import run_ranks  # noqa: E402
+E.skip_without_verl()
+from cpshard.spawn import run_ranks  # noqa: E402 - after the skip
 
-LENGTHS = [5, 11, 7]
-
-
-def _weights():
-    return torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(3))
+LENGTHS = E.LENGTHS
 
 
 def _both_degrees(rank, world, path):
@@ -46,26 +33,17 @@ def _both_degrees(rank, world, path):
     import verl_fsdp_engine as E
 
     E.install_cpu_platform()
-    out = {sp: E.step(E.build(path, sp=sp), LENGTHS, _weights()) for sp in (1, 2)}
+    out = {sp: E.step(E.build(path, sp=sp), LENGTHS, E.weights()) for sp in (1, 2)}
     with E.drop_ins_bound():
-        out["sp 2, drop-ins"] = E.step(E.build(path, sp=2), LENGTHS, _weights())
+        out["sp 2, drop-ins"] = E.step(E.build(path, sp=2), LENGTHS, E.weights())
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     path = E.save_tiny_qwen2(str(tmp_path_factory.mktemp("qwen2")))
-    reference = E.hf_reference(path, LENGTHS, _weights())
+    reference = E.hf_reference(path, LENGTHS, E.weights())
     return reference, run_ranks(_both_degrees, 2, path, timeout=300, collective_timeout=120)
-
-
-def _gap(a, b):
-    """The largest absolute difference, over tensors or dicts of them."""
-    if isinstance(a, dict):
-        return max(_gap(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor):
-        return (a - b).abs().max().item()
-    return abs(a - b)
 
 
 def _equal(a, b):
@@ -87,9 +65,9 @@ def test_engine_at_sp1_equals_one_process(runs):
     ref, ranks = runs
     for got in (r[1] for r in ranks):
         assert set(got["grads"]) == set(ref["grads"])
-        assert _gap(got["log_probs"], ref["log_probs"]) < 1e-5
-        assert _gap(got["entropy"], ref["entropy"]) < 1e-5
-        assert _gap(got["grads"], ref["grads"]) < 1e-5
+        assert E.gap(got["log_probs"], ref["log_probs"]) < 1e-5
+        assert E.gap(got["entropy"], ref["entropy"]) < 1e-5
+        assert E.gap(got["grads"], ref["grads"]) < 1e-5
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
 
 
@@ -97,17 +75,17 @@ def test_engine_at_sp2_with_sdpa_is_silently_wrong(runs):
     """Plain verl at sp 2, sdpa: no error, every rank agrees, and the numbers are not sp 1's (each rank's
     attention sees its own half of the packed row only). What cpshard's patch is to fix."""
     ref, ranks = runs
-    assert _gap(ranks[0][2], ranks[1][2]) == 0  # gathered: the ranks agree on the wrong values
+    assert E.gap(ranks[0][2], ranks[1][2]) == 0  # gathered: the ranks agree on the wrong values
     got = ranks[0][2]
-    assert _gap(got["log_probs"], ref["log_probs"]) > 1e-2
-    assert _gap(got["grads"], ref["grads"]) > 1e-2
+    assert E.gap(got["log_probs"], ref["log_probs"]) > 1e-2
+    assert E.gap(got["grads"], ref["grads"]) > 1e-2
     assert abs(got["grad_norm"] - ref["grad_norm"]) > 1e-3
     # the packed row (23 tokens, padded to 24) in halves of 12: rank 0 holds documents 0 and the first 7
     # tokens of document 1; rank 1 the last 4 of document 1, then document 2. Only those 4 lose the keys
     # before them, and only their rows are wrong.
     wrong = torch.zeros(sum(LENGTHS), dtype=torch.bool)
     wrong[12:16] = True
-    assert _gap(got["log_probs"][~wrong], ref["log_probs"][~wrong]) < 1e-5
+    assert E.gap(got["log_probs"][~wrong], ref["log_probs"][~wrong]) < 1e-5
     assert (got["log_probs"][wrong] - ref["log_probs"][wrong]).abs().min() > 1e-4
 
 
@@ -116,10 +94,10 @@ if __name__ == "__main__":  # the measurement docs/verl.md records: python tests
 
     with tempfile.TemporaryDirectory() as tmp:
         path = E.save_tiny_qwen2(tmp)
-        ref = E.hf_reference(path, LENGTHS, _weights())
+        ref = E.hf_reference(path, LENGTHS, E.weights())
         ranks = run_ranks(_both_degrees, 2, path, timeout=300, collective_timeout=120)
     for sp in (1, 2):
         got = ranks[0][sp]
-        print(f"sp={sp}: log-probs {_gap(got['log_probs'], ref['log_probs']):.3g}, entropy "
-              f"{_gap(got['entropy'], ref['entropy']):.3g}, gradients {_gap(got['grads'], ref['grads']):.3g} off; "
+        print(f"sp={sp}: log-probs {E.gap(got['log_probs'], ref['log_probs']):.3g}, entropy "
+              f"{E.gap(got['entropy'], ref['entropy']):.3g}, gradients {E.gap(got['grads'], ref['grads']):.3g} off; "
               f"grad norm {got['grad_norm']:.4f} (one process: {ref['grad_norm']:.4f})")

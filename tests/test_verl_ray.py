@@ -1,7 +1,8 @@
 """cpshard switched on in real Ray worker processes, configured only by ``runtime_env`` environment variables.
 
 A local ``ray.init(num_cpus=2)``; per setting (docs/verl.md, "cpshard in a verl job"):
-``VERL_USE_EXTERNAL_MODULES=cpshard.compat.verl.enable``, and the same with ``CPSHARD_LAYOUT=contiguous``,
+``VERL_USE_EXTERNAL_MODULES=cpshard.compat.verl.enable``, and the same with ``CPSHARD_LAYOUT=contiguous`` and
+``CPSHARD_RING=2`` (the FSDP backend's ring size, which each worker reports, with verl's Ulysses helpers bound),
 two actors import verl and report which of verl's sites are cpshard's; then they form a gloo group and
 run, through verl's module attributes, the patched ``preprocess_thd_engine`` / ``postprocess_thd_engine``
 (Megatron's CP group faked over the two actors, as ``tests/verl_fakes.py`` fakes it), the dynamic-CP
@@ -95,6 +96,7 @@ class Worker:
                 "skipped": None if patch is None else dict(patch.skipped),
                 "refused": None if patch is None else dict(patch.refused),
                 "layout": None if patch is None else patch.layout, "log": records,
+                "ring": None if patch is None else patch.ring,
                 "env": {k: os.environ.get(k) for k in ("VERL_USE_EXTERNAL_MODULES", "CPSHARD_LAYOUT")}}
 
     def run(self, rank, port):
@@ -215,7 +217,8 @@ def test_the_environment_switches_cpshard_on_in_every_worker():
             # a worker given no variable, started while the driver holds the block: reached by nothing
             control = _get([_start({}, 1)[0].report.remote(sites)], "the control worker")[0]
         assert driver.bound and control["bound"] is None and not any(control["which"].values())
-        for env, want in ((ENABLE, "zigzag"), ({**ENABLE, "CPSHARD_LAYOUT": "contiguous"}, "contiguous")):
+        for env, want in ((ENABLE, "zigzag"), ({**ENABLE, "CPSHARD_LAYOUT": "contiguous", "CPSHARD_RING": "2"},
+                                              "contiguous")):
             actors = _start(env, 2)
             reports = _get([a.report.remote(sites) for a in actors], f"importing verl with {env}")
             for rep in reports:
@@ -224,6 +227,8 @@ def test_the_environment_switches_cpshard_on_in_every_worker():
                 assert rep["bound"] == driver.bound and rep["skipped"] == driver.skipped and rep["refused"] == {}
                 assert rep["which"] == {site: site in driver.bound for site in sites}, rep["which"]
                 assert rep["layout"].startswith(want if "CPSHARD_LAYOUT" in env else "auto")
+                assert rep["ring"] == int(env.get("CPSHARD_RING", 1))  # the FSDP backend's ring size
+                assert "verl.utils.ulysses.gather_outputs_and_unpad" in rep["bound"]  # its Ulysses helpers
                 infos = [m for level, m in rep["log"] if level == "INFO" and "calls cpshard at" in m]
                 assert len(infos) == 1 and f"calls cpshard at {len(driver.bound)} sites for this process" in infos[0]
                 warned = {m for level, m in rep["log"] if level == "WARNING" and m.startswith("cpshard.compat.verl: "

@@ -357,3 +357,28 @@ def test_bad_arguments_raise_on_every_rank_naming_them(gloo):
         assert dim.startswith("ValueError: dim=5: must name a dimension of the tensor of shape (2, 3, 4)")
         assert outside.startswith("ValueError: group=" if rank else "ValueError: rank 0 is in the group")
         assert rank == 0 or "does not contain this process (global rank 1)" in outside
+
+
+def test_inside_a_ring_axis_the_helpers_without_two_axis_meaning_refuse():
+    """Under ``CPSHARD_RING=R > 1`` (the FSDP engine's micro-batch inside ``ring_rows``), the four helpers that
+    slice or exchange over verl's whole SP group raise naming the variable, and verl's pad-and-slice call
+    refuses another SP size or another row length; with ``group=`` given they are verl's as ever."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(num_tokens=6, local_len=4, tp_size=1)
+    rows = cv.RingRows(SimpleNamespace(ring_size=2, ulysses_size=1), SimpleNamespace(plan=plan), 2)
+    x = torch.arange(6)[None]
+    with cv.ring_rows(rows):
+        for call in (lambda: cv.slice_input_tensor(x, 1), lambda: cv.ulysses_pad(x, None, 2),
+                     lambda: cv.gather_seq_scatter_heads(torch.ones(1, 3, 2, 1), 1, 2),
+                     lambda: cv.gather_heads_scatter_seq(torch.ones(1, 6, 1, 1), 2, 1)):
+            with pytest.raises(ValueError, match=r"^CPSHARD_RING=2 \(ring\) x 1 \(Ulysses\): verl's \w+ has no "
+                                                 r"two-axis meaning"):
+                call()
+        with pytest.raises(ValueError, match=r"^sp_size=4: must be verl's SP size 2 under CPSHARD_RING=2"):
+            cv.ulysses_pad_and_slice_inputs(x, None, 4)
+        with pytest.raises(ValueError, match=r"^input_ids_rmpad=a tensor of shape \(1, 5\): must be the "
+                                             r"micro-batch's packed row \(1, 6\)"):
+            cv.ulysses_pad_and_slice_inputs(x[:, :5], None, 2)
+        with pytest.raises(ValueError, match=r"^x=a tensor of shape \(3,\) gathered along 0: must be this rank's 4"):
+            cv.gather_outputs_and_unpad(torch.ones(3), 0, 0, 0)

@@ -38,6 +38,35 @@ from typing import Any
 import torch
 
 VOCAB = 64
+LENGTHS = [5, 11, 7]  # the packed documents of the engine tests
+
+
+def skip_without_verl() -> None:
+    """Skip the calling test module where verl or its FSDP engine's packages are missing."""
+    import pytest
+
+    try:
+        import verl.utils.ulysses  # noqa: F401
+    except ImportError as exc:  # scripts/setup.sh installs verl (constraints.txt, group verl); CI always runs these
+        pytest.skip(f"verl cannot be imported ({exc}); run scripts/setup.sh", allow_module_level=True)
+    missing = [m for m in ("transformers", "peft", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"verl's FSDP engine needs {', '.join(missing)}, not installed here: run scripts/setup.sh",
+                    allow_module_level=True)
+
+
+def weights() -> torch.Tensor:
+    """One loss weight per token of :data:`LENGTHS`, the same in every configuration."""
+    return torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(3))
+
+
+def gap(a: Any, b: Any) -> float:
+    """The largest absolute difference, over tensors or dicts of them."""
+    if isinstance(a, dict):
+        return max(gap(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return (a - b).abs().max().item()
+    return abs(a - b)
 
 
 def skip_dataset_package_init() -> None:
@@ -143,15 +172,18 @@ def save_tiny_qwen2(path: str, *, seed: int = 0, heads: int = 4, kv_heads: int =
     return path
 
 
-def build(path: str, *, sp: int, clip_grad: float = 1e9) -> Any:
+def build(path: str, *, sp: int, clip_grad: float = 1e9, checkpointing: bool = True) -> Any:
     """verl's FSDP engine for the language model at ``path``, Ulysses degree ``sp``, as ``TrainingWorker``
-    builds it: ``EngineRegistry.new(...)`` then ``initialize()``. torch.distributed must be up."""
+    builds it: ``EngineRegistry.new(...)`` then ``initialize()``; ``checkpointing``: verl's
+    ``enable_gradient_checkpointing`` (its default: the layers' forward recomputed in the backward). torch.distributed
+    must be up."""
     install_cpu_platform()
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
 
     model_config = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True,
-                                 override_config={"attn_implementation": "sdpa"})
+                                 override_config={"attn_implementation": "sdpa"},
+                                 enable_gradient_checkpointing=checkpointing)
     model_config.model_type = "language_model"
     fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine_config = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=sp, use_torch_compile=False,
@@ -243,8 +275,8 @@ ULYSSES_BINDERS = {
 
 @contextlib.contextmanager
 def drop_ins_bound():
-    """cpshard's Ulysses drop-ins bound by hand where the FSDP engine's path takes verl's (a test's
-    binding: ``cpshard.compat.verl.patch()`` does not bind them yet), restored on exit."""
+    """cpshard's Ulysses drop-ins bound by hand where the FSDP engine's path takes verl's, and nothing else
+    (``cpshard.compat.verl.patch()`` binds them too, and makes the attention cpshard's), restored on exit."""
     from cpshard.compat import verl as cv
 
     saved = []

@@ -52,13 +52,14 @@ sed -e 's/^    rearrange_micro_batches,$//' \
 (cd "$WORK" && PYTHONPATH="$WORK/verl:$WORK/extra:$WORK" "$OLDPWD/$PY" -m pytest -q -p no:cacheprovider \
   test_prepare_micro_batches_with_group_size.py test_seqlen_balancing_cpshard.py 2>&1 | grep -E "^FAILED|passed|failed") || true
 # 3. verl's other CPU tests of the modules whose sites patch() binds (dynamic CP, MTP, router replay,
-#    the fused forward, packed padding), with patch() in force around every test, on the installed
+#    the fused forward, packed padding, the FSDP fused forwards' labels under Ulysses), with patch() in force around every test, on the installed
 #    megatron-core (verl main's model_forward_fused tests expect 0.19's GPTModel, not dev's or main's)
 echo "--- verl's tests of the patched modules, under patch()"
 mkdir -p "$WORK/sites"
 for f in tests/utils/test_megatron_mtp_dcp.py tests/utils/test_dynamic_cp_scheduler.py \
          tests/utils/test_megatron_router_replay_dcp.py tests/models/test_model_forward_fused.py \
-         tests/workers/test_packed_pad_to_length_on_cpu.py tests/utils/megatron/test_router_replay_model_walk_on_cpu.py; do
+         tests/workers/test_packed_pad_to_length_on_cpu.py tests/utils/megatron/test_router_replay_model_walk_on_cpu.py \
+         tests/models/test_fused_kernels_ulysses_sp_on_cpu.py; do
   cp "$VERL_TREE/$f" "$WORK/sites/"
 done
 # the dynamic-CP test imports verl's padding mask by name: it tests cpshard's instead

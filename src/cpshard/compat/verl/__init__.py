@@ -24,8 +24,9 @@ lists those rows:
 
 The package, one idea a module: ``_plans`` (the plans the drop-ins build, verl's dynamic-CP mask),
 ``_thd`` and ``_bshd`` (the drop-ins), ``_ulysses`` (the FSDP backend's six Ulysses helpers of
-``verl/utils/ulysses.py``, at one ring rank), ``_layout`` (the layout of a site verl passes none),
-``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
+``verl/utils/ulysses.py``, at one ring rank, and inside a ring axis by the micro-batch's plan), ``_fsdp``
+(verl's FSDP engine on cpshard: its attention, ``CPSHARD_RING``'s ring axis), ``_layout`` (the layout of a
+site verl passes none), ``sites`` (where the patch binds, and each site's checks), ``_mtp`` (the MTP loss's route),
 ``_rows`` (verl's per-row rules over the plan's segments), ``_pack`` (the packing drop-in
 :func:`rearrange_micro_batches`, and verl's own partition), ``_patch`` (:func:`patch`,
 :class:`VerlPatch`), ``_activation`` with ``enable`` and ``plugin`` (cpshard on in every process of a
@@ -46,6 +47,8 @@ from cpshard.compat.verl._bshd import (
     postprocess_bshd_engine,
     preprocess_bshd_engine,
 )
+from cpshard.compat.verl._fsdp import ENV as RING_ENV
+from cpshard.compat.verl._fsdp import RingRows
 from cpshard.compat.verl._layout import ENV as LAYOUT_ENV
 from cpshard.compat.verl._patch import VerlPatch, active, patch
 from cpshard.compat.verl._plans import bshd_plan, local_padding_mask, thd_plan
@@ -55,6 +58,7 @@ from cpshard.compat.verl._ulysses import (
     gather_heads_scatter_seq,
     gather_outputs_and_unpad,
     gather_seq_scatter_heads,
+    ring_rows,
     slice_input_tensor,
     ulysses_pad,
     ulysses_pad_and_slice_inputs,
@@ -68,6 +72,9 @@ from cpshard.compat.verl._thd import (
 
 __all__ = [
     "LAYOUT_ENV",
+    "RING_ENV",
+    "RingRows",
+    "ring_rows",
     "ULYSSES_DROP_INS",
     "VerlPatch",
     "activate",

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cpshard.compat._report import held_or_trial, report_main, state_line
-from cpshard.compat.verl import _activation, _patch
+from cpshard.compat.verl import _activation, _fsdp, _patch
 from cpshard.compat.verl._plans import verl_version
 
 __all__ = ["main", "status"]
@@ -44,11 +44,11 @@ def status() -> dict[str, Any]:
     """What cpshard binds here: ``on`` (whether a patch is in force in this process after ``import verl``),
     ``state`` (``"in force"``, ``"partly in force"``: undone, but a site another library wrapped still
     holds its wrapper over cpshard's, named in ``unrestored``; ``"off"``), ``by``, ``verl``, ``layout``,
-    ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of the whole patch, or verl's import
-    error), ``entry_point``."""
+    ``ring`` (the FSDP backend's ring size), ``bound``, ``skipped``, ``refused``, ``error`` (a refusal of
+    the whole patch, or verl's import error), ``entry_point``."""
     out: dict[str, Any] = {"by": _switched_on_by(), "entry_point": _entry_point(), "on": False, "state": "off",
-                           "verl": None, "layout": None, "bound": [], "skipped": {}, "refused": {}, "unrestored": {},
-                           "error": None}
+                           "verl": None, "layout": None, "ring": None, "bound": [], "skipped": {}, "refused": {},
+                           "unrestored": {}, "error": None}
     try:
         import verl
 
@@ -61,8 +61,8 @@ def status() -> dict[str, Any]:
             out["verl"] = verl_version()
             out["error"] = f"cpshard's activation (run by `import verl`: {out['by']}): {out['error']}"
         return out
-    out.update(layout=held.layout, bound=list(held.bound), skipped=dict(held.skipped), refused=dict(held.refused),
-               unrestored=dict(held.unrestored))
+    out.update(layout=held.layout, ring=held.ring, bound=list(held.bound), skipped=dict(held.skipped),
+               refused=dict(held.refused), unrestored=dict(held.unrestored))
     out["process"] = _activation.process_patch() is held
     return out
 
@@ -89,11 +89,11 @@ def _text(report: dict[str, Any]) -> str:
                  + f" {len(report['bound'])} sites")
     lines += state_line(report)
     lines.append(f"layout: {report['layout']}")
+    lines.append(f"FSDP backend: ring size {report['ring']} ({_fsdp.describe_ring(report['ring'])})")
     modules: dict[str, list[str]] = {}
     for site in report["bound"]:
-        cut = 2 if ".MegatronEngine." in site else 1  # a class's method: module, then Class.method
-        owner, name = site.rsplit(".", cut)[0], ".".join(site.rsplit(".", cut)[1:])
-        modules.setdefault(owner, []).append(name)
+        owner = _patch.owner(site)  # a class's method: module, then Class.method
+        modules.setdefault(owner, []).append(site[len(owner) + 1:])
     lines += [f"  {owner} ({len(names)}): {', '.join(names)}" for owner, names in modules.items()]
     for what in ("skipped", "refused"):
         lines.append(f"{what}: {len(report[what])}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from cpshard.compat.verl import _layout, _patch
+from cpshard.compat.verl import _fsdp, _layout, _patch
 from cpshard.compat.verl._patch import VerlPatch
 
 __all__ = ["activate", "last_process_patch", "process_patch"]
@@ -26,9 +26,9 @@ def activate() -> VerlPatch:
     """Switch cpshard on in this process until ``undo()``: :func:`cpshard.compat.verl.patch`, once.
 
     Idempotent and thread-safe: every call returns the same :class:`VerlPatch` while it is active.
-    ``CPSHARD_LAYOUT`` is read (and checked: ``ValueError``) first; then verl is imported, outside the
-    lock (which may itself run this through ``VERL_USE_EXTERNAL_MODULES``: that inner call does the
-    work), then the patch binds under the lock. A ``with patch():`` block in force is taken over: its
+    ``CPSHARD_LAYOUT`` and ``CPSHARD_RING`` are read (and checked: ``ValueError``) first; then verl is
+    imported, outside the lock (which may itself run this through ``VERL_USE_EXTERNAL_MODULES``: that inner
+    call does the work), then the patch binds under the lock. A ``with patch():`` block in force is taken over: its
     bindings stay for the process, and its layout gives way to ``CPSHARD_LAYOUT``, the process's
     setting, which every process of a job reads alike (a block's ``patch(layout=...)`` override that
     differs is dropped, with a WARNING naming it and the variable to set). The ``cpshard.compat.verl``
@@ -39,6 +39,7 @@ def activate() -> VerlPatch:
     if current is not None and current.active:
         return current
     _layout.setting()  # a clear error before anything is imported or bound
+    _fsdp.ring_setting()
     _patch.show_info()
     # verl first, outside the lock: its import may run this activation (its external modules), which
     # takes the lock; holding it here while another thread imports verl would deadlock

@@ -18,21 +18,26 @@ from typing import Any
 from cpshard.base.errors import fail
 from cpshard.base.layout import Layout
 from cpshard.compat._binding import MISSING, Bindings
-from cpshard.compat.verl import _layout
+from cpshard.compat.verl import _fsdp, _layout
 from cpshard.compat.verl._mtp import SITE as MTP_SITE
 from cpshard.compat.verl._mtp import mtp_module, route_mtp_loss
 from cpshard.compat.verl._plans import WRITTEN_FOR, verl_version
+from cpshard.compat.verl._ulysses import ULYSSES_DROP_INS
 from cpshard.compat.verl.sites import (
     BINDERS,
     DROP_INS,
     REQUIRED,
+    ULYSSES,
+    ULYSSES_BINDERS,
     UTIL,
     WRAPS,
     cannot_import,
     describe,
+    fsdp_sites,
     import_site,
     optional_sites,
     positional,
+    ulysses_names,
 )
 
 __all__ = ["LOCK", "VerlPatch", "active", "patch", "show_info"]
@@ -55,6 +60,7 @@ class VerlPatch(Bindings):
             parameters than the drop-in follows.
         replaced: every attribute changed, ``bound`` plus the MTP loss's two switches.
         layout: the layout rule in force for sites verl passes no ``cp_layout`` (in words).
+        ring: the ring size of verl's FSDP engine (``CPSHARD_RING``; 1: plain Ulysses).
         verl_version: the installed verl's.
         active: whether the bindings are in place (False after ``undo()``, and for a patch made while
             another holds them: it binds nothing, and its ``undo()`` only restores the layout it set).
@@ -63,10 +69,12 @@ class VerlPatch(Bindings):
     _framework = "verl"
     _lock = LOCK
 
-    def __init__(self, version: str, layout: str) -> None:
+    def __init__(self, version: str, layout: str, ring: int = 1) -> None:
         super().__init__()
         self.verl_version = version
         self.layout = layout
+        self.ring = ring
+        self._ring: int | None = None  # the ring size this patch replaced
         self.refused: dict[str, str] = {}
         self.replaced: list[str] = []
         self._verls: dict[int, tuple[Any, Any]] = {}  # id(drop-in) -> (drop-in, verl's function)
@@ -75,7 +83,7 @@ class VerlPatch(Bindings):
 
     def __repr__(self) -> str:
         return (f"VerlPatch(verl {self.verl_version}, {'active' if self.active else 'inactive'}: {len(self.bound)} "
-                f"bound, {len(self.skipped)} skipped, {len(self.refused)} refused)")
+                f"bound, {len(self.skipped)} skipped, {len(self.refused)} refused; ring {self.ring})")
 
     def _replace(self, owner: Any, name: str, new: Any, site: str | None) -> None:
         self._save(owner, name, new)
@@ -102,6 +110,9 @@ class VerlPatch(Bindings):
         super().undo()
 
     def _release(self) -> None:
+        if self._ring is not None:
+            _fsdp.set_ring(self._ring)
+            self._ring = None
         if self._previous is not None:
             _layout.switch(self._previous)
             self._previous = None
@@ -126,7 +137,7 @@ def active() -> VerlPatch | None:
     return VerlPatch.in_force() or VerlPatch.partly()
 
 
-def patch(layout: Layout | str | None = None) -> VerlPatch:
+def patch(layout: Layout | str | None = None, *, ring: int | None = None) -> VerlPatch:
     """Make a running verl call cpshard's drop-ins, in this process; also a context manager that undoes itself.
 
     This process only: verl trains in Ray worker processes, which a ``with patch():`` in the driver
@@ -136,7 +147,11 @@ def patch(layout: Layout | str | None = None) -> VerlPatch:
     Imports megatron-core without Triton first (:mod:`cpshard.megatron._import`), then binds the
     sites of :mod:`cpshard.compat.verl.sites`: util's eight helpers where verl binds them, the MTP
     loss, ``rearrange_micro_batches``, verl's dynamic-CP padding mask, and a wrapper of the Megatron
-    engine's ``forward_backward_batch`` that tells the sites verl passes no layout the model's.
+    engine's ``forward_backward_batch`` that tells the sites verl passes no layout the model's; for
+    verl's FSDP backend, its six Ulysses helpers where verl binds them (``verl.utils.ulysses`` and the
+    modules of :data:`~cpshard.compat.verl.sites.ULYSSES_BINDERS`) and four wrappers of the FSDP engine
+    (:data:`~cpshard.compat.verl.sites.FSDP`: its attention becomes cpshard's, with a ring axis of
+    ``ring`` ranks; docs/verl.md, "FSDP backend").
     Checks first, changing nothing on failure (``ValueError`` naming the verl version and the site):
     util's helpers must exist with verl's positional parameters, verl's Megatron path
     (:data:`~cpshard.compat.verl.sites.REQUIRED`) must import, and no site may bind another object
@@ -150,6 +165,9 @@ def patch(layout: Layout | str | None = None) -> VerlPatch:
         layout: the override for the sites verl passes no ``cp_layout`` (``"zigzag"``,
             ``"contiguous"``, ``"auto"``); None reads ``CPSHARD_LAYOUT`` (default ``auto``: the model's
             layout inside verl's Megatron engine, else zigzag). An invalid value is a ``ValueError``.
+        ring: the ring ranks of verl's FSDP Ulysses group (a divisor of its
+            ``ulysses_sequence_parallel_size``, checked when the engine makes its groups); None reads
+            ``CPSHARD_RING`` (default 1: plain Ulysses). Not a positive integer: ``ValueError``.
 
     Returns:
         :class:`VerlPatch` (``bound``, ``skipped``, ``refused``). Where another patch already holds the
@@ -161,9 +179,10 @@ def patch(layout: Layout | str | None = None) -> VerlPatch:
         with cpverl.patch() as p:          # in one process (a test, a single-process run)
             print(p.bound, p.skipped)
     """
+    _fsdp.ring_setting(ring)  # a clear error before anything is imported
     show_info()
     _import_verl()
-    return _patch(layout, "")
+    return _patch(layout, "", ring)
 
 
 def show_info() -> None:
@@ -183,12 +202,12 @@ def _import_verl() -> None:
         pass  # patch() names what is missing when it imports verl's Megatron path
 
 
-def _patch(layout: Layout | str | None, scope: str) -> VerlPatch:
+def _patch(layout: Layout | str | None, scope: str, ring: int | None = None) -> VerlPatch:
     with LOCK:
         override, source = _layout.setting(layout)
         setting = _layout.Setting(True, override, source)
         version = verl_version()
-        result = VerlPatch(version, _layout.describe(setting))
+        result = VerlPatch(version, _layout.describe(setting), _fsdp.ring_setting(ring))
         if VerlPatch.in_force() is not None:  # another patch holds the sites: only the layout, if given
             if layout is not None:
                 result._previous = _layout.switch(setting)
@@ -204,13 +223,14 @@ def _patch(layout: Layout | str | None, scope: str) -> VerlPatch:
         verls = _check_util(util, version)
         sites = _check_binders(modules, verls, version, result)
         mtp, reason = mtp_module(version)
-        optional = [(opt, *opt.check()) for opt in optional_sites(_engine_hook)]
+        optional = [(opt, *opt.check()) for opt in [*optional_sites(_engine_hook), *fsdp_sites(_fsdp.hooks())]]
         try:  # every check passed: bind (and on an unforeseen error, put back what was bound)
             _bind(result, sites, verls, mtp, reason, optional)
         except BaseException:
             result.active = True
             result.undo()
             raise
+        result._ring = _fsdp.set_ring(result.ring)
         result._previous = _layout.switch(setting)
         result._hold()
         _log(result, scope)
@@ -227,6 +247,7 @@ def _bind(result: VerlPatch, sites: list[tuple[ModuleType, str]], verls: dict[st
         route_mtp_loss(result._replace, mtp)
     else:
         result.skipped[MTP_SITE] = reason
+    _bind_ulysses(result)
     for opt, owner, bound, what, why in optional:
         if what != "bind":
             (result.skipped if what == "skipped" else result.refused)[opt.site] = why
@@ -235,6 +256,33 @@ def _bind(result: VerlPatch, sites: list[tuple[ModuleType, str]], verls: dict[st
         result._replace(owner, opt.attr, new, opt.site)
         if not opt.wrap:
             result._verls.setdefault(id(new), (new, bound))
+
+
+def _bind_ulysses(result: VerlPatch) -> None:
+    """verl's six Ulysses helpers, where verl binds them (:data:`~cpshard.compat.verl.sites.ULYSSES_BINDERS`).
+    A module that does not import is skipped; helpers with other positional parameters are refused, all six."""
+    util, exc = import_site(ULYSSES)
+    if util is None:
+        result.skipped[f"{ULYSSES}.*"] = cannot_import(ULYSSES, exc)
+        return
+    verls = {name: getattr(util, name, None) for name in ULYSSES_DROP_INS}
+    odd = [name for name, fn in ULYSSES_DROP_INS.items()
+           if verls[name] is None or positional(verls[name]) != positional(fn)]
+    if odd:
+        result.refused[f"{ULYSSES}.*"] = (f"this verl's {', '.join(odd)} take other parameters than cpshard's drop-ins "
+                                          f"(written for verl {WRITTEN_FOR}); the FSDP backend is left as it is")
+        return
+    modules = {}
+    for name in ULYSSES_BINDERS:  # every module imported before any binding: each takes verl's helpers
+        module, exc = import_site(name)
+        if module is None:
+            result.skipped[f"{name}.*"] = cannot_import(name, exc)
+        else:
+            modules[name] = module
+    for name, module in modules.items():
+        for attr in ulysses_names(module, verls):
+            result._replace(module, attr, ULYSSES_DROP_INS[attr], f"{name}.{attr}")
+    result._verls.update({id(fn): (fn, verls[name]) for name, fn in ULYSSES_DROP_INS.items()})
 
 
 def _import_binders(version: str, result: VerlPatch) -> dict[str, ModuleType]:
@@ -323,14 +371,21 @@ def _import_megatron_for_verl(version: str) -> None:
              INSTALL_HINT.replace("megatron-core is not installed. ", "install it: "))
 
 
+def owner(site: str) -> str:
+    """The module of a site (a class's method: the module before the class)."""
+    parts = site.split(".")
+    cut = next((i for i, p in enumerate(parts) if p[:1].isupper()), len(parts) - 1)
+    return ".".join(parts[:cut])
+
+
 def _log(result: VerlPatch, scope: str) -> None:
     """One INFO line of what was bound (DEBUG once a process has logged one), a WARNING per site left out."""
-    modules = Counter(site.rsplit(".", 2 if ".MegatronEngine." in site else 1)[0] for site in result.bound)
+    modules = Counter(owner(site) for site in result.bound)
     where = ", ".join(f"{m} {n}" for m, n in modules.items())
     (logger.debug if _LOGGED[0] and not scope else logger.info)(
-        "cpshard.compat.verl: verl %s calls cpshard at %d sites%s (pid %d; %s); layout: %s; %d skipped, %d refused",
-        result.verl_version, len(result.bound), scope, os.getpid(), where, result.layout, len(result.skipped),
-        len(result.refused))
+        "cpshard.compat.verl: verl %s calls cpshard at %d sites%s (pid %d; %s); layout: %s; FSDP ring size %d "
+        "(%s); %d skipped, %d refused", result.verl_version, len(result.bound), scope, os.getpid(), where,
+        result.layout, result.ring, _fsdp.describe_ring(result.ring), len(result.skipped), len(result.refused))
     _LOGGED[0] = True
     for what, sites in (("skipped", result.skipped), ("refused", result.refused)):
         for site, reason in sites.items():

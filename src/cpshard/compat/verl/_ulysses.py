@@ -19,8 +19,10 @@ is not importable), else none: the collective helpers then return their input, a
 ``slice_input_tensor`` (like verl) slices by the world group's size at rank 0.
 
 The collectives run in :mod:`cpshard.distributed.ulysses` (``exchange_dims``, ``all_gather_dim``).
-A ring axis (``CPSHARD_RING``, issue 43) extends these functions; here the whole group is the
-Ulysses axis.
+With a ring axis (``CPSHARD_RING=R``, :mod:`cpshard.compat.verl._fsdp`) the FSDP engine's micro-batch
+runs inside :func:`ring_rows`: then ``ulysses_pad_and_slice_inputs`` and ``gather_outputs_and_unpad``
+called without ``group=`` cut and restore by the micro-batch's two-axis plan instead, and the four others
+raise (verl's group is then both axes: its slices and exchanges would not match the plan's rows).
 
 Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/utils/ulysses.py``,
 ``verl/workers/engine/fsdp/transformer_impl.py``, ``verl/models/transformers/monkey_patch.py``.
@@ -28,6 +30,8 @@ Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/utils/u
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,7 +41,30 @@ from cpshard.distributed.groups import read_group
 from cpshard.distributed.ulysses import all_gather_dim, exchange_dims
 
 __all__ = ["ULYSSES_DROP_INS", "gather_heads_scatter_seq", "gather_outputs_and_unpad", "gather_seq_scatter_heads",
-           "slice_input_tensor", "ulysses_pad", "ulysses_pad_and_slice_inputs", "verl_group"]
+           "ring_rows", "slice_input_tensor", "ulysses_pad", "ulysses_pad_and_slice_inputs", "verl_group"]
+
+
+_RING: list[Any] = []  # the two-axis rows of the micro-batch in force (ring_rows)
+
+
+@contextlib.contextmanager
+def ring_rows(rows: Any) -> Iterator[None]:
+    """Inside, the helpers called without ``group=`` follow ``rows`` (``slice``, ``gather``, ``refuse``:
+    :class:`cpshard.compat.verl.RingRows`)."""
+    _RING.append(rows)
+    try:
+        yield
+    finally:
+        _RING.remove(rows)
+
+
+def _ring(group: Any, fn: str) -> Any:
+    """The ring rows in force for a call without ``group=``; the four helpers that have no two-axis
+    meaning refuse (``fn``)."""
+    rows = _RING[-1] if _RING and group is None else None
+    if rows is not None and fn:
+        rows.refuse(fn)
+    return rows
 
 
 def verl_group() -> Any:
@@ -100,6 +127,8 @@ def ulysses_pad(
         ``pad`` is 0.
     """
     check_tensor("input_ids_rmpad", input_ids_rmpad)
+    if sp_size > 1:
+        _ring(None, "ulysses_pad")
     if position_ids_rmpad is not None:
         check_tensor("position_ids_rmpad", position_ids_rmpad)
         if position_ids_rmpad.dim() < 2 or position_ids_rmpad.size(-2) != 1:
@@ -136,6 +165,7 @@ def slice_input_tensor(x: torch.Tensor, dim: int, padding: bool = True, group: A
     """
     check_tensor("x", x)
     dim = _dim(x, "dim", dim)
+    _ring(group, "slice_input_tensor")
     group = _group(group)
     n = _read(group, "size", "slice_input_tensor")
     rank = 0 if group is None else _read(group, "rank", "slice_input_tensor")
@@ -157,7 +187,11 @@ def ulysses_pad_and_slice_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """:func:`ulysses_pad`, then this rank's piece of dimension 1 of the ids (and of the positions unless
     ``skip_position_ids_rmpad``) by :func:`slice_input_tensor` with verl's group (verl's
-    ``ulysses_pad_and_slice_inputs``). Returns ``(ids, positions, pad)``."""
+    ``ulysses_pad_and_slice_inputs``). Returns ``(ids, positions, pad)``. Inside :func:`ring_rows`: this
+    rank's rows of the micro-batch's two-axis plan, pad 0 (the plan's pad rows are its own)."""
+    rows = _ring(None, "")
+    if rows is not None:
+        return rows.slice(input_ids_rmpad, position_ids_rmpad, sp_size, skip_position_ids_rmpad, pad_value)
     input_ids_rmpad, position_ids_rmpad, pad = ulysses_pad(input_ids_rmpad, position_ids_rmpad, sp_size,
                                                            pad_value=pad_value)
     input_ids_rmpad = slice_input_tensor(input_ids_rmpad, dim=1, padding=False)
@@ -177,7 +211,11 @@ def gather_outputs_and_unpad(
     """Every rank's ``x`` concatenated along ``gather_dim`` in group order, then the last
     ``padding_size`` rows of ``unpad_dim`` dropped (verl's ``gather_outputs_and_unpad``). ``x`` itself
     where no group is given or set. Gradient, as verl's ``Gather``: this rank's own slice of its own
-    gradient, times the group size where ``grad_scaler`` (no sum over the ranks)."""
+    gradient, times the group size where ``grad_scaler`` (no sum over the ranks). Inside
+    :func:`ring_rows` (no ``group=``): the two-axis plan's restore, then the same unpad and gradient."""
+    rows = _ring(group, "")
+    if rows is not None:
+        return rows.gather(x, gather_dim, unpad_dim, padding_size, grad_scaler)
     group = _group(group)
     if group is None:
         return x
@@ -206,6 +244,7 @@ def gather_seq_scatter_heads(
     ``[.., S, H/n, ..]``, then cut to ``unpadded_dim_size`` rows of ``seq_dim`` where that is not a
     multiple of the group size. ``x`` itself where no group is given or set. Backward: the inverse
     exchange."""
+    _ring(group, "gather_seq_scatter_heads")
     group = _group(group)
     if not group:
         return x
@@ -223,6 +262,7 @@ def gather_heads_scatter_seq(x: torch.Tensor, head_dim: int, seq_dim: int, group
     """Ulysses' exchange after attention (verl's ``gather_heads_scatter_seq``): ``[.., S, H/n, ..]`` ->
     ``[.., S/n, H, ..]``, ``seq_dim`` zero-padded to a multiple of the group size first. ``x`` itself
     where no group is given or set. Backward: the inverse exchange."""
+    _ring(group, "gather_heads_scatter_seq")
     group = _group(group)
     if not group:
         return x
@@ -232,7 +272,7 @@ def gather_heads_scatter_seq(x: torch.Tensor, head_dim: int, seq_dim: int, group
     return exchange_dims(x, group, scatter_dim=seq_dim, gather_dim=head_dim)
 
 
-#: verl's six helpers in ``verl.utils.ulysses``, by name -> the drop-ins (not bound by ``patch()`` yet)
+#: verl's six helpers in ``verl.utils.ulysses``, by name -> the drop-ins (``patch()`` binds them)
 ULYSSES_DROP_INS = {fn.__name__: fn for fn in (ulysses_pad, ulysses_pad_and_slice_inputs, slice_input_tensor,
                                                gather_outputs_and_unpad, gather_seq_scatter_heads,
                                                gather_heads_scatter_seq)}

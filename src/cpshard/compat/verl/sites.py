@@ -8,6 +8,11 @@ dynamic-CP padding mask one (:data:`DCP`); the MTP loss one (:data:`MTP`, with t
 it); and the Megatron engine's ``forward_backward_batch`` one (:data:`ENGINE`: wrapped so that the
 sites verl passes no layout learn the model's, :mod:`cpshard.compat.verl._layout`).
 
+The FSDP backend: verl's six Ulysses helpers (``verl.utils.ulysses``) have a site in that module and in
+every module that binds them by name (:data:`ULYSSES_BINDERS`: each binds the helpers it holds that are
+verl's), and the FSDP engine four wrapped ones (:data:`FSDP`, Note [verl's FSDP engine on cpshard] in
+:mod:`cpshard.compat.verl._fsdp`).
+
 What can happen to a site: **bound** (verl now calls cpshard there), **skipped** (its module does
 not import here, or this verl does not bind the name there: the reason is the ImportError's text or
 says which), **refused** (it binds a function with other parameters than the drop-in follows: left
@@ -17,7 +22,10 @@ changes, and a failure there stops the patch (:func:`cpshard.compat.verl.patch`)
 Sources read (not copied): verl 0.9.1's and verl main's (1dda039) ``verl/models/mcore/*.py``,
 ``verl/utils/seqlen_balancing.py``, ``verl/workers/engine/utils.py``,
 ``verl/workers/engine/megatron/transformer_impl.py``, ``verl/utils/dynamic_cp_scheduler.py``,
-``verl/utils/megatron/router_replay_utils.py``, ``verl/trainer/distillation/megatron/losses.py``.
+``verl/utils/megatron/router_replay_utils.py``, ``verl/trainer/distillation/megatron/losses.py``; for
+the FSDP backend ``verl/utils/ulysses.py``, ``verl/workers/engine/fsdp/transformer_impl.py``,
+``verl/models/transformers/*.py``, ``verl/trainer/distillation/fsdp/losses.py``,
+``verl/workers/engine/veomni/transformer_impl.py``.
 """
 
 from __future__ import annotations
@@ -29,12 +37,14 @@ from types import ModuleType
 from typing import Any
 
 from cpshard.compat._binding import MISSING
+from cpshard.compat.verl._ulysses import ULYSSES_DROP_INS
 from cpshard.compat.verl._pack import rearrange_micro_batches
 from cpshard.compat.verl import _bshd, _thd
 from cpshard.compat.verl._plans import local_padding_mask
 
-__all__ = ["BINDERS", "DCP", "DROP_INS", "ENGINE", "MISSING", "MTP", "PACK_SITES", "REQUIRED", "UTIL", "OptionalSite",
-           "WRAPS", "cannot_import", "describe", "import_site", "optional_sites", "positional"]
+__all__ = ["BINDERS", "DCP", "DROP_INS", "ENGINE", "FSDP", "FSDP_ENGINE", "MISSING", "MTP", "PACK_SITES", "REQUIRED",
+           "ULYSSES", "ULYSSES_BINDERS", "UTIL", "OptionalSite", "WRAPS", "cannot_import", "describe", "fsdp_sites",
+           "import_site", "optional_sites", "positional", "ulysses_names"]
 
 #: verl's eight helpers in ``verl.models.mcore.util``, by name -> the drop-ins
 DROP_INS: dict[str, Callable[..., Any]] = {
@@ -64,6 +74,26 @@ MTP = "verl.models.mcore.mtp_patch"
 PACK_SITES = ("verl.utils.seqlen_balancing", "verl.workers.engine.utils")
 DCP = "verl.utils.dynamic_cp_scheduler"
 ENGINE = "verl.workers.engine.megatron.transformer_impl"
+ULYSSES = "verl.utils.ulysses"
+FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+# Where verl binds its Ulysses helpers by name, verl.utils.ulysses first (verl 0.9.1 and main): each module's
+# names are the helpers it holds (ULYSSES_DROP_INS' names whose value is verl's function). The FSDP engine,
+# the distillation losses and veomni import HF `datasets` (verl.utils.dataset): skipped where it is missing.
+ULYSSES_BINDERS: tuple[str, ...] = (
+    ULYSSES, FSDP_ENGINE, "verl.models.transformers.monkey_patch",
+    *(f"verl.models.transformers.{m}" for m in ("qwen2", "llama", "apertus", "qwen2_vl", "glm4v", "kimi_vl",
+                                                "qwen3_5")),
+    "verl.trainer.distillation.fsdp.losses", "verl.workers.engine.veomni.transformer_impl",
+)
+# The FSDP engine's wrapped sites: (module, class or None, attribute, verl 0.9.1's positional parameters)
+FSDP: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
+    (FSDP_ENGINE, None, "apply_monkey_patch", ("model", "ulysses_sp_size", "use_remove_padding", "use_fused_kernels",
+                                               "fused_kernels_backend", "use_prefix_grouper", "use_tiled_mlp",
+                                               "tiled_mlp_shards")),
+    (FSDP_ENGINE, "FSDPEngine", "_init_device_mesh", ("self",)),
+    (FSDP_ENGINE, "FSDPEngineWithLMHead", "prepare_model_inputs", ("self", "micro_batch")),
+    (FSDP_ENGINE, "FSDPEngine", "forward_backward_batch", ("self", "data", "loss_function", "forward_only")),
+)
 WRAPS = "__cpshard_wraps__"  # the attribute of a cpshard wrapper that holds verl's function it wraps
 
 
@@ -129,6 +159,24 @@ def optional_sites(engine_hook: Callable[..., Any]) -> list[OptionalSite]:
                           ["self", "data", "loss_function", "forward_only"], "verl 0.9.1's", cls="MegatronEngine",
                           wrap=True)
     return [*pack, dcp, engine]
+
+
+def fsdp_sites(hooks: dict[str, Callable[..., Any]]) -> list[OptionalSite]:
+    """The FSDP engine's wrapped sites (:data:`FSDP`); ``hooks``: ``{attribute: wrapper maker}``."""
+    def marked(make: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper_of(original: Any) -> Any:
+            wrapper = make(original)
+            setattr(wrapper, WRAPS, original)
+            return wrapper
+        return wrapper_of
+
+    return [OptionalSite(module, attr, marked(hooks[attr]), positional, list(want), "verl 0.9.1's", cls=cls,
+                         wrap=True) for module, cls, attr, want in FSDP]
+
+
+def ulysses_names(module: ModuleType, verls: dict[str, Any]) -> list[str]:
+    """The Ulysses helpers ``module`` binds by name that are verl's (``verls``: name -> verl's function)."""
+    return [name for name in ULYSSES_DROP_INS if name in vars(module) and vars(module)[name] is verls.get(name)]
 
 
 def import_site(name: str) -> tuple[ModuleType | None, Exception | None]:
