@@ -257,8 +257,8 @@ def mesh_hook(original: Any) -> Any:
         if sp > 1:
             layout = _layout.current().override
             layout = "zigzag" if layout is None else layout.value
-            if ring == 1:
-                seq = SequenceParallel(None, self.ulysses_parallel_group, layout=layout)
+            if ring == 1:  # verl's own slicing (EngineAxes.enter): consecutive pieces, the pad at the end
+                seq = SequenceParallel(None, self.ulysses_parallel_group, layout="contiguous", padding="minimal")
             else:
                 from cpshard.distributed.axes import split_axes
 
