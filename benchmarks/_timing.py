@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import random
 import statistics
 import time
 import warnings
@@ -150,3 +151,25 @@ def add_sweep_args(parser: argparse.ArgumentParser, *, warmup: int, min_len: int
 def batch_lengths(args: argparse.Namespace, generator: torch.Generator) -> list[int]:
     """The lengths :func:`add_batch_args` describes, drawn from ``generator``."""
     return torch.randint(args.min_len, args.max_len + 1, (args.seqs,), generator=generator).tolist()
+
+
+#: the document length distributions of the packed-row benchmarks (torch_cp.py, hf_sp.py): exponential with
+#: this mean, lognormal with this median and sigma 1.5
+MEAN_EXP = 2048
+MEDIAN_LOGNORMAL = 1024
+
+
+def packed_row_lengths(rng: random.Random, dist: str, total: int, step: int = 1) -> list[int]:
+    """One packed row's document lengths, summing to ``total``: drawn from ``dist`` (``"lognormal"``, else
+    exponential), each rounded up to a multiple of ``step`` (at least ``step``), the last cut to fit."""
+    out: list[int] = []
+    left = total
+    while left > 0:
+        if dist == "lognormal":
+            n = rng.lognormvariate(math.log(MEDIAN_LOGNORMAL), 1.5)
+        else:
+            n = rng.expovariate(1 / MEAN_EXP)
+        n = max(step, -(-round(n) // step) * step)
+        out.append(min(n, left))
+        left -= out[-1]
+    return out

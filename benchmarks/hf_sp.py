@@ -29,8 +29,8 @@ ranks' work (1.00 is perfect), and ``pad`` the pad rows over the row's ``S`` tok
 
 **Bytes per layer** each rank sends, a formula per configuration (``--heads``, ``--kv-heads``,
 ``--head-dim``, ``--bytes``; default 32 / 8 / 128, bf16), with ``L`` the ring rank's rows under
-``cp-zigzag-none`` (the adapter's default) and ``Hkv' = max(Hkv, U)`` (key/value heads repeated only as far as ``U`` needs):
-the Ulysses all-to-all, there and back, ``(U - 1) / U * L / U * (2 H + 2 Hkv') * D * b``; the
+``cp-zigzag-none`` (the adapter's default) and ``Hkv' = max(Hkv, U)`` (key/value heads repeated only as far
+as ``U`` needs): the Ulysses all-to-all, there and back, ``(U - 1) / U * L / U * (2 H + 2 Hkv') * D * b``; the
 keys' and values' all-gather over the ring, ``(R - 1) * L * 2 Hkv' / U * D * b``, and its backward's
 reduce-scatter the same; a ring pass instead (ring attention: ``R - 1`` K/V blocks forward; K/V and
 their gradients, ``2 (R - 1)`` blocks, backward). ``kv MiB``: the gathered keys and values a rank holds
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import random
 import statistics
 import time
@@ -56,13 +55,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from _timing import least_ms
+from _timing import least_ms, packed_row_lengths
 
 from cpshard import ShardPlan, shard, varlen_metadata
 from cpshard.index.balance import work_lower_bound
 
-MEAN_EXP = 2048
-MEDIAN_LOGNORMAL = 1024
 SIZES = (8192, 32768, 131072)
 RINGS = (2, 4, 8)
 ULYSSES = (1, 2, 4, 8)
@@ -72,16 +69,7 @@ NAMES = ("cp-zigzag", "cp-zigzag-none", "cp-contig", "row-contig", "row-zigzag",
 
 def lengths(rng: random.Random, dist: str, total: int) -> list[int]:
     """One packed row's document lengths (sum ``total``)."""
-    out: list[int] = []
-    left = total
-    while left > 0:
-        if dist == "lognormal":
-            n = rng.lognormvariate(math.log(MEDIAN_LOGNORMAL), 1.5)
-        else:
-            n = rng.expovariate(1 / MEAN_EXP)
-        out.append(min(max(1, round(n)), left))
-        left -= out[-1]
-    return out
+    return packed_row_lengths(rng, dist, total)
 
 
 def _round_up(n: int, a: int) -> int:
@@ -240,7 +228,8 @@ def main() -> None:
           "padding='none'; 'zigzag': padding='minimal'); 'order': the contiguous plan's build alone (its balanced "
           "order's search); "
           + ("'sp.shard': cpshard.compat.hf.shard_row (what sp.shard computes, rank (R-1, U-1)) + varlen_metadata, "
-             "zigzag (its default padding='none'), exponential lengths" if hook else "sp.shard: not timed (cpshard.compat.hf not on this branch)"))
+             "zigzag (its default padding='none'), exponential lengths" if hook
+             else "sp.shard: not timed (cpshard.compat.hf does not import here)"))
     cols = [f"{layout[:7]} {dist[:3]}" for dist in DISTS for layout in ("zigzag", "zz-none", "contig", "order")]
     header = f"{'S':>7} {'R':>2} {'U':>2} " + " ".join(f"{c:>11}" for c in [*cols, *(["sp.shard"] if hook else [])])
     print(header)

@@ -45,23 +45,19 @@ indices for one row (least of ``--repeats``; cpshard's includes the plans from t
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from _timing import least_ms
+from _timing import least_ms, packed_row_lengths
 
 from cpshard import ShardPlan
 from cpshard.compat import torch_cp
 from cpshard.index.balance import work_lower_bound
 
 BLOCK = 128
-MEAN_EXP = 2048
-MEDIAN_LOGNORMAL = 1024
 SIZES = (8192, 32768, 131072)
 CPS = (2, 4, 8, 16)
 DISTS = ("exp", "lognormal", "exp-2cp")
@@ -69,19 +65,8 @@ NAMES = ("none", "headtail", "perdoc-ht", "ptrr", "cp-zigzag", "cp-zz-full", "cp
 
 
 def lengths(rng: random.Random, dist: str, total: int, cp: int) -> list[int]:
-    """One packed row's document lengths (sum ``total``)."""
-    step = 2 * cp if dist == "exp-2cp" else 1
-    out: list[int] = []
-    left = total
-    while left > 0:
-        if dist == "lognormal":
-            n = rng.lognormvariate(math.log(MEDIAN_LOGNORMAL), 1.5)
-        else:
-            n = rng.expovariate(1 / MEAN_EXP)
-        n = max(step, -(-round(n) // step) * step)
-        out.append(min(n, left))
-        left -= out[-1]
-    return out
+    """One packed row's document lengths (sum ``total``); ``exp-2cp``: each a multiple of ``2 * cp``."""
+    return packed_row_lengths(rng, dist, total, 2 * cp if dist == "exp-2cp" else 1)
 
 
 def positions(rows: list[list[int]]) -> torch.Tensor:
