@@ -315,6 +315,29 @@ def test_patch_round_trip_and_report(monkeypatch):
     assert api.cp_shard is before
 
 
+def test_a_copy_of_the_function_made_while_patched_runs_torchtitans_after_undo():
+    """A copy of ``prepare_context_parallel_input`` made while the patch is on (a new function of its
+    code and globals, as pickling by value makes) runs the swapped code. Before: after ``undo()`` it
+    raised a raw ``NameError`` (the module global that code calls was deleted). Now it runs
+    torchtitan's own function, as the original does."""
+    api = importlib.import_module(API)
+    fn = api.prepare_context_parallel_input
+    with cptitan.patch():
+        copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    calls = []
+    # torchtitan's own code for an unknown balancer type: whatever it does, the copy must do the same
+    for f in (fn, copy):
+        try:
+            f(None, None, {"positions": None}, None, "cpu", "headtail")
+        except Exception as e:  # noqa: BLE001  (torchtitan's own error on a None mesh)
+            calls.append((type(e), str(e)))
+    assert calls[0] == calls[1] and calls[0][0] is not NameError
+    with cptitan.patch() as again:  # a second patch binds and undoes the same way
+        own = again.original("prepare_context_parallel_input").__code__
+        assert api.prepare_context_parallel_input.__code__ is not own
+    assert api.prepare_context_parallel_input.__code__ is own
+
+
 def test_the_report_in_a_fresh_process():
     run = subprocess.run([sys.executable, "-m", "cpshard.compat.torchtitan", "--json"], capture_output=True,
                          text=True, timeout=300)

@@ -89,14 +89,20 @@ class TitanPatch(Bindings):
         """Put torchtitan's functions back at every site, and wherever a module imported while the patch
         was on took a replacement by name. A site where another library has
         since set its own object (a wrapper over cpshard's) is left as it is and named in
-        :attr:`unrestored` and a WARNING: the patch is then ``"partly in force"``. A second call does
-        nothing."""
+        :attr:`unrestored` and a WARNING: the patch is then ``"partly in force"``. A copy of
+        ``prepare_context_parallel_input`` made while the patch was on (its swapped code, pickled by
+        value) runs torchtitan's own function afterwards. A second call does nothing."""
         with LOCK:
-            if self.active and self._code is not None:  # its own code back first, then the global it called
+            was = self.active and self._code is not None
+            if was:  # its own code back first, then the global it called
                 fn, code = self._code
                 if fn.__code__ is _trampoline.__code__:
                     fn.__code__ = code
             super().undo()
+            api = sys.modules.get(_titan.API)
+            if was and api is not None and TRAMPOLINE not in vars(api):
+                # a copy of the function made while patched (its code, pickled by value) runs torchtitan's own
+                setattr(api, TRAMPOLINE, self._pairs["prepare_context_parallel_input"][0])
 
     def _taken(self) -> dict[int, tuple[Any, Any]]:
         return {id(new): (new, old) for name, (old, new) in self._pairs.items() if name == "cp_shard"}
