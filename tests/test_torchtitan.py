@@ -464,6 +464,18 @@ def test_batch_errors_are_named():
         cptitan.batch_plans("cpshard", (ids, ids, None), None, 1, 2,
                             ("inputs", "labels", "extra_kwargs['positions']"))
     assert np.asarray(pos).shape == (2, 8)
+    # Before: labels of another shape than the inputs reached torch's shard, a raw RuntimeError / ValueError
+    # naming no argument ("The expanded size of the tensor (10) must match ...")
+    names = ("inputs", "labels", "extra_kwargs['positions']")
+    for labels in (torch.zeros(2, 10, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long), torch.zeros(8)):
+        with pytest.raises(ValueError, match=r"labels=tensor of shape .*: must have S=8 rows along dimension 1 "
+                                             r"and 2 batch rows"):
+            cptitan.batch_plans("cpshard", (ids, labels, pos), pos, 1, 2, names)
+    for dim in (2, -1):
+        with pytest.raises(ValueError, match=rf"input_seq_dim={dim}: must name a dimension of the 2-dimensional first"):
+            cptitan.batch_plans("cpshard", (ids,), pos, dim, 2)
+    assert len(cptitan.batch_plans("cpshard", (ids, ids, pos), pos, 1, 2, names)) == 2
+    assert len(cptitan.batch_plans("cpshard", (ids, ids[:1], pos[:1]), pos[:1], 1, 2, names)) == 1  # broadcast
 
 
 def test_work_balance_is_the_ranks_causal_work():

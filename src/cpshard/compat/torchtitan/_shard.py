@@ -66,6 +66,10 @@ def batch_plans(kind: str, inputs: tuple[torch.Tensor, ...], positions: torch.Te
              "pass 'cpshard' or 'cpshard_zigzag', or let torchtitan handle its own types")
     _check_inputs(inputs, names)
     first = inputs[0]
+    if not 0 <= input_seq_dim < first.dim():
+        fail("input_seq_dim", input_seq_dim, f"must name a dimension of the {first.dim()}-dimensional first input "
+             f"(shape {tuple(first.shape)}), counted from 0", "pass the dimension that holds the sequence (1 for "
+             "(B, S, ...), torchtitan's)")
     S = first.size(input_seq_dim)
     batch = first.size(0) if input_seq_dim > 0 else 1
     if positions is None:
@@ -76,6 +80,14 @@ def batch_plans(kind: str, inputs: tuple[torch.Tensor, ...], positions: torch.Te
     elif positions.dim() != 2 or positions.shape[1] != S or positions.shape[0] not in (1, batch):
         fail("positions", f"tensor of shape {tuple(positions.shape)}", f"must be (B, S) = ({batch}, {S}) or (1, {S}) "
              "to match the inputs", "pass the batch's position ids (extra_kwargs['positions'])")
+    rows = positions.shape[0]  # the rows of the indices torch shards every input by: 1 broadcasts
+    for i, t in enumerate(inputs[1:], 1):  # torch shards every input by the same (rows, S) indices
+        if t.dim() <= input_seq_dim or t.size(input_seq_dim) != S or rows > 1 and t.size(0) != rows:
+            name = names[i] if i < len(names) else f"inputs[{i}]"
+            fail(name, f"tensor of shape {tuple(t.shape)}", f"must have S={S} rows along dimension {input_seq_dim}"
+                 f"{f' and {rows} batch rows' if rows > 1 else ''} (first input: shape {tuple(first.shape)}): every "
+                 "input is sharded by the same indices", "pass inputs, labels and positions of one batch, each "
+                 "(B, S, ...)")
     return plans_from_positions(positions, cp_size=cp_size, layout=KINDS[kind])
 
 
