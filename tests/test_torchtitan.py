@@ -562,6 +562,13 @@ def _edges(rank, world):
                 out["agreed"] = "ok"
             except ValueError as exc:
                 out["agreed"] = (str(exc), str(exc.__cause__))
+            labels = ids[:, :-1] if rank == 1 else ids  # rank 1's labels are one row short
+            try:
+                prepare_context_parallel_input(ids, labels, {"positions": pos}, mesh, torch.device("cpu"), "cpshard",
+                                               None)
+                out["labels"] = "ok"
+            except ValueError as exc:
+                out["labels"] = (str(exc), str(exc.__cause__))
         finally:
             set_checks(False)
         short = torch.arange(16).view(1, 16)  # S = 16: torch's CP block mask needs S % (cp * 128) == 0
@@ -654,6 +661,10 @@ def test_a_refused_batch_raises_on_every_rank_with_checks_on():
     for rank in ranks:
         assert "ranks [1] built no plan (see that rank's own error)" in rank["agreed"][0], rank["agreed"]
     assert ranks[1]["agreed"][1].startswith("positions[0, 0]=1: must be 0"), ranks[1]["agreed"]  # its own, chained
+    # Before: rank 1's short labels reached torch's shard (a raw RuntimeError there) and rank 0 went on
+    for rank in ranks:
+        assert "ranks [1] built no plan (see that rank's own error)" in rank["labels"][0], rank["labels"]
+    assert ranks[1]["labels"][1].startswith("labels=tensor of shape (2, 255): must have S=256 rows"), ranks[1]["labels"]
 
 
 def test_the_balancer_says_when_it_first_runs_and_each_batchs_balance():
