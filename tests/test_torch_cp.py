@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -139,6 +140,8 @@ def test_plans_from_positions_keep_the_callers_order_on_request():
     (torch.zeros((1, 4), dtype=torch.long, device="meta"), {}, r"positions=a tensor .* on the meta device"),
     (torch.zeros((1, 2, 2), dtype=torch.long), {}, r"must be \(B, S\)"),
     (torch.tensor([[0, 1, 2, 3]]), {"layout": "zigzag", "reorder": "balanced"}, r"reorder='balanced'"),
+    # uint64 past int64: before, the cast wrapped it and the error named the value -1
+    (np.array([[0, 1, 0, 2**64 - 1]], dtype=np.uint64), {}, r"positions\[0, 3\]=18446744073709551615: is past int64"),
 ])
 def test_plans_from_positions_errors(positions, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -74,6 +74,10 @@ def _positions_array(positions: Any) -> np.ndarray:
     if array.ndim != 2 or 0 in array.shape:
         fail("positions", f"shape {tuple(array.shape)}", "must be (B, S) with B >= 1, or (S,), with S >= 1",
              "pass one row of position ids per batch row (at least one row)")
+    if array.dtype.kind == "u" and int(array.max()) > np.iinfo(np.int64).max:  # before the cast wraps it negative
+        b, t = (int(v) for v in np.argwhere(array > np.iinfo(np.int64).max)[0])
+        fail(f"positions[{b}, {t}]", int(array[b, t]), "is past int64's range: not a position id",
+             "pass per-document positions that restart at 0 at each document and count up by 1")
     return array.astype(np.int64, copy=False)
 
 
