@@ -556,19 +556,14 @@ def _edges(rank, world):
         set_checks(True)
         try:
             bad = pos + 1 if rank == 1 else pos  # rank 1's positions do not start at 0
-            try:
-                prepare_context_parallel_input(ids, ids, {"positions": bad}, mesh, torch.device("cpu"), "cpshard",
-                                               None)
-                out["agreed"] = "ok"
-            except ValueError as exc:
-                out["agreed"] = (str(exc), str(exc.__cause__))
             labels = ids[:, :-1] if rank == 1 else ids  # rank 1's labels are one row short
-            try:
-                prepare_context_parallel_input(ids, labels, {"positions": pos}, mesh, torch.device("cpu"), "cpshard",
-                                               None)
-                out["labels"] = "ok"
-            except ValueError as exc:
-                out["labels"] = (str(exc), str(exc.__cause__))
+            for key, (lab, p) in {"agreed": (ids, bad), "labels": (labels, pos)}.items():
+                try:
+                    prepare_context_parallel_input(ids, lab, {"positions": p}, mesh, torch.device("cpu"), "cpshard",
+                                                   None)
+                    out[key] = "ok"
+                except ValueError as exc:
+                    out[key] = (str(exc), str(exc.__cause__))
         finally:
             set_checks(False)
         short = torch.arange(16).view(1, 16)  # S = 16: torch's CP block mask needs S % (cp * 128) == 0
