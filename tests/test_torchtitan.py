@@ -417,7 +417,7 @@ def test_the_config_override_switches_cpshard_on():
     assert run.stdout.strip().endswith("ok")
 
 
-def test_undo_under_another_librarys_wrapper_reports_what_it_left(capsys):
+def test_undo_under_another_librarys_wrapper_reports_what_it_left(capsys, caplog):
     """Before: undo() logged "restored" while the wrapped site still reached cpshard. Now the site is
     named in ``unrestored`` and a WARNING, and ``active()`` / the report say "partly in force" while the
     wrapper holds it; once the other library takes its wrapper off, the patch is off."""
@@ -445,6 +445,11 @@ def test_undo_under_another_librarys_wrapper_reports_what_it_left(capsys):
         assert main([]) == 0 and "partly in force in this process" in capsys.readouterr().out
         assert api.cp_shard is p.original()  # every other site restored
         assert api.prepare_context_parallel_input.__code__ is p.original("prepare_context_parallel_input").__code__
+        api.cp_shard = other_librarys  # Before: a new patch over the wrapper bound nothing, silently
+        with caplog.at_level(logging.WARNING, logger="cpshard.compat.torchtitan"):
+            again = cptitan.patch()
+        assert not again.active and "patch() bound nothing" in caplog.text
+        api.cp_shard = p.original()
     finally:
         package.cp_shard = before  # the other library unwraps
     assert p.state == "off" and cptitan.active() is None

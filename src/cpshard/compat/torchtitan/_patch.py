@@ -213,6 +213,9 @@ def patch() -> TitanPatch:
         prepare, cp_shard = vars(api)["prepare_context_parallel_input"], vars(api)["cp_shard"]
         if hasattr(cp_shard, WRAPS) or prepare.__code__ is _trampoline.__code__:  # another copy of cpshard's
             result.skipped[f"{_titan.API}.cp_shard"] = "cpshard's already (bound by another copy)"
+            logger.warning("cpshard.compat.torchtitan: patch() bound nothing: torchtitan's cp_shard or "
+                           "prepare_context_parallel_input is cpshard's already (another copy of cpshard, or a "
+                           "wrapper left over an undone patch: cpshard.compat.torchtitan.active() says which)")
             return result
         own = types.FunctionType(prepare.__code__, prepare.__globals__, prepare.__name__, prepare.__defaults__,
                                  prepare.__closure__)  # torchtitan's function as it was: what cpshard's calls
