@@ -275,3 +275,24 @@ def test_the_reference_tells_the_two_paddings_apart():
     got = hf.shard_row(ids, _positions(lengths), ring_size=2, ring_rank=1).input_ids[0]
     assert torch.equal(got, ref_two_axis_rows(docs, 2, 1, "zigzag", 1, 0, padding="none"))
     assert not torch.equal(got, ref_two_axis_rows(docs, 2, 1, "zigzag", 1, 0, padding="minimal"))
+
+
+def test_labels_that_are_not_classes_or_minus_100_are_refused_before_the_loss():
+    """A label below 0 other than -100, or one at or past the vocabulary, is refused by name (no raw
+    IndexError inside cross_entropy, which on R * U ranks left the peers waiting in the loss's all-reduce);
+    labels of any integer dtype are taken as int64."""
+    sp = hf.SequenceParallel()
+    ids, pos = torch.arange(4)[None], _positions([2, 2])
+    with pytest.raises(ValueError, match=r"labels=.*-1 at index 1.*must be -100 \(ignored\) or a class"):
+        sp.shard(ids, pos, torch.tensor([[3, -1, 2, 0]]))
+    batch = sp.shard(ids, pos, torch.tensor([[3, 1, 7, 0]]))
+    with pytest.raises(ValueError, match=r"logits=.*vocabulary of 5.*label 7"):
+        sp.loss(torch.zeros(1, 4, 5, dtype=torch.float64), batch)
+    with pytest.raises(TypeError, match=r"logits=a torch.int64 tensor: must be floating"):
+        sp.loss(torch.zeros(1, 4, 8, dtype=torch.int64), batch)
+    logits = torch.randn(1, 4, 8, dtype=torch.float64)
+    want = sp.loss(logits, batch)
+    for dtype in (torch.int32, torch.uint8, torch.int16):
+        other = sp.shard(ids, pos, torch.tensor([[3, 1, 7, 0]], dtype=dtype))
+        assert other.labels.dtype == torch.int64
+        assert torch.equal(sp.loss(logits, other), want)

@@ -121,7 +121,20 @@ def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulyss
         if lab.shape != ids.shape:
             fail("labels", f"{lab.numel()} labels", f"must match input_ids' {ids.numel()} tokens (unshifted: "
                  "transformers' labels, -100 where ignored)", "pass the labels of the same packed row")
+        lab = _labels(lab)
     return build_plan(document_lengths(pos), ring, ulysses, layout, padding), (ids, pos.to(ids.dtype), lab)
+
+
+def _labels(lab: torch.Tensor) -> torch.Tensor:
+    """``lab`` as int64 (cross entropy's targets), each -100 (ignored) or a class >= 0, read on the host."""
+    lab = lab.to(torch.int64)
+    host = lab.detach().cpu().numpy()
+    bad = np.flatnonzero((host < 0) & (host != -100))
+    if bad.size:
+        first = int(bad[0])
+        fail("labels", f"a row with {host[first]} at index {first}", "must be -100 (ignored) or a class >= 0",
+             "mark ignored tokens with -100 (transformers' ignore index)")
+    return lab
 
 
 def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ring_rank: int,
@@ -134,7 +147,7 @@ def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Te
     return SequenceBatch(
         input_ids=piece(shard(ids, plan, r), plan, u), position_ids=piece(shard(pos, plan, r), plan, u),
         labels=None if lab is None else piece(shard(lab, plan, r, shift=1, fill=-100), plan, u),
-        plan=plan, ring_rank=r, ulysses_rank=u, sp=sp)
+        plan=plan, ring_rank=r, ulysses_rank=u, sp=sp, max_label=-100 if lab is None else int(lab.max()))
 
 
 def shard_row(input_ids: Any, position_ids: Any, labels: Any = None, *, ring_size: int, ulysses_size: int = 1,
@@ -179,6 +192,8 @@ class SequenceBatch:
     ring_rank: int
     ulysses_rank: int
     sp: Any = field(repr=False)
+    #: the packed row's largest label (every rank's rows, not this rank's): ``sp.loss`` checks the vocabulary
+    max_label: int = field(default=-100, repr=False)
 
     @property
     def num_tokens(self) -> int:
