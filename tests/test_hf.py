@@ -165,6 +165,7 @@ def _attend(**kwargs):
     ({"attention_mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}, "attention_mask=a Tensor: must be None"),
     ({"output_attentions": True}, "output_attentions=True"),
     ({"sliding_window": 0}, "sliding_window=0: must be a window of >= 1 tokens"),
+    ({"sliding_window": 2.5}, "sliding_window=2.5: must be a window of >= 1 tokens"),  # was taken as 2
 ])
 def test_what_would_change_the_result_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -296,3 +297,11 @@ def test_labels_that_are_not_classes_or_minus_100_are_refused_before_the_loss():
         other = sp.shard(ids, pos, torch.tensor([[3, 1, 7, 0]], dtype=dtype))
         assert other.labels.dtype == torch.int64
         assert torch.equal(sp.loss(logits, other), want)
+
+
+def test_key_and_value_of_another_dtype_are_refused_by_name():
+    sp = hf.SequenceParallel(kernel="sdpa")
+    batch = sp.shard(torch.arange(4)[None], _positions([4]))
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
+    with sp.attend(batch), pytest.raises(TypeError, match="key=query torch.float64, key torch.float32"):
+        hf.attention_forward(torch.nn.Module(), q, q.float(), q.float(), None)

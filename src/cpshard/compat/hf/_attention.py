@@ -172,6 +172,9 @@ class Attending:
         if key.shape[:1] + key.shape[2:] != query.shape[:1] + query.shape[2:] or value.shape != key.shape:
             fail("key", f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}",
                  "must have the query's batch, rows and head size", "pass the layer's own states")
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            fail("key", f"query {query.dtype}, key {key.dtype}, value {value.dtype}", "must have the query's dtype",
+                 "pass the layer's own states (cast to one dtype)", kind=TypeError)
         heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
         f = repeat_factor(heads, kv_heads, U)
         if f > 1:
@@ -272,8 +275,9 @@ def attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value
         fail("attention_mask", f"a {type(attention_mask).__name__}", "must be None under the 'cpshard' attention: "
              "the documents' causal mask comes from the plan (a dense mask given to the model is another rule)",
              "pass no attention_mask to the model (the packed documents come from position_ids)")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
-        fail("sliding_window", repr(sliding_window), "must be a window of >= 1 tokens or None",
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1
+                                       or int(sliding_window) != sliding_window):  # 2.5 is not taken as 2
+        fail("sliding_window", repr(sliding_window), "must be a window of >= 1 tokens (a whole number) or None",
              "fix the model config's sliding_window")
     window = None if sliding_window is None else int(sliding_window)
     return ctx.attend(query, key, value, scaling, window), None
