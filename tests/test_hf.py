@@ -305,3 +305,15 @@ def test_key_and_value_of_another_dtype_are_refused_by_name():
     q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
     with sp.attend(batch), pytest.raises(TypeError, match="key=query torch.float64, key torch.float32"):
         hf.attention_forward(torch.nn.Module(), q, q.float(), q.float(), None)
+
+
+def test_narrow_integer_dtypes_never_wrap_positions():
+    """Positions are read and handed out as int64: int8 ids no longer wrap the positions past 127 (RoPE read
+    41 for the token at 297), and int8 position ids that wrapped (127, -128, ...) are refused, not read as
+    one run (NumPy's int8 diff wrapped -255 to 1)."""
+    sp = hf.SequenceParallel()
+    batch = sp.shard(torch.zeros(1, 300, dtype=torch.int8), torch.arange(300)[None])
+    assert batch.position_ids.dtype == torch.int64
+    assert torch.equal(batch.position_ids, torch.arange(300)[None])
+    with pytest.raises(ValueError, match="position_ids=a row with -128 at index 128"):
+        sp.shard(torch.arange(300)[None], torch.arange(300)[None].to(torch.int8))

@@ -65,7 +65,9 @@ def document_lengths(position_ids: Any) -> list[int]:
     pos = _row("position_ids", position_ids)
     if pos.numel() == 0:
         fail("position_ids", "an empty row", "must hold at least one token", "pass a non-empty packed row")
-    host = pos.detach().cpu().numpy()  # NumPy: a few passes over T int64, tens of microseconds at 128k
+    # int64: a narrow dtype's diff wraps (int8: 127 -> -128 reads +1). NumPy: a few passes over T int64, tens of
+    # microseconds at 128k
+    host = pos.detach().cpu().numpy().astype(np.int64)
     starts = np.flatnonzero(host == 0)
     bad = np.flatnonzero(np.diff(host) != 1)  # where a run does not go on ...
     bad = bad[host[bad + 1] != 0] + 1  # ... and no document starts
@@ -122,7 +124,8 @@ def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulyss
             fail("labels", f"{lab.numel()} labels", f"must match input_ids' {ids.numel()} tokens (unshifted: "
                  "transformers' labels, -100 where ignored)", "pass the labels of the same packed row")
         lab = _labels(lab)
-    return build_plan(document_lengths(pos), ring, ulysses, layout, padding), (ids, pos.to(ids.dtype), lab)
+    rows = (ids, pos.to(torch.int64), lab)  # positions as int64, not ids' dtype: int8 ids wrapped them
+    return build_plan(document_lengths(pos), ring, ulysses, layout, padding), rows
 
 
 def _labels(lab: torch.Tensor) -> torch.Tensor:
