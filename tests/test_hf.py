@@ -317,3 +317,20 @@ def test_narrow_integer_dtypes_never_wrap_positions():
     assert torch.equal(batch.position_ids, torch.arange(300)[None])
     with pytest.raises(ValueError, match="position_ids=a row with -128 at index 128"):
         sp.shard(torch.arange(300)[None], torch.arange(300)[None].to(torch.int8))
+
+
+def test_a_model_run_without_the_batch_position_ids_is_refused():
+    """transformers makes ``arange(L / U)`` positions when none are passed: every rank's rows would then read
+    RoPE positions of another part of the row (silently wrong under R * U > 1). The attention compares the
+    position ids the model hands it with the batch's, once per tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="cpshard")
+    model = LlamaForCausalLM(config)
+    sp = hf.SequenceParallel(kernel="sdpa")
+    batch = sp.shard(torch.arange(6)[None], _positions([3, 3]))
+    with sp.attend(batch), pytest.raises(ValueError, match=r"position_ids=.*must be the batch's position ids"):
+        model(input_ids=batch.input_ids)
+    with sp.attend(batch):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids.clone())

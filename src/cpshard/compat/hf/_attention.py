@@ -76,6 +76,22 @@ class Attending:
         self.sp, self.batch, self.kernel = sp, batch, kernel
         self.plan: ShardPlan = batch.plan
         self.built: dict[tuple[str, int | None, torch.device], Any] = {}
+        self.positions_seen: list[torch.Tensor] = []  # the model's position ids found equal to the batch's
+
+    def check_positions(self, position_ids: Any) -> None:
+        """The position ids the model hands its layers (transformers passes them on) must be the batch's: without
+        them transformers makes ``arange(L / U)``, another part of the row's RoPE positions on every rank. Compared
+        once per tensor (the layers share it); a model that hands none on is not checked."""
+        own = self.batch.position_ids
+        if own is None or not isinstance(position_ids, torch.Tensor) or any(position_ids is t for t in
+                                                                             self.positions_seen):
+            return
+        if position_ids.shape == own.shape and torch.equal(position_ids.to(own.device, own.dtype), own):
+            self.positions_seen.append(position_ids)
+            return
+        fail("position_ids", f"tensor of shape {tuple(position_ids.shape)} ({position_ids.flatten()[:6].tolist()}"
+             " ...)", "must be the batch's position ids (each token's position in its document)",
+             "run the model with position_ids=batch.position_ids")
 
     def __enter__(self) -> Attending:
         _ACTIVE.append(self)
@@ -280,4 +296,5 @@ def attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value
         fail("sliding_window", repr(sliding_window), "must be a window of >= 1 tokens (a whole number) or None",
              "fix the model config's sliding_window")
     window = None if sliding_window is None else int(sliding_window)
+    ctx.check_positions(kwargs.get("position_ids"))
     return ctx.attend(query, key, value, scaling, window), None
