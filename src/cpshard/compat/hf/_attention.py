@@ -81,12 +81,13 @@ class Attending:
     def check_positions(self, position_ids: Any) -> None:
         """The position ids the model hands its layers (transformers passes them on) must be the batch's: without
         them transformers makes ``arange(L / U)``, another part of the row's RoPE positions on every rank. Compared
-        once per tensor (the layers share it); a model that hands none on is not checked."""
+        once per tensor (the layers share it); a model that hands none on, or ids of another shape (multimodal
+        RoPE's ``(3, 1, L / U)``), is not checked."""
         own = self.batch.position_ids
-        if own is None or not isinstance(position_ids, torch.Tensor) or any(position_ids is t for t in
-                                                                             self.positions_seen):
+        if own is None or not isinstance(position_ids, torch.Tensor) or position_ids.shape != own.shape or \
+                any(position_ids is t for t in self.positions_seen):
             return
-        if position_ids.shape == own.shape and torch.equal(position_ids.to(own.device, own.dtype), own):
+        if torch.equal(position_ids.to(own.device, own.dtype), own):
             self.positions_seen.append(position_ids)
             return
         fail("position_ids", f"tensor of shape {tuple(position_ids.shape)} ({position_ids.flatten()[:6].tolist()}"
