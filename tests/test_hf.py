@@ -165,6 +165,7 @@ def _attend(**kwargs):
     ({"attention_mask": torch.ones(1, 1, 4, 4, dtype=torch.bool)}, "attention_mask=a Tensor: must be None"),
     ({"output_attentions": True}, "output_attentions=True"),
     ({"sliding_window": 0}, "sliding_window=0: must be a window of >= 1 tokens"),
+    ({"sliding_window": 2.5}, "sliding_window=2.5: must be a window of >= 1 tokens"),  # was taken as 2
 ])
 def test_what_would_change_the_result_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -275,3 +276,61 @@ def test_the_reference_tells_the_two_paddings_apart():
     got = hf.shard_row(ids, _positions(lengths), ring_size=2, ring_rank=1).input_ids[0]
     assert torch.equal(got, ref_two_axis_rows(docs, 2, 1, "zigzag", 1, 0, padding="none"))
     assert not torch.equal(got, ref_two_axis_rows(docs, 2, 1, "zigzag", 1, 0, padding="minimal"))
+
+
+def test_labels_that_are_not_classes_or_minus_100_are_refused_before_the_loss():
+    """A label below 0 other than -100, or one at or past the vocabulary, is refused by name (no raw
+    IndexError inside cross_entropy, which on R * U ranks left the peers waiting in the loss's all-reduce);
+    labels of any integer dtype are taken as int64."""
+    sp = hf.SequenceParallel()
+    ids, pos = torch.arange(4)[None], _positions([2, 2])
+    with pytest.raises(ValueError, match=r"labels=.*-1 at index 1.*must be -100 \(ignored\) or a class"):
+        sp.shard(ids, pos, torch.tensor([[3, -1, 2, 0]]))
+    batch = sp.shard(ids, pos, torch.tensor([[3, 1, 7, 0]]))
+    with pytest.raises(ValueError, match=r"logits=.*vocabulary of 5.*label 7"):
+        sp.loss(torch.zeros(1, 4, 5, dtype=torch.float64), batch)
+    with pytest.raises(TypeError, match=r"logits=a torch.int64 tensor: must be floating"):
+        sp.loss(torch.zeros(1, 4, 8, dtype=torch.int64), batch)
+    logits = torch.randn(1, 4, 8, dtype=torch.float64)
+    want = sp.loss(logits, batch)
+    for dtype in (torch.int32, torch.uint8, torch.int16):
+        other = sp.shard(ids, pos, torch.tensor([[3, 1, 7, 0]], dtype=dtype))
+        assert other.labels.dtype == torch.int64
+        assert torch.equal(sp.loss(logits, other), want)
+
+
+def test_key_and_value_of_another_dtype_are_refused_by_name():
+    sp = hf.SequenceParallel(kernel="sdpa")
+    batch = sp.shard(torch.arange(4)[None], _positions([4]))
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
+    with sp.attend(batch), pytest.raises(TypeError, match="key=query torch.float64, key torch.float32"):
+        hf.attention_forward(torch.nn.Module(), q, q.float(), q.float(), None)
+
+
+def test_narrow_integer_dtypes_never_wrap_positions():
+    """Positions are read and handed out as int64: int8 ids no longer wrap the positions past 127 (RoPE read
+    41 for the token at 297), and int8 position ids that wrapped (127, -128, ...) are refused, not read as
+    one run (NumPy's int8 diff wrapped -255 to 1)."""
+    sp = hf.SequenceParallel()
+    batch = sp.shard(torch.zeros(1, 300, dtype=torch.int8), torch.arange(300)[None])
+    assert batch.position_ids.dtype == torch.int64
+    assert torch.equal(batch.position_ids, torch.arange(300)[None])
+    with pytest.raises(ValueError, match="position_ids=a row with -128 at index 128"):
+        sp.shard(torch.arange(300)[None], torch.arange(300)[None].to(torch.int8))
+
+
+def test_a_model_run_without_the_batch_position_ids_is_refused():
+    """transformers makes ``arange(L / U)`` positions when none are passed: every rank's rows would then read
+    RoPE positions of another part of the row (silently wrong under R * U > 1). The attention compares the
+    position ids the model hands it with the batch's, once per tensor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="cpshard")
+    model = LlamaForCausalLM(config)
+    sp = hf.SequenceParallel(kernel="sdpa")
+    batch = sp.shard(torch.arange(6)[None], _positions([3, 3]))
+    with sp.attend(batch), pytest.raises(ValueError, match=r"position_ids=.*must be the batch's position ids"):
+        model(input_ids=batch.input_ids)
+    with sp.attend(batch):
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids.clone())

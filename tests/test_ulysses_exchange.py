@@ -54,6 +54,16 @@ def _rank_main(rank: int, world: int, members: list[int]) -> dict:
         exchange_dims(x, group, scatter_dim=1 if me else 2, gather_dim=2 if me else 1)
     except ValueError as exc:
         out["mismatch"] = str(exc)
+    # only rank 0's tensor requires a gradient: where the backward communicates, every rank raises in forward
+    # (else rank 0 alone would make the backward collective and wait); "own"'s backward is local: it runs
+    y = torch.zeros(2, n * 3, n * 2, dtype=torch.float64, requires_grad=me == 0)
+    for name, call in (("grad exchange", lambda: exchange_dims(y, group, scatter_dim=2, gather_dim=1)),
+                       ("grad sum", lambda: all_gather_dim(y, group, dim=1, grad="sum"))):
+        try:
+            call()
+        except ValueError as exc:
+            out[name] = str(exc)
+    out["grad own"] = tuple(all_gather_dim(y, group, dim=1, grad="own").shape)
     return out
 
 
@@ -81,6 +91,9 @@ def test_exchanges_equal_one_process(world: int, members: list[int]) -> None:
             assert torch.equal(r[("own_scaled", "grad", seed)], own * n)
         for r in ranks:
             assert "exchange_dims" in r["mismatch"] and "disagree" in r["mismatch"], r["mismatch"]
+            assert "requires_grad" in r.get("grad exchange", ""), r.get("grad exchange")
+            assert "requires_grad" in r.get("grad sum", ""), r.get("grad sum")
+            assert r["grad own"] == (2, n * n * 3, n * 2)
 
 
 def test_one_rank_and_local_refusals() -> None:

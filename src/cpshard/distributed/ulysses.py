@@ -2,7 +2,8 @@
 trades a split of one dimension for a split of another (:func:`exchange_dims`), and an all-gather along a
 dimension with a stated gradient (:func:`all_gather_dim`). Both ride on the stamped transports of
 ``distributed/stamp.py``: every message is led by the call's header and checked on arrival, so ranks that
-disagree about the call (dimensions, shapes, dtype, plan) raise instead of mixing data.
+disagree about the call (dimensions, shapes, dtype, plan, whether a backward collective follows) raise
+instead of mixing data or leaving a peer waiting in a backward it never makes.
 
 Note [Ulysses exchanges]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from cpshard.base.choice import Choice
 from cpshard.base.errors import check_tensor, fail
+from cpshard.distributed.collectives import backward_follows
 from cpshard.distributed.groups import group_size
 from cpshard.distributed.stamp import Stamp, all_gather_stamped, all_to_all
 from cpshard.distributed.sums import reduce_stamped
@@ -119,7 +121,8 @@ def exchange_dims(x: torch.Tensor, group: Any, *, scatter_dim: int, gather_dim: 
         fail("x", f"a tensor of shape {tuple(x.shape)}", f"must divide dimension {scatter_dim} "
              f"({x.shape[scatter]}) by the group's {size} ranks", f"pad dimension {scatter_dim} to a multiple of "
              f"{size}, or use a group whose size divides it")
-    call = {"dtype": x.dtype, "row shape": tuple(x.shape), "scatter_dim": scatter, "gather_dim": gather}
+    call = {"dtype": x.dtype, "row shape": tuple(x.shape), "scatter_dim": scatter, "gather_dim": gather,
+            "requires_grad": backward_follows(x)}  # its backward is an exchange too: every rank makes it or none
     stamp = _stamp("exchange_dims", rank, plan, call)
     return _Exchange.apply(x.contiguous(), group, size, scatter, gather, stamp)
 
@@ -165,5 +168,7 @@ def all_gather_dim(x: torch.Tensor, group: Any, *, dim: int, grad: GatherGrad | 
     if size == 1:
         return x
     call = {"dtype": x.dtype, "row shape": tuple(x.shape), "dim": d, "grad": how.value}
+    if how is GatherGrad.SUM:  # its backward all-reduces: every rank makes it or none ("own": a local slice)
+        call["requires_grad"] = backward_follows(x)
     stamp = _stamp("all_gather_dim", rank, plan, call)
     return _GatherDim.apply(x.contiguous(), group, rank, size, d, how, stamp)

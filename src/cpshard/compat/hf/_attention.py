@@ -76,6 +76,23 @@ class Attending:
         self.sp, self.batch, self.kernel = sp, batch, kernel
         self.plan: ShardPlan = batch.plan
         self.built: dict[tuple[str, int | None, torch.device], Any] = {}
+        self.positions_seen: list[torch.Tensor] = []  # the model's position ids found equal to the batch's
+
+    def check_positions(self, position_ids: Any) -> None:
+        """The position ids the model hands its layers (transformers passes them on) must be the batch's: without
+        them transformers makes ``arange(L / U)``, another part of the row's RoPE positions on every rank. Compared
+        once per tensor (the layers share it); a model that hands none on, or ids of another shape (multimodal
+        RoPE's ``(3, 1, L / U)``), is not checked."""
+        own = self.batch.position_ids
+        if own is None or not isinstance(position_ids, torch.Tensor) or position_ids.shape != own.shape or \
+                any(position_ids is t for t in self.positions_seen):
+            return
+        if torch.equal(position_ids.to(own.device, own.dtype), own):
+            self.positions_seen.append(position_ids)
+            return
+        fail("position_ids", f"tensor of shape {tuple(position_ids.shape)} ({position_ids.flatten()[:6].tolist()}"
+             " ...)", "must be the batch's position ids (each token's position in its document)",
+             "run the model with position_ids=batch.position_ids")
 
     def __enter__(self) -> Attending:
         _ACTIVE.append(self)
@@ -172,6 +189,9 @@ class Attending:
         if key.shape[:1] + key.shape[2:] != query.shape[:1] + query.shape[2:] or value.shape != key.shape:
             fail("key", f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}",
                  "must have the query's batch, rows and head size", "pass the layer's own states")
+        if key.dtype != query.dtype or value.dtype != query.dtype:
+            fail("key", f"query {query.dtype}, key {key.dtype}, value {value.dtype}", "must have the query's dtype",
+                 "pass the layer's own states (cast to one dtype)", kind=TypeError)
         heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
         f = repeat_factor(heads, kv_heads, U)
         if f > 1:
@@ -272,8 +292,10 @@ def attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value
         fail("attention_mask", f"a {type(attention_mask).__name__}", "must be None under the 'cpshard' attention: "
              "the documents' causal mask comes from the plan (a dense mask given to the model is another rule)",
              "pass no attention_mask to the model (the packed documents come from position_ids)")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1):
-        fail("sliding_window", repr(sliding_window), "must be a window of >= 1 tokens or None",
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) < 1
+                                       or int(sliding_window) != sliding_window):  # 2.5 is not taken as 2
+        fail("sliding_window", repr(sliding_window), "must be a window of >= 1 tokens (a whole number) or None",
              "fix the model config's sliding_window")
     window = None if sliding_window is None else int(sliding_window)
+    ctx.check_positions(kwargs.get("position_ids"))
     return ctx.attend(query, key, value, scaling, window), None

@@ -65,7 +65,9 @@ def document_lengths(position_ids: Any) -> list[int]:
     pos = _row("position_ids", position_ids)
     if pos.numel() == 0:
         fail("position_ids", "an empty row", "must hold at least one token", "pass a non-empty packed row")
-    host = pos.detach().cpu().numpy()  # NumPy: a few passes over T int64, tens of microseconds at 128k
+    # int64: a narrow dtype's diff wraps (int8: 127 -> -128 reads +1). NumPy: a few passes over T int64, tens of
+    # microseconds at 128k
+    host = pos.detach().cpu().numpy().astype(np.int64)
     starts = np.flatnonzero(host == 0)
     bad = np.flatnonzero(np.diff(host) != 1)  # where a run does not go on ...
     bad = bad[host[bad + 1] != 0] + 1  # ... and no document starts
@@ -121,7 +123,21 @@ def packed_rows(input_ids: Any, position_ids: Any, labels: Any, ring: int, ulyss
         if lab.shape != ids.shape:
             fail("labels", f"{lab.numel()} labels", f"must match input_ids' {ids.numel()} tokens (unshifted: "
                  "transformers' labels, -100 where ignored)", "pass the labels of the same packed row")
-    return build_plan(document_lengths(pos), ring, ulysses, layout, padding), (ids, pos.to(ids.dtype), lab)
+        lab = _labels(lab)
+    rows = (ids, pos.to(torch.int64), lab)  # positions as int64, not ids' dtype: int8 ids wrapped them
+    return build_plan(document_lengths(pos), ring, ulysses, layout, padding), rows
+
+
+def _labels(lab: torch.Tensor) -> torch.Tensor:
+    """``lab`` as int64 (cross entropy's targets), each -100 (ignored) or a class >= 0, read on the host."""
+    lab = lab.to(torch.int64)
+    host = lab.detach().cpu().numpy()
+    bad = np.flatnonzero((host < 0) & (host != -100))
+    if bad.size:
+        first = int(bad[0])
+        fail("labels", f"a row with {host[first]} at index {first}", "must be -100 (ignored) or a class >= 0",
+             "mark ignored tokens with -100 (transformers' ignore index)")
+    return lab
 
 
 def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ring_rank: int,
@@ -134,7 +150,7 @@ def rank_batch(plan: ShardPlan, rows: tuple[torch.Tensor, torch.Tensor, torch.Te
     return SequenceBatch(
         input_ids=piece(shard(ids, plan, r), plan, u), position_ids=piece(shard(pos, plan, r), plan, u),
         labels=None if lab is None else piece(shard(lab, plan, r, shift=1, fill=-100), plan, u),
-        plan=plan, ring_rank=r, ulysses_rank=u, sp=sp)
+        plan=plan, ring_rank=r, ulysses_rank=u, sp=sp, max_label=-100 if lab is None else int(lab.max()))
 
 
 def shard_row(input_ids: Any, position_ids: Any, labels: Any = None, *, ring_size: int, ulysses_size: int = 1,
@@ -179,6 +195,8 @@ class SequenceBatch:
     ring_rank: int
     ulysses_rank: int
     sp: Any = field(repr=False)
+    #: the packed row's largest label (every rank's rows, not this rank's): ``sp.loss`` checks the vocabulary
+    max_label: int = field(default=-100, repr=False)
 
     @property
     def num_tokens(self) -> int:

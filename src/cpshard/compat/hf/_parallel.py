@@ -14,7 +14,8 @@ from cpshard.base.convention import GradReduction
 from cpshard.base.errors import check_tensor, fail
 from cpshard.base.layout import Layout
 from cpshard.compat.hf._attention import KERNELS, Attending
-from cpshard.compat.hf._batch import SequenceBatch, build_plan, check_layout, check_padding, packed_rows, rank_batch
+from cpshard.compat.hf._batch import (SequenceBatch, build_plan, check_layout, check_padding, packed_rows,
+                                    rank_batch)
 from cpshard.distributed.agree import checks_enabled
 from cpshard.distributed.checks import agree
 from cpshard.distributed.collectives import gather_tokens
@@ -198,6 +199,11 @@ class SequenceParallel:
         if logits.dim() != 3 or tuple(logits.shape[:2]) != (1, rows):
             fail("logits", f"tensor of shape {tuple(logits.shape)}", f"must be (1, {rows}, vocab): this rank's rows",
                  "pass the model's logits for batch.input_ids")
+        if not logits.is_floating_point():
+            fail("logits", f"a {logits.dtype} tensor", "must be floating", "pass the model's logits", kind=TypeError)
+        if batch.max_label >= logits.shape[2]:  # the whole row's largest label: every rank raises, before a collective
+            fail("logits", f"a vocabulary of {logits.shape[2]}", f"must hold every label's class (the packed row has "
+                 f"label {batch.max_label})", "pass the model's logits, or labels below its vocab_size")
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         labels = batch.labels[0].to(logits.device)
