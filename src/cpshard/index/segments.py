@@ -175,6 +175,31 @@ def sourced_rows(pos: np.ndarray, tokens: np.ndarray, remaining: np.ndarray, len
     return np.minimum(np.maximum(-shift - pos, 0), tokens), tokens
 
 
+def document_runs(positions: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int] | None]:
+    """The documents of packed rows of position ids ``positions`` ``(B, S)`` int64, each document a run
+    ``0, 1, ..., n - 1`` (a 0 starts one): per row, its documents' lengths; and the first entry ``(b, t)``
+    that breaks the rule (a row not starting at 0 first, then the first step that is neither ``+1`` nor back
+    to 0), or None. What the adapters that read documents from position ids share (torchtitan's rows, HF's
+    padding-free collators); each names the entry in its own words.
+
+    >>> lengths, bad = document_runs(np.array([[0, 1, 2, 0, 1, 0, 0, 1]]))
+    >>> [row.tolist() for row in lengths], bad
+    ([[3, 2, 1, 2]], None)
+    >>> document_runs(np.array([[0, 1, 3]]))[1]
+    (0, 2)
+    """
+    starts = positions == 0
+    bad = np.flatnonzero(~starts[:, 0])
+    if bad.size:
+        return [], (int(bad[0]), 0)
+    steps = starts[:, 1:] | (positions[:, 1:] == positions[:, :-1] + 1)
+    if not steps.all():
+        b, t = (int(v) for v in np.argwhere(~steps)[0])
+        return [], (b, t + 1)
+    size = positions.shape[1]
+    return [np.diff(np.append(np.flatnonzero(row), size)) for row in starts], None
+
+
 def unequal_chunks(padded: np.ndarray, cp_size: int, layout: Layout) -> bool:
     """Whether some zigzag sequence's chunks differ in size (a padded length not a multiple of ``2 cp``,
     which only ``padding="none"`` builds): the closed forms that take one chunk size per sequence

@@ -37,6 +37,7 @@ import torch
 
 from cpshard.base.errors import check_int, check_tensor, fail
 from cpshard.base.layout import Layout, Padding
+from cpshard.index.segments import document_runs
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["PADDINGS", "SequenceBatch", "build_plan", "check_layout", "check_padding", "document_lengths",
@@ -68,17 +69,15 @@ def document_lengths(position_ids: Any) -> list[int]:
     # int64: a narrow dtype's diff wraps (int8: 127 -> -128 reads +1). NumPy: a few passes over T int64, tens of
     # microseconds at 128k
     host = pos.detach().cpu().numpy().astype(np.int64)
-    starts = np.flatnonzero(host == 0)
-    bad = np.flatnonzero(np.diff(host) != 1)  # where a run does not go on ...
-    bad = bad[host[bad + 1] != 0] + 1  # ... and no document starts
-    first = 0 if host[0] != 0 else (int(bad[0]) if bad.size else -1)
-    if first >= 0:
+    lengths, bad = document_runs(host[None])
+    if bad is not None:
+        first = bad[1]
         shown = host[max(first - 2, 0):first + 3].tolist()
         fail("position_ids", f"a row with {host[first]} at index {first} (around it: {shown})",
              "must be runs 0, 1, ..., n - 1, one per packed document (a document starts where the id is 0)",
              "pass the position ids of a padding-free collator (transformers' DataCollatorWithFlattening), "
              "or torch.cat([torch.arange(n) for n in lengths])[None]")
-    return np.diff(np.append(starts, host.size)).tolist()
+    return lengths[0].tolist()
 
 
 def check_layout(layout: Any) -> Layout:

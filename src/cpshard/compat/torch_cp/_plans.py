@@ -17,6 +17,7 @@ import torch
 
 from cpshard.base.errors import check_int, check_real, fail
 from cpshard.base.layout import Layout, Padding, Reorder, alignment
+from cpshard.index.segments import document_runs
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["check_plans", "document_lengths", "plans_from_positions"]
@@ -96,20 +97,17 @@ def document_lengths(positions: Any) -> list[list[int]]:
 def _row_lengths(positions: Any) -> list[np.ndarray]:
     """:func:`document_lengths` as one int64 array a row (what the plans are built from: no Python list)."""
     pos = _positions_array(positions)
-    starts = pos == 0
-    bad = np.flatnonzero(~starts[:, 0])
-    if bad.size:
-        b = int(bad[0])
+    lengths, bad = document_runs(pos)
+    if bad is not None and bad[1] == 0:
+        b = bad[0]
         fail(f"positions[{b}, 0]", int(pos[b, 0]), "must be 0: each row starts a document",
              "pass per-document positions that restart at 0 at each document (torchtitan's convention)")
-    steps = starts[:, 1:] | (pos[:, 1:] == pos[:, :-1] + 1)
-    if not steps.all():
-        b, t = (int(v) for v in np.argwhere(~steps)[0])
+    if bad is not None:
+        b, t = bad[0], bad[1] - 1
         fail(f"positions[{b}, {t + 1}]", int(pos[b, t + 1]), f"must be positions[{b}, {t}] + 1 = {int(pos[b, t]) + 1} "
              "or 0 (a new document)", "pass per-document positions that restart at 0 at each document and count "
              "up by 1 (torchtitan's convention)")
-    S = pos.shape[1]
-    return [np.diff(np.append(np.flatnonzero(row), S)) for row in starts]  # a row's starts, then their gaps
+    return lengths
 
 
 def plans_from_positions(positions: Any, *, cp_size: int, layout: Layout | str = Layout.CONTIGUOUS,
