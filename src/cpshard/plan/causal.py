@@ -78,10 +78,11 @@ def _row_meta(plan: Plan, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor, tor
             plan.token_mask(cp_rank).reshape(-1))
 
 
-def attention_mask(plan: Plan, cp_rank: int) -> torch.Tensor:
+def attention_mask(plan: Plan, cp_rank: int, window: int | None = None) -> torch.Tensor:
     """``(R, cp * R)`` bool, ``R = prod(plan.local_shape)``: may local query row ``i`` attend to row
     ``j`` of the gathered buffer (every rank's flattened local rows, in rank order)? Note [Reference
-    CP attention]. Pure index math; CPU.
+    CP attention]. ``window``: a sliding window of that many positions (a key at most ``window - 1``
+    positions before the query), as Mistral's and Qwen2's windowed layers. Pure index math; CPU.
 
     Example, ``ShardPlan.build([3], cp_size=2)`` (zigzag, rows ``P = 4``: rank 0 holds positions
     ``0, 3`` (pad), rank 1 positions ``1, 2``; buffer = ``[p0, pad, p1, p2]``)::
@@ -93,8 +94,11 @@ def attention_mask(plan: Plan, cp_rank: int) -> torch.Tensor:
     q_seq, q_pos, q_tok = _row_meta(plan, cp_rank)
     keys = [_row_meta(plan, s) for s in range(plan.cp_size)]
     k_seq, k_pos, k_tok = (torch.cat(parts) for parts in zip(*keys))
-    return ((q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-            & q_tok[:, None] & k_tok[None, :])
+    allowed = ((q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+               & q_tok[:, None] & k_tok[None, :])
+    if window is not None:
+        allowed &= q_pos[:, None] - k_pos[None, :] < window
+    return allowed
 
 
 def naive_attention_mask(plan: Plan, cp_rank: int) -> torch.Tensor:

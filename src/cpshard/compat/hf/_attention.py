@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from cpshard.base.errors import fail
 from cpshard.distributed.collectives import joined
+from cpshard.plan.causal import attention_mask
 from cpshard.plan.values import ShardPlan
 
 __all__ = ["KERNELS", "Attending", "active", "attention_forward", "repeat_factor"]
@@ -125,12 +126,8 @@ class Attending:
         bool: the query rows that read none (pad rows), whose output is zero."""
         key = ("sdpa", window, device)
         if key not in self.built:
-            seq, pos, tok = self.rows(device)
-            q = self.query_slice()
-            allowed = (seq[q, None] == seq[None]) & (pos[None] <= pos[q, None]) & tok[None] & tok[q, None]
-            if window is not None:
-                allowed &= pos[q, None] - pos[None] < window
-            empty = ~tok[q]  # a token row reads at least itself
+            allowed = attention_mask(self.plan, self.batch.ring_rank, window).to(device)
+            empty = ~self.plan.token_mask(self.batch.ring_rank).to(device)  # a token row reads at least itself
             self.built[key] = (allowed | empty[:, None], empty)
         return self.built[key]
 
